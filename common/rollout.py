@@ -1,0 +1,125 @@
+"""Rollout engines: one interface, two implementations.
+
+    engine.generate(model, prompt_ids, seeds, max_tokens=, temperature=, top_p=)
+        -> (completion_ids, sampler_logp)   one completion per prompt, EOS included if generated,
+                                            and the sampler's log-prob of each sampled token
+    engine.push_weights(model)              after each optimizer step (a no-op for HFEngine)
+    engine.wake_up() / engine.sleep()       around generation (free GPU memory while training)
+
+`VLLMEngine` (common/vllm_engine.py) is the fast path on GPUs; `HFEngine` uses transformers'
+`generate` and runs anywhere. Both are reproducible per request: a completion depends only on its
+seed, `sample_seed(seed, step, prompt_index, sample_index)`, never on the number of processes or on
+how requests were batched.
+"""
+
+import contextlib
+
+import torch
+from accelerate.utils import DistributedType
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+
+def sample_seed(seed: int, step: int, prompt_index: int, sample_index: int) -> int:
+    """A 63-bit seed for one completion (an injective mix for indices below 2**20)."""
+    return (((seed * 1_048_573 + step) * 1_048_573 + prompt_index) * 1_048_573 + sample_index) % (2**63 - 1)
+
+
+class SeededSampler(LogitsProcessor):
+    """Temperature, top-p, then Gumbel noise from one generator per row.
+
+    argmax(log p + Gumbel) is an exact sample from p, so `generate` runs greedy on our scores and
+    each row's draws come from its own seed: batching cannot change them. Also records the
+    log-prob under softmax(logits / T) of each chosen token (the trainer's definition of logp).
+    """
+
+    def __init__(self, seeds: list[int], temperature: float, top_p: float):
+        self.generators = [torch.Generator().manual_seed(s) for s in seeds]
+        self.temperature, self.top_p = temperature, top_p
+        self.last_logp = None  # (B, V) log-probs of the previous step, to look up its chosen token
+        self.chosen_logp = []  # per step, (B,)
+
+    def record(self, tokens: torch.Tensor) -> None:
+        self.chosen_logp.append(self.last_logp.gather(-1, tokens[:, None].to(self.last_logp.device))[:, 0])
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.last_logp is not None:
+            self.record(input_ids[:, -1])
+        logits = scores.float() / (self.temperature if self.temperature > 0 else 1.0)  # (B, V)
+        self.last_logp = logp = torch.log_softmax(logits, dim=-1)  # (B, V)
+        if self.temperature == 0:
+            return logp  # greedy
+        if self.top_p < 1.0:  # keep the smallest set of tokens whose probability reaches top_p
+            sorted_logp, order = logp.sort(dim=-1, descending=True)
+            drop = sorted_logp.exp().cumsum(-1) - sorted_logp.exp() >= self.top_p  # (B, V)
+            logp = logp.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+        uniform = torch.stack([torch.rand(logp.shape[-1], generator=g) for g in self.generators])  # (B, V)
+        gumbel = -torch.log(-torch.log(uniform.clamp(min=1e-20)))
+        return logp + gumbel.to(logp.device)
+
+
+class HFEngine:
+    """transformers `generate` on the training model itself, so new weights need no push."""
+
+    def __init__(self, tokenizer, accelerator):
+        self.tokenizer, self.accelerator = tokenizer, accelerator
+
+    @torch.no_grad()
+    def generate(self, model, prompt_ids: list[list[int]], seeds: list[int], *, max_tokens: int,
+                 temperature: float, top_p: float, batch_size: int = 64) -> tuple[list[list[int]], list[list[float]]]:
+        unwrapped = self.accelerator.unwrap_model(model)
+        was_training = unwrapped.training
+        unwrapped.eval()
+        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
+        config = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos, pad_token_id=pad,
+                                  bos_token_id=None)
+        completions, logps = [], []
+        with self.gathered_parameters(model):
+            for i in range(0, len(prompt_ids), batch_size):
+                chunk = prompt_ids[i : i + batch_size]
+                width = max(len(p) for p in chunk)
+                input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])  # (b, P), left-padded
+                attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+                sampler = SeededSampler(seeds[i : i + batch_size], temperature, top_p)
+                out = unwrapped.generate(
+                    input_ids=input_ids.to(self.accelerator.device),
+                    attention_mask=attention_mask.to(self.accelerator.device),
+                    generation_config=config,
+                    logits_processor=LogitsProcessorList([sampler]),
+                    synced_gpus=self.sharded(),
+                )[:, width:]  # (b, T)
+                sampler.record(out[:, -1])
+                chosen = torch.stack(sampler.chosen_logp, dim=1).cpu()  # (b, T)
+                for row, lp in zip(out.tolist(), chosen.tolist()):
+                    n = row.index(eos) + 1 if eos in row else len(row)  # keep EOS, drop what follows
+                    completions.append(row[:n])
+                    logps.append(lp[:n])
+        unwrapped.train(was_training)
+        return completions, logps
+
+    def sharded(self) -> bool:
+        """ZeRO-3 and FSDP shard parameters: every process must run the same number of forwards."""
+        return self.zero3() or self.accelerator.distributed_type == DistributedType.FSDP
+
+    def zero3(self) -> bool:
+        return (self.accelerator.distributed_type == DistributedType.DEEPSPEED
+                and self.accelerator.state.deepspeed_plugin.zero_stage == 3)
+
+    @contextlib.contextmanager
+    def gathered_parameters(self, model):
+        """Under ZeRO-3, gather the full weights once for the whole generation (much faster than per forward)."""
+        if not self.zero3():
+            yield
+            return
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+            yield
+
+    def push_weights(self, model) -> None:
+        pass
+
+    def wake_up(self) -> None:
+        pass
+
+    def sleep(self) -> None:
+        pass

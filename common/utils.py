@@ -1,0 +1,200 @@
+"""Plumbing shared by the algorithm scripts: arguments, batch geometry, log-probs, checkpoints, metrics.
+
+Nothing here touches advantages, ratios, clipping, KL or loss aggregation: those live in the scripts.
+"""
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import shutil
+import sys
+
+import torch
+import yaml
+from transformers import AutoConfig, HfArgumentParser
+
+from common.toy import TOY_PRESET
+
+PRESETS = {"toy": TOY_PRESET}
+TRACKER_MODULES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio", "mlflow": "mlflow"}
+
+
+def parse_args(args_cls, argv: list[str] | None = None):
+    """HfArgumentParser with two layers of defaults under the command line: `--preset NAME`, then `--config FILE.yaml`."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    pre.add_argument("--preset")
+    known, _ = pre.parse_known_args(argv)
+    defaults = {}
+    if known.preset is not None:
+        if known.preset not in PRESETS:
+            raise SystemExit(f"error: unknown --preset {known.preset!r}; choose one of {sorted(PRESETS)}")
+        defaults.update(PRESETS[known.preset])
+    if known.config is not None:
+        with open(known.config) as f:
+            recipe = yaml.safe_load(f) or {}
+        fields = {f.name for f in dataclasses.fields(args_cls)}
+        unknown = sorted(set(recipe) - fields)
+        if unknown:
+            raise SystemExit(f"error: {known.config} sets {unknown}, which are not fields of {args_cls.__name__}")
+        defaults.update(recipe)
+    parser = HfArgumentParser(args_cls)
+    parser.set_defaults(**defaults)
+    i = argv.index("--config") if "--config" in argv else None
+    rest = argv if i is None else argv[:i] + argv[i + 2 :]
+    (args,) = parser.parse_args_into_dataclasses(args=[a for a in rest if not a.startswith("--config=")])
+    return args
+
+
+def check_args(args, num_processes: int) -> None:
+    """Fail before any heavy work, with the flag to change, when the batch geometry or a resource is wrong."""
+    G, B = args.num_generations, args.batch_size
+    M = args.mini_batch_size or B
+    problems = []
+    if G < 2:
+        problems.append(f"--num_generations must be at least 2 (a group needs a baseline), got {G}")
+    elif B % G:
+        problems.append(f"--num_generations {G} must divide --batch_size {B} (rows per step = prompts x G)")
+    elif B % M or M % G:
+        problems.append(f"--mini_batch_size {M} must divide --batch_size {B} and be a multiple of --num_generations {G}")
+    elif (M // G) % num_processes:
+        problems.append(f"each of the {num_processes} processes needs whole groups of every mini-batch: the "
+                        f"{M // G} prompts of a mini-batch must be divisible by {num_processes}")
+    elif (M // num_processes) % args.micro_batch_size:
+        problems.append(f"--micro_batch_size {args.micro_batch_size} must divide the {M // num_processes} rows "
+                        f"of a mini-batch on each process (--mini_batch_size {M} / {num_processes} processes)")
+    if args.report_to not in ("none", *TRACKER_MODULES):
+        problems.append(f"--report_to {args.report_to!r}: choose none or one of {sorted(TRACKER_MODULES)}")
+    elif args.report_to != "none" and importlib.util.find_spec(TRACKER_MODULES[args.report_to]) is None:
+        problems.append(f"--report_to {args.report_to}: the package {TRACKER_MODULES[args.report_to]!r} is not "
+                        f"installed; pip install it or pass --report_to none")
+    if args.rollout_engine not in ("auto", "vllm", "hf"):
+        problems.append(f"--rollout_engine must be auto, vllm or hf, got {args.rollout_engine!r}")
+    if problems:
+        raise SystemExit("error: " + "\n       ".join(problems))
+    try:  # a cheap look at the model before loading anything big
+        AutoConfig.from_pretrained(args.model)
+    except Exception as e:
+        raise SystemExit(
+            f"error: cannot load --model {args.model!r}: {type(e).__name__}: {str(e).splitlines()[0]}\n"
+            f"       Pass a local directory written by save_pretrained, or a hub id reachable from here."
+        ) from None
+
+
+def step_prompt_indices(step: int, batch_size: int, num_generations: int, mini_batch_size: int,
+                        num_processes: int, process_index: int, dataset_size: int, seed: int) -> list[int]:
+    """Dataset rows of this process's prompts at `step`; the same global batch whatever the process count.
+
+    The step's N prompts are consecutive entries of a seeded per-epoch permutation. Mini-batch k is
+    prompts [k*Nm, (k+1)*Nm) of the step; each process takes a contiguous 1/P of every mini-batch.
+    """
+    N, Nm = batch_size // num_generations, (mini_batch_size or batch_size) // num_generations
+    positions = torch.arange(step * N, (step + 1) * N)  # (N,) positions in the endless stream of prompts
+    epoch, offset = positions // dataset_size, positions % dataset_size
+    rows = torch.stack([torch.randperm(dataset_size, generator=torch.Generator().manual_seed(seed + int(e)))[o]
+                        for e, o in zip(epoch, offset)])  # (N,)
+    return rows.view(N // Nm, num_processes, Nm // num_processes)[:, process_index].flatten().tolist()
+
+
+def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int,
+                        temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of each completion token under softmax(logits / T), and the entropy there (no gradient).
+
+    input_ids = [left-padded prompt | right-padded completion], (B, P + T). Returns two (B, T).
+    """
+    T = num_completion_tokens
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding must not shift positions
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   logits_to_keep=T + 1).logits[:, :-1]  # (B, T, V): position t predicts completion token t
+    targets = input_ids[:, -T:]  # (B, T)
+    logp, entropy = [], []
+    for row_logits, row_targets in zip(logits, targets):  # one row at a time bounds the fp32 (T, V) copy
+        row_logp = torch.log_softmax(row_logits.float() / temperature, dim=-1)  # (T, V)
+        logp.append(row_logp.gather(-1, row_targets[:, None])[:, 0])  # (T,)
+        with torch.no_grad():
+            entropy.append(-(row_logp.exp() * row_logp).sum(-1))  # (T,)
+    return torch.stack(logp), torch.stack(entropy)
+
+
+def pad_rows(rows: list[list], value, left: bool = False) -> torch.Tensor:
+    width = max(len(r) for r in rows)
+    return torch.tensor([([value] * (width - len(r)) + r) if left else (r + [value] * (width - len(r))) for r in rows])
+
+
+class TrainState:
+    """The loop position, saved with accelerator.save_state so a resumed run continues exactly."""
+
+    def __init__(self):
+        self.step = 0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = state["step"]
+
+
+def save_checkpoint(accelerator, model, tokenizer, run_dir: str, step: int) -> str:
+    """`run_dir/checkpoints/step_N/{state,model}`: accelerate state (to resume) and save_pretrained weights
+    (merged for LoRA, to evaluate or serve). Written to a temporary folder and renamed when complete, so an
+    interrupted save never leaves a half checkpoint behind that looks complete."""
+    final = os.path.join(run_dir, "checkpoints", f"step_{step}")
+    tmp = final + ".tmp"
+    if accelerator.is_main_process and os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(os.path.join(tmp, "state"))
+    unwrapped = accelerator.unwrap_model(model)
+    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 / FSDP shards
+    if accelerator.is_main_process:
+        if hasattr(unwrapped, "merge_and_unload"):  # peft: save the adapter and the merged model
+            unwrapped.save_pretrained(os.path.join(tmp, "adapter"), state_dict=state_dict)
+            merged = _merged_copy(unwrapped)
+            merged.save_pretrained(os.path.join(tmp, "model"))
+        else:
+            unwrapped.save_pretrained(os.path.join(tmp, "model"), state_dict=state_dict)
+        tokenizer.save_pretrained(os.path.join(tmp, "model"))
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def _merged_copy(peft_model):
+    import copy
+
+    return copy.deepcopy(peft_model).merge_and_unload()
+
+
+def find_checkpoint(path: str) -> str:
+    """A checkpoint folder, or a run folder (its latest complete checkpoint)."""
+    if os.path.isdir(os.path.join(path, "state")):
+        return path
+    ckpt_dir = os.path.join(path, "checkpoints")
+    steps = sorted(int(d.split("_")[1]) for d in os.listdir(ckpt_dir) if d.startswith("step_") and
+                   not d.endswith(".tmp")) if os.path.isdir(ckpt_dir) else []
+    if not steps:
+        raise SystemExit(f"error: --resume_from {path!r} is neither a checkpoint (no state/ inside) nor a run "
+                         f"folder with complete checkpoints under checkpoints/step_N")
+    return os.path.join(ckpt_dir, f"step_{steps[-1]}")
+
+
+class MetricsLog:
+    """Append-only metrics.jsonl in the run folder (main process only); on resume, later steps are dropped."""
+
+    def __init__(self, run_dir: str, enabled: bool, resume_step: int = 0):
+        self.path, self.enabled = os.path.join(run_dir, "metrics.jsonl"), enabled
+        if enabled and resume_step and os.path.exists(self.path):
+            with open(self.path) as f:
+                kept = [line for line in f if json.loads(line)["step"] <= resume_step]
+            with open(self.path, "w") as f:
+                f.writelines(kept)
+
+    def write(self, metrics: dict) -> None:
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(metrics) + "\n")

@@ -1,0 +1,241 @@
+"""Colocated vLLM rollout engine (TRL's "colocate" mode): one `vllm.LLM` per training process.
+
+Every vLLM call here was checked against the vLLM 0.32.0 source (file/symbol named in comments).
+vLLM is imported lazily so this module (and its pure helpers) import without vLLM or a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from collections.abc import Iterable, Iterator
+from contextlib import nullcontext
+
+import torch
+from torch import Tensor
+
+PUSH_BUCKET_BYTES = 512 * 1024**2  # ~500 MB of tensors per load_weights call
+
+
+def vllm_available() -> bool:
+    """True when vLLM can be imported and a CUDA GPU is present."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import vllm  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _nbytes(t: Tensor) -> int:
+    # ZeRO-3 params are empty placeholders until gathered; `ds_numel` is their full size.
+    # DTensor.numel() is already the global (unsharded) size.
+    return getattr(t, "ds_numel", t.numel()) * t.element_size()
+
+
+def bucket_named_tensors(named: Iterable[tuple[str, Tensor]], max_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
+    """Group (name, tensor) pairs, in order, into buckets of at most `max_bytes` (full, unsharded size).
+    A tensor larger than `max_bytes` gets a bucket of its own."""
+    bucket, size = [], 0
+    for name, t in named:
+        n = _nbytes(t)
+        if bucket and size + n > max_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += n
+    if bucket:
+        yield bucket
+
+
+_MODULES_TO_SAVE = re.compile(r"modules_to_save\.[^.]+\.")
+
+
+def vllm_param_name(peft_name: str) -> str | None:
+    """Map a training-model parameter name to the HF checkpoint name vLLM's `load_weights` expects.
+    Returns None for parameters vLLM has no counterpart for (LoRA factors, modules_to_save originals)."""
+    if "lora_" in peft_name or ".original_module." in peft_name:
+        return None  # LoRA factors are merged into base_layer; original_module is the frozen pre-copy
+    name = peft_name.removeprefix("base_model.model.").replace(".base_layer", "")
+    name = _MODULES_TO_SAVE.sub("", name)  # lm_head.modules_to_save.default.weight -> lm_head.weight
+    # wrappers that insert a module level: activation checkpointing, torch.compile
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+def _full_tensor(p: Tensor) -> Tensor:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(p, DTensor):  # FSDP2 shard: all-gather (collective; every rank iterates in the same order)
+        if p.device.type == "cpu":  # FSDP2 CPU offload: NCCL needs the shard on the GPU
+            p = p.to(torch.device("cuda", torch.cuda.current_device()))
+        return p.full_tensor().detach()
+    return p.detach()  # plain tensor, or a ZeRO-3 param inside GatheredParameters
+
+
+def iter_weight_buckets(model: torch.nn.Module,
+                        max_bytes: int = PUSH_BUCKET_BYTES) -> Iterator[list[tuple[str, Tensor]]]:
+    """Yield buckets of full (vllm_name, tensor) pairs of an unwrapped training model (plain, peft LoRA,
+    ZeRO-3 or FSDP2). Each bucket is only valid until the next one is requested (ZeRO-3 re-partitions)."""
+    params = list(model.named_parameters())
+    if any(hasattr(p, "ds_id") for _, p in params):  # DeepSpeed ZeRO-3 partitioned params
+        import deepspeed
+
+        gather = deepspeed.zero.GatheredParameters  # read-only gather (modifier_rank=None)
+    else:
+        gather = lambda ps: nullcontext()  # noqa: E731
+    renamed = [(vllm_param_name(n), p) for n, p in params]
+    renamed = [(n, p) for n, p in renamed if n is not None]
+    if hasattr(model, "merge_adapter") and hasattr(model, "unmerge_adapter"):  # peft LoRA
+        # Merging needs the whole unsharded weights, so ZeRO-3 gathers the full model once (as TRL does).
+        # FSDP2 + LoRA is unverified: peft's merge on DTensor weights is not guaranteed.
+        with gather([p for _, p in params]):
+            model.merge_adapter()
+            try:
+                for bucket in bucket_named_tensors(renamed, max_bytes):
+                    yield [(n, _full_tensor(p)) for n, p in bucket]
+            finally:
+                model.unmerge_adapter()
+    else:
+        for bucket in bucket_named_tensors(renamed, max_bytes):
+            with gather([p for _, p in bucket]):
+                yield [(n, _full_tensor(p)) for n, p in bucket]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _load_weights_on_worker(worker, weights: list[tuple[str, Tensor]]) -> None:
+    # Runs in this process: with external_launcher the executor is in-process
+    # (v1/executor/uniproc_executor.py ExecutorWithExternalLauncher -> UniProcExecutor.collective_rpc ->
+    # v1/serial_utils.py run_method calls us with the WorkerWrapperBase), so tensors are not serialized.
+    from vllm.config import set_current_vllm_config
+
+    # Worker.get_model() unwraps the CUDA-graph wrapper (gpu_model_runner.py / gpu/model_runner.py get_model);
+    # the model's load_weights takes HF names and does the TP sharding and q/k/v, gate/up fusing itself.
+    with set_current_vllm_config(worker.vllm_config), torch.no_grad():
+        worker.get_model().load_weights(weights)
+
+
+class VLLMEngine:
+    """vLLM sharing the GPU (and accelerate's process group) with the trainer.
+
+    sleep_level=1 (default) keeps a CPU copy of the weights, so any wake_up/sleep sequence is safe (e.g. an
+    evaluation between push_weights and the next rollout). sleep_level=2 skips that copy (less CPU memory and
+    traffic) but then every wake_up after a sleep must be preceded by push_weights; wake_up raises otherwise.
+    """
+
+    def __init__(self, model_path: str, *, accelerator, tensor_parallel_size: int = 1,
+                 gpu_memory_utilization: float = 0.3, max_model_len: int, seed: int,
+                 dtype: str = "bfloat16", enable_sleep_mode: bool = True, sleep_level: int = 1):
+        world, tp = accelerator.num_processes, tensor_parallel_size
+        if tp < 1 or world % tp != 0:  # checked before importing vLLM so it is testable without it
+            raise ValueError(f"tensor_parallel_size ({tp}) must divide the world size ({world}) evenly")
+        if sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
+        from vllm import LLM
+
+        self.accelerator, self.tp = accelerator, tp
+        self.enable_sleep_mode, self.sleep_level = enable_sleep_mode, sleep_level
+        self.tp_group = None
+        if tp > 1:  # consecutive ranks: vLLM's TP layout (distributed/parallel_state.py initialize_model_parallel)
+            self.tp_group, _ = torch.distributed.new_subgroups_by_enumeration(
+                [list(range(i, i + tp)) for i in range(0, world, tp)])
+        # external_launcher reads the torchrun variables (v1/executor/uniproc_executor.py
+        # ExecutorWithExternalLauncher._distributed_args) and asserts an in-process engine (no V1
+        # multiprocessing); it reuses accelerate's process group if one exists.
+        os.environ["RANK"] = str(accelerator.process_index)
+        os.environ["LOCAL_RANK"] = str(accelerator.local_process_index)
+        os.environ["WORLD_SIZE"] = str(world)
+        os.environ["MASTER_ADDR"] = os.environ.get("MASTER_ADDR") or "localhost"
+        os.environ["MASTER_PORT"] = os.environ.get("MASTER_PORT") or str(_free_port())
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        self.llm = LLM(
+            model=model_path, tensor_parallel_size=tp, gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len, seed=seed, dtype=dtype, enable_sleep_mode=enable_sleep_mode,
+            distributed_executor_backend="external_launcher",
+            # "processed_logprobs" = log_softmax of the logits after temperature (and top-k/top-p masking),
+            # i.e. log_softmax(logits / T) when top_p == 1: what the trainer recomputes. "raw_logprobs" (the
+            # default) ignores temperature. Modes: config/model.py LogprobsMode; v1/worker/gpu/sample/sampler.py.
+            logprobs_mode="processed_logprobs",
+            max_num_batched_tokens=4096,  # as TRL: the larger default misleads the memory profiler when colocated
+        )
+        self._asleep: set[str] = set()
+        self._weights_discarded = self._pushed = False
+        if world > 1:
+            accelerator.wait_for_everyone()
+
+    def generate(self, model, prompt_ids: list[list[int]], seeds: list[int], *, max_tokens: int,
+                 temperature: float, top_p: float) -> tuple[list[list[int]], list[list[float]]]:
+        """One completion per entry of prompt_ids, sampled with its own seed. Returns completion ids
+        (with EOS if generated, without the prompt) and the sampler's log-prob of each sampled token.
+        `model` is unused (vLLM runs the weights last pushed); it keeps the interface of rollout.HFEngine."""
+        from vllm import SamplingParams, TokensPrompt
+
+        assert len(prompt_ids) == len(seeds)
+        if self._asleep:
+            self.wake_up()
+        requests = list(zip(prompt_ids, seeds))
+        if self.tp_group is not None:  # every rank of a TP group must issue identical requests
+            gathered = [None] * self.tp
+            torch.distributed.all_gather_object(gathered, requests, group=self.tp_group)
+            me = torch.distributed.get_rank(group=self.tp_group)
+            start = sum(len(g) for g in gathered[:me])
+            requests = [r for g in gathered for r in g]
+        else:
+            start = 0
+        # Per-request seed: vLLM's sampler draws from (seed, position) (v1/worker/gpu/sample/gumbel.py),
+        # so a completion does not depend on what else is in the batch. logprobs=0: only the sampled token.
+        params = [SamplingParams(n=1, seed=s, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                 logprobs=0, detokenize=False) for _, s in requests]
+        prompts = [TokensPrompt(prompt_token_ids=list(p)) for p, _ in requests]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)[start:start + len(prompt_ids)]
+        completions, logprobs = [], []
+        for out in outputs:
+            c = out.outputs[0]
+            ids = list(c.token_ids)
+            # c.logprobs: one {token_id: Logprob} per generated token (list or FlatLogprobs, vllm/logprobs.py)
+            completions.append(ids)
+            logprobs.append([pos[t].logprob for t, pos in zip(ids, c.logprobs)])
+        return completions, logprobs
+
+    @torch.no_grad()
+    def push_weights(self, model) -> None:
+        """Copy the training model's current weights into vLLM. Collective: call on every rank."""
+        if "weights" in self._asleep:
+            # Weights must be mapped before writing into them (TRL wakes "weights" first, then "kv_cache"
+            # for generation); the KV cache stays asleep so it does not compete with the full weights.
+            self._wake("weights")
+        for bucket in iter_weight_buckets(self.accelerator.unwrap_model(model)):
+            self.llm.collective_rpc(_load_weights_on_worker, args=(bucket,))
+        self._weights_discarded, self._pushed = False, True
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+    def sleep(self) -> None:
+        """Free vLLM's GPU memory. Level 1 (default) offloads weights to CPU and drops the KV cache;
+        level 2 drops both, so push_weights must precede the next wake_up (entrypoints/llm.py LLM.sleep)."""
+        if not self.enable_sleep_mode or self._asleep:
+            return
+        self.llm.sleep(level=self.sleep_level)
+        self._asleep = {"weights", "kv_cache"}
+        self._weights_discarded = self.sleep_level == 2
+
+    def wake_up(self) -> None:
+        self._wake("weights")
+        if self._weights_discarded:
+            if self._pushed:
+                raise RuntimeError("sleep_level=2 discarded the weights: call push_weights(model) before wake_up()")
+            # Nothing pushed yet, so the checkpoint on disk is current (gpu_worker.py Worker.reload_weights).
+            self.llm.collective_rpc("reload_weights")
+            self._weights_discarded = False
+        self._wake("kv_cache")
+
+    def _wake(self, tag: str) -> None:
+        if tag in self._asleep:
+            torch.cuda.empty_cache()  # hand the trainer's cached blocks back to the driver for vLLM's allocator
+            self.llm.wake_up(tags=[tag])  # tags: "weights", "kv_cache" (entrypoints/llm.py LLM.wake_up)
+            self._asleep.discard(tag)

@@ -1,0 +1,143 @@
+"""grpo.compute_advantages / compute_loss against hand-computed values and gradients."""
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+import grpo
+
+ARGS = grpo.Args(num_generations=2, beta=0.0, epsilon=0.2, epsilon_high=0.2, max_completion_length=4)
+
+
+def test_zscore_advantages_by_hand():
+    # group 1: rewards (1, 0, 0, 0): mean 0.25, unbiased std 0.5; group 2: all equal -> 0
+    A = grpo.compute_advantages(torch.tensor([1.0, 0, 0, 0, 3, 3, 3, 3]), replace(ARGS, num_generations=4))
+    expected = torch.tensor([0.75, -0.25, -0.25, -0.25, 0, 0, 0, 0]) / (0.5 + 1e-6)
+    torch.testing.assert_close(A, expected)
+
+
+def test_sign_advantages():
+    # means 1/3, 4 and 7: signs of the centred rewards, 0 for a group of equal rewards
+    A = grpo.compute_advantages(torch.tensor([1.0, 0, 0, 2, 5, 5, 7, 7, 7]), replace(ARGS, num_generations=3,
+                                                                                      advantage="sign"))
+    torch.testing.assert_close(A, torch.tensor([1.0, -1, -1, -1, 1, 1, 0, 0, 0]))
+
+
+def on_policy_batch():
+    logp = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, -0.5, -0.5]], requires_grad=True)  # (B=2, T=3)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])  # lengths 2 and 3
+    return logp, mask
+
+
+def test_on_policy_loss_and_gradient_by_hand():
+    logp, mask = on_policy_batch()
+    A = torch.tensor([1.0, -2.0])
+    loss, _ = grpo.compute_loss(logp, logp.detach(), None, A, mask, ARGS)
+    # r = 1 everywhere: loss = -(1/2) * (1 * 2/2 + (-2) * 3/3) = 0.5
+    assert loss.item() == pytest.approx(0.5)
+    loss.backward()
+    # d loss / d logp[i, t] = -A_i / (B * L_i) on valid tokens
+    expected = torch.tensor([[-1 / 4, -1 / 4, 0.0], [2 / 6, 2 / 6, 2 / 6]])
+    torch.testing.assert_close(logp.grad, expected)
+
+
+def test_clipping_zeroes_the_gradient_only_on_the_pessimistic_side():
+    old = torch.zeros(4, 1)
+    logp = torch.log(torch.tensor([[1.5], [1.5], [0.5], [0.5]])).requires_grad_()
+    A = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    mask = torch.ones(4, 1)
+    loss, metrics = grpo.compute_loss(logp, old, None, A, mask, replace(ARGS, num_generations=4))
+    # surrogate: min(1.5, 1.2)=1.2 | min(-1.5, -1.2)=-1.5 | min(0.5, 0.8)=0.5 | min(-0.5, -0.8)=-0.8
+    assert loss.item() == pytest.approx(-(1.2 - 1.5 + 0.5 - 0.8) / 4)
+    loss.backward()
+    # gradient of -r*A/4 wrt logp is -r*A/4 where unclipped, 0 where clipped
+    torch.testing.assert_close(logp.grad[:, 0], torch.tensor([0.0, 1.5 / 4, -0.5 / 4, 0.0]))
+    assert metrics["policy/clip_frac"].item() == pytest.approx(0.5)
+
+
+def test_k3_kl_term():
+    logp = torch.tensor([[-1.0, -1.0]], requires_grad=True)
+    ref = torch.tensor([[-1.5, -0.5]])
+    mask = torch.tensor([[1, 1]])
+    args = replace(ARGS, beta=0.1, num_generations=1)
+    loss, metrics = grpo.compute_loss(logp, logp.detach(), ref, torch.zeros(1), mask, args)
+    kl = [math.exp(-0.5) + 0.5 - 1, math.exp(0.5) - 0.5 - 1]
+    assert loss.item() == pytest.approx(0.1 * sum(kl) / 2)
+    assert metrics["policy/kl"].item() == pytest.approx(sum(kl) / 2)
+    loss.backward()
+    # d kl / d logp = 1 - exp(ref - logp)
+    torch.testing.assert_close(logp.grad, 0.1 * torch.tensor([[1 - math.exp(-0.5), 1 - math.exp(0.5)]]) / 2)
+
+
+def test_train_on_positive_and_negative_average_over_kept_rows():
+    logp, mask = on_policy_batch()
+    A = torch.tensor([1.0, -2.0])
+    loss_pos, _ = grpo.compute_loss(logp, logp.detach(), None, A, mask, replace(ARGS, train_on="positive"))
+    loss_neg, _ = grpo.compute_loss(logp, logp.detach(), None, A, mask, replace(ARGS, train_on="negative"))
+    assert loss_pos.item() == pytest.approx(-1.0)  # only row 0, averaged over 1 kept row
+    assert loss_neg.item() == pytest.approx(2.0)
+
+
+def test_token_sum_norm_divides_by_batch_times_max_length():
+    logp, mask = on_policy_batch()
+    A = torch.tensor([1.0, -2.0])
+    loss, _ = grpo.compute_loss(logp, logp.detach(), None, A, mask, replace(ARGS, loss_agg="token-sum-norm"))
+    assert loss.item() == pytest.approx(-(1 * 2 + (-2) * 3) / (2 * 4))
+
+
+def reference_loss(logp, old, ref, A, mask, args):
+    """Loops, straight from ESTIMATORS.md."""
+    B, T = logp.shape
+    keep = [args.train_on == "all" or (args.train_on == "positive" and A[i] > 0)
+            or (args.train_on == "negative" and A[i] < 0) for i in range(B)]
+    total = 0.0
+    for i in range(B):
+        if not keep[i]:
+            continue
+        L = sum(mask[i]).item()
+        s = 0.0
+        for t in range(T):
+            if mask[i, t]:
+                r = math.exp(logp[i, t] - old[i, t])
+                rc = min(max(r, 1 - args.epsilon), 1 + args.epsilon_high)
+                term = min(r * A[i], rc * A[i])
+                if args.beta > 0:
+                    d = ref[i, t] - logp[i, t]
+                    term -= args.beta * (math.exp(d) - d - 1)
+                s += term
+        total += s / (args.max_completion_length if args.loss_agg == "token-sum-norm" else L)
+    return -total / max(sum(keep), 1)
+
+
+@pytest.mark.parametrize("train_on", ["all", "positive", "negative"])
+@pytest.mark.parametrize("loss_agg", ["seq-mean-token-mean", "token-sum-norm"])
+def test_matches_reference_and_micro_batches_sum_to_full_batch(train_on, loss_agg):
+    torch.manual_seed(0)
+    B, T = 8, 5
+    args = replace(ARGS, num_generations=4, beta=0.04, epsilon_high=0.28, train_on=train_on, loss_agg=loss_agg,
+                   max_completion_length=T)
+    logp = (torch.randn(B, T) * 0.3 - 1).requires_grad_()
+    old = logp.detach() + torch.randn(B, T) * 0.3
+    ref = logp.detach() + torch.randn(B, T) * 0.3
+    lengths = torch.tensor([5, 1, 3, 4, 2, 5, 5, 1])
+    mask = (torch.arange(T)[None] < lengths[:, None]).long()
+    A = grpo.compute_advantages(torch.rand(B), args)
+    loss, _ = grpo.compute_loss(logp=logp, old_logp=old, ref_logp=ref, advantages=A, mask=mask, args=args)
+    assert loss.item() == pytest.approx(reference_loss(logp.detach(), old, ref, A, mask, args), rel=1e-5)
+    (full_grad,) = torch.autograd.grad(loss, logp)
+
+    stats = grpo.batch_stats(A, mask, args)
+    micro = sum(grpo.compute_loss(logp[s], old[s], ref[s], A[s], mask[s], args, **stats)[0]
+                for s in [slice(0, 1), slice(1, 4), slice(4, 8)])
+    assert micro.item() == pytest.approx(loss.item(), rel=1e-6)
+    torch.testing.assert_close(torch.autograd.grad(micro, logp)[0], full_grad)
+
+
+def test_tis_weights_scale_the_policy_term_per_token():
+    logp, mask = on_policy_batch()
+    A = torch.tensor([1.0, -2.0])
+    w = torch.tensor([[0.5, 2.0, 9.0], [1.0, 1.0, 1.0]])
+    loss, _ = grpo.compute_loss(logp, logp.detach(), None, A, mask, ARGS, tis_weights=w)
+    assert loss.item() == pytest.approx(-(1 * (0.5 + 2.0) / 2 + (-2) * 3 / 3) / 2)

@@ -1,0 +1,229 @@
+"""Tests for common/rewards.py: answer extraction, math equivalence, registry, safe reward calls."""
+
+import math
+import threading
+
+import pytest
+import torch
+
+from common.rewards import (
+    REWARD_FUNCTIONS,
+    RewardError,
+    compute_rewards,
+    extract_answer,
+    extract_gold,
+    format_reward,
+    get_reward_function,
+    is_equivalent,
+    math_accuracy,
+    register_reward,
+)
+
+# --- extraction ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (r"The answer is $\boxed{\frac{1}{2}}$.", r"\frac{1}{2}"),
+        (r"first \boxed{1}, then \boxed{\sqrt{\frac{a}{b}}}", r"\sqrt{\frac{a}{b}}"),  # last wins
+        (r"\fbox{7}", "7"),
+        (r"\boxed{5} then cut off \boxed{\frac{1}{2", "5"),  # unclosed box is skipped
+        (r"<think>maybe \boxed{7}, or 99</think> so it is 12", "12"),  # think block ignored
+        ("<think>I get 5, no wait, 6", "6"),  # no </think>: nothing to ignore
+        ("She pays 3 * 4 = 12\n#### 1,234", "1234"),
+        ("It costs -3.5 dollars", "-3.5"),
+        ("Total 1,234 apples, 7 crates and 2.25 kg", "2.25"),
+        ("the sum is 1,234.", "1234"),
+        ("from 3-4", "4"),  # a hyphen between numbers is not a sign
+        ("no digits here", None),
+        ("<think>42</think> I give up", None),
+    ],
+)
+def test_extract_answer(text, expected):
+    assert extract_answer(text) == expected
+
+
+@pytest.mark.parametrize(
+    "answer, expected",
+    [
+        ("48/2 = 24 clips in May.\n#### 1,234", "1234"),
+        ("#### 72", "72"),
+        (r"So $x = \boxed{\dfrac{1}{2}}$, and \boxed{\{1,2\}} is the set.", r"\{1,2\}"),
+        ("  \\frac{3}{4}\n", r"\frac{3}{4}"),
+    ],
+)
+def test_extract_gold(answer, expected):
+    assert extract_gold(answer) == expected
+
+
+# --- equivalence ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "pred, gold",
+    [
+        (r"\frac{1}{2}", "0.5"),
+        ("0.5", r"\frac{1}{2}"),
+        (r"\dfrac{1}{2}", r"\frac12"),
+        ("1,234", "1234"),
+        ("x=3", "3"),
+        (r"\left(1,2\right)", "(1,2)"),
+        (r"10^\circ", "10"),
+        ("18.", "18"),  # math-verify cannot parse "18."; the string fallback catches it
+        (r"5\text{ cm}", "5"),
+        (r"\text{Monday}", "Monday"),
+        ("$-3$", "-3.0"),
+    ],
+)
+def test_equivalent(pred, gold):
+    assert is_equivalent(pred, gold)
+
+
+@pytest.mark.parametrize(
+    "pred, gold",
+    [("2", "3"), (r"\frac{1}{3}", "0.33"), (None, "5"), ("", ""), ("}", "5"), ("(1,2)", "(2,1)")],
+)
+def test_not_equivalent(pred, gold):
+    assert not is_equivalent(pred, gold)
+
+
+def test_is_equivalent_in_worker_thread():
+    """math-verify's SIGALRM timeouts raise outside the main thread unless they are turned off."""
+    results = []
+    worker = threading.Thread(target=lambda: results.append(is_equivalent(r"\frac{1}{2}", "0.5")))
+    worker.start()
+    worker.join()
+    assert results == [True]
+
+
+# --- built-in rewards -------------------------------------------------------------
+
+
+def test_math_accuracy():
+    completions = [
+        r"<think>1/2 of 1 is 0.5</think> \boxed{\frac{1}{2}}",
+        r"<think>easy</think> \boxed{3}",
+        "#### 1,234",
+        "I don't know",
+    ]
+    answer = ["0.5", r"... so \boxed{4}", "Work.\n#### 1,234", "7"]
+    assert math_accuracy(["q"] * 4, completions, answer=answer, extra_column=[0] * 4) == [1.0, 0.0, 1.0, 0.0]
+
+
+def test_format_reward():
+    completions = [
+        r"<think>work</think> \boxed{4}",  # closed thinking, then an answer
+        r"\boxed{4}",  # no thinking at all is fine
+        r"<think>work \boxed{4}",  # never closed its thinking
+        r"<think>\boxed{4}</think> so four",  # the box is inside the thinking only
+        "<think>work</think> 4",  # no box
+        r"<think>work</think> \boxed{4",  # unclosed box
+    ]
+    assert format_reward(["q"] * 6, completions) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+
+
+# --- registry -----------------------------------------------------------------------
+
+
+def test_registry_lookup():
+    assert get_reward_function("math_accuracy") is math_accuracy
+    assert get_reward_function("format") is format_reward
+    assert get_reward_function("common.rewards:format_reward") is format_reward
+
+
+def test_register_reward():
+    @register_reward("test_constant")
+    def constant(prompts, completions, **_):
+        return [0.25] * len(completions)
+
+    try:
+        assert get_reward_function("test_constant") is constant
+    finally:
+        del REWARD_FUNCTIONS["test_constant"]
+
+
+@pytest.mark.parametrize("name", ["no_such_reward", "common.rewards:no_such_function", "no_such_module:fn"])
+def test_unknown_reward_function(name):
+    with pytest.raises(ValueError) as info:
+        get_reward_function(name)
+    if ":" not in name:  # the message teaches both ways to name a function
+        assert "math_accuracy" in str(info.value) and "module:function" in str(info.value)
+
+
+# --- compute_rewards ------------------------------------------------------------------
+
+
+PROMPTS = ["What is 1+1?", "What is 2+2?"]
+COMPLETIONS = [r"<think>1+1</think> \boxed{2}", "it is 5"]
+COLUMNS = {"answer": ["2", "4"]}
+
+
+def test_compute_rewards_weighted_sum():
+    total, per_function = compute_rewards(
+        [math_accuracy, format_reward], [1.0, 0.5], PROMPTS, COMPLETIONS, COLUMNS
+    )
+    assert total.dtype == torch.float32 and total.shape == (2,)
+    assert total.tolist() == [1.5, 0.0]
+    assert set(per_function) == {"math_accuracy", "format"}
+    assert per_function["math_accuracy"].tolist() == [1.0, 0.0]
+    assert per_function["format"].tolist() == [1.0, 0.0]
+
+
+def test_compute_rewards_default_weights_and_unregistered_name():
+    def length(prompts, completions, **_):
+        return [len(c) for c in completions]
+
+    total, per_function = compute_rewards([length, format_reward], None, PROMPTS, COMPLETIONS, COLUMNS)
+    assert total.tolist() == [len(COMPLETIONS[0]) + 1.0, len(COMPLETIONS[1])]
+    assert set(per_function) == {"length", "format"}
+
+
+def test_compute_rewards_weight_length_mismatch():
+    with pytest.raises(ValueError, match="2 reward functions but 1 weights"):
+        compute_rewards([math_accuracy, format_reward], [1.0], PROMPTS, COMPLETIONS, COLUMNS)
+
+
+def test_reward_error_on_exception_names_sample():
+    def fragile(prompts, completions, answer, **_):
+        return [1.0 / (c.count("5") - 1) for c in completions]  # ZeroDivisionError on "it is 5" only
+
+    with pytest.raises(RewardError) as info:
+        compute_rewards([fragile], None, PROMPTS, COMPLETIONS, COLUMNS)
+    message = str(info.value)
+    assert "fragile" in message and "sample 1" in message and "it is 5" in message and "What is 2+2?" in message
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
+
+
+def test_reward_error_truncates_long_text():
+    def always_fails(prompts, completions, **_):
+        raise KeyError("boom")
+
+    with pytest.raises(RewardError) as info:
+        compute_rewards([always_fails], None, PROMPTS, ["x" * 5000, "y"], COLUMNS)
+    assert "always_fails" in str(info.value) and "sample 0" in str(info.value)
+    assert len(str(info.value)) < 1000
+    assert isinstance(info.value.__cause__, KeyError)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, None])
+def test_reward_error_on_non_finite(bad):
+    def broken(prompts, completions, **_):
+        return [1.0, bad]
+
+    with pytest.raises(RewardError) as info:
+        compute_rewards([broken], None, PROMPTS, COMPLETIONS, COLUMNS)
+    assert "broken" in str(info.value) and "sample 1" in str(info.value) and "it is 5" in str(info.value)
+
+
+def test_reward_error_on_wrong_length():
+    def short(prompts, completions, **_):
+        return [1.0]
+
+    with pytest.raises(RewardError, match=r"'short' returned 1 rewards for 2 completions"):
+        compute_rewards([short], None, PROMPTS, COMPLETIONS, COLUMNS)
+
+
+def test_compute_rewards_column_length_mismatch():
+    with pytest.raises(ValueError, match="'answer' has 1 entries"):
+        compute_rewards([math_accuracy], None, PROMPTS, COMPLETIONS, {"answer": ["2"]})

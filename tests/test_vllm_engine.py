@@ -1,0 +1,254 @@
+"""Tests for common/vllm_engine.py.
+
+CPU tests (always run) cover the pure helpers and the weight-iteration logic used by push_weights.
+Tests marked `vllm` need vLLM and a CUDA GPU; they share one engine (vLLM allows one LLM per process).
+"""
+
+import copy
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+import transformers
+
+from common.vllm_engine import (
+    VLLMEngine,
+    bucket_named_tensors,
+    iter_weight_buckets,
+    vllm_available,
+    vllm_param_name,
+)
+
+requires_vllm = pytest.mark.skipif(not vllm_available(), reason="needs vLLM installed and a CUDA GPU")
+
+VOCAB = ["<pad>", "<eos>", "<unk>"] + [chr(c) for c in range(ord("a"), ord("z") + 1)] + [str(d) for d in range(10)]
+
+
+def tiny_qwen3(seed: int = 0, vocab_size: int = 64) -> transformers.Qwen3ForCausalLM:
+    torch.manual_seed(seed)
+    config = transformers.Qwen3Config(
+        vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=128, head_dim=16, max_position_embeddings=512,
+        tie_word_embeddings=False, initializer_range=0.2,  # peaked logits, so sampling is not uniform noise
+        pad_token_id=0, eos_token_id=1, bos_token_id=None,
+    )
+    return transformers.Qwen3ForCausalLM(config).eval()
+
+
+# ---------------------------------------------------------------- CPU: bucketing
+
+def test_buckets_respect_max_bytes_and_keep_order():
+    sizes = [10, 30, 5, 60, 1, 1, 24, 40]  # float32 elements
+    named = [(f"t{i}", torch.zeros(n)) for i, n in enumerate(sizes)]
+    max_bytes = 40 * 4
+    buckets = list(bucket_named_tensors(named, max_bytes))
+    assert [n for b in buckets for n, _ in b] == [n for n, _ in named]
+    for b in buckets:
+        total = sum(t.numel() * 4 for _, t in b)
+        assert total <= max_bytes or len(b) == 1
+    assert all(len(b) > 0 for b in buckets)
+
+
+def test_oversize_tensor_gets_own_bucket():
+    named = [("a", torch.zeros(2)), ("big", torch.zeros(100)), ("b", torch.zeros(2))]
+    buckets = list(bucket_named_tensors(named, max_bytes=16))
+    assert [[n for n, _ in b] for b in buckets] == [["a"], ["big"], ["b"]]
+    assert list(bucket_named_tensors([], 16)) == []
+
+
+def test_bucket_counts_full_size_of_zero3_placeholders():
+    # ZeRO-3 params are empty until gathered; their full size is in `ds_numel`.
+    p1, p2 = torch.nn.Parameter(torch.empty(0)), torch.nn.Parameter(torch.empty(0))
+    p1.ds_numel = p2.ds_numel = 100
+    buckets = list(bucket_named_tensors([("p1", p1), ("p2", p2)], max_bytes=500))
+    assert [[n for n, _ in b] for b in buckets] == [["p1"], ["p2"]]
+
+
+# ---------------------------------------------------------------- CPU: names
+
+@pytest.mark.parametrize("peft_name, expected", [
+    ("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight", "model.layers.0.self_attn.q_proj.weight"),
+    ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight", None),
+    ("base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight", None),
+    ("base_model.model.model.layers.0.mlp.down_proj.lora_magnitude_vector.default.weight", None),
+    ("base_model.model.model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.k_proj.weight"),
+    ("base_model.model.lm_head.modules_to_save.default.weight", "lm_head.weight"),
+    ("base_model.model.lm_head.original_module.weight", None),
+    ("base_model.model.model.embed_tokens.modules_to_save.my_adapter.weight", "model.embed_tokens.weight"),
+    ("model.norm.weight", "model.norm.weight"),  # not a peft model: unchanged
+    ("model.layers.1._checkpoint_wrapped_module.mlp.up_proj.weight", "model.layers.1.mlp.up_proj.weight"),
+])
+def test_vllm_param_name(peft_name, expected):
+    assert vllm_param_name(peft_name) == expected
+
+
+# ---------------------------------------------------------------- CPU: weights iteration (push_weights minus vLLM)
+
+def test_iter_weight_buckets_plain_model():
+    model = tiny_qwen3()
+    buckets = list(iter_weight_buckets(model, max_bytes=64 * 64 * 4))
+    assert len(buckets) > 1
+    pushed = dict(kv for b in buckets for kv in b)
+    assert list(pushed) == [n for n, _ in model.named_parameters()]
+    for name, p in model.named_parameters():
+        assert torch.equal(pushed[name], p) and not pushed[name].requires_grad
+
+
+def test_iter_weight_buckets_lora_merges_and_unmerges():
+    peft = pytest.importorskip("peft")
+    base = tiny_qwen3()
+    base_names = [n for n, _ in base.named_parameters()]
+    original = {n: p.detach().clone() for n, p in base.named_parameters()}
+    model = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"],
+        init_lora_weights=False))  # random A and B: a nonzero delta
+    q_proj = model.base_model.model.model.layers[0].self_attn.q_proj
+    expected_q = original["model.layers.0.self_attn.q_proj.weight"] + q_proj.get_delta_weight("default").detach()
+    with torch.no_grad():  # train the modules_to_save copy a bit
+        model.base_model.model.lm_head.modules_to_save["default"].weight.add_(1.0)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():
+        before = model(ids).logits
+
+    pushed = {}
+    for bucket in iter_weight_buckets(model, max_bytes=64 * 64 * 4):
+        pushed.update((n, t.clone()) for n, t in bucket)  # a bucket is only valid until the next one
+
+    assert sorted(pushed) == sorted(base_names)
+    torch.testing.assert_close(pushed["model.layers.0.self_attn.q_proj.weight"], expected_q)
+    torch.testing.assert_close(pushed["lm_head.weight"], original["lm_head.weight"] + 1.0)
+    k_proj = "model.layers.0.self_attn.k_proj.weight"
+    torch.testing.assert_close(pushed[k_proj], original[k_proj])
+    assert not q_proj.merged  # unmerged afterwards: the adapter is trained further
+    torch.testing.assert_close(q_proj.base_layer.weight, original["model.layers.0.self_attn.q_proj.weight"])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, before)
+
+
+def test_tensor_parallel_size_must_divide_world_size():
+    accelerator = SimpleNamespace(num_processes=3, process_index=0, local_process_index=0)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size \(2\).*world size \(3\)"):
+        VLLMEngine("unused", accelerator=accelerator, tensor_parallel_size=2, max_model_len=64, seed=0)
+
+
+# ---------------------------------------------------------------- GPU: real vLLM
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    import accelerate
+    import tokenizers
+
+    path = tmp_path_factory.mktemp("tiny_qwen3")
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({t: i for i, t in enumerate(VOCAB)}, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Split(tokenizers.Regex("."), behavior="isolated")
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>", pad_token="<pad>").save_pretrained(path)
+    hf = tiny_qwen3().to(torch.bfloat16)
+    hf.save_pretrained(path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 1, "pad_token_id": 0}))
+    hf = hf.float().cuda()  # reference model: fp32 compute on the same (bf16-rounded) weights
+    engine = VLLMEngine(str(path), accelerator=accelerate.Accelerator(), gpu_memory_utilization=0.2,
+                        max_model_len=256, seed=0, dtype="bfloat16", enable_sleep_mode=True)
+    return SimpleNamespace(engine=engine, hf=hf)
+
+
+PROMPTS = [[3, 4, 5, 6, 7], [10, 11, 12], [20, 21, 22, 23, 24, 25, 26], [30]]
+
+
+@torch.no_grad()
+def reference_logprobs(model, prompts, completions, temperature):
+    out = []
+    for p, c in zip(prompts, completions):
+        ids = torch.tensor([p + c], device="cuda")
+        logits = model(ids).logits[0, len(p) - 1 : -1].float()
+        lp = torch.log_softmax(logits / temperature, dim=-1)
+        out.append(lp.gather(-1, torch.tensor(c, device="cuda")[:, None])[:, 0].cpu())
+    return out
+
+
+def assert_logprobs_match(setup, temperature=0.8, model=None):
+    comps, lps = setup.engine.generate(None, PROMPTS, [1, 2, 3, 4], max_tokens=12, temperature=temperature, top_p=1.0)
+    assert all(len(c) == len(lp) > 0 for c, lp in zip(comps, lps))
+    ref = reference_logprobs(model or setup.hf, PROMPTS, comps, temperature)
+    for got, want in zip(lps, ref):
+        torch.testing.assert_close(torch.tensor(got), want, atol=0.08, rtol=0)
+    return comps, lps
+
+
+@torch.no_grad()
+def round_bf16_(model):
+    for p in model.parameters():  # vLLM holds bf16 weights: give the fp32 reference the same values
+        p.copy_(p.to(torch.bfloat16).float())
+    return model
+
+
+@torch.no_grad()
+def perturb_(model, scale=0.1):
+    for p in model.parameters():
+        p.add_(torch.randn_like(p) * scale)
+    return round_bf16_(model)
+
+
+@pytest.mark.vllm
+@requires_vllm
+def test_generation_depends_only_on_seed(setup):
+    kw = dict(max_tokens=16, temperature=1.0, top_p=0.9)
+    a, lp_a = setup.engine.generate(None, PROMPTS[:3], [11, 12, 13], **kw)
+    b, lp_b = setup.engine.generate(None, [PROMPTS[2], PROMPTS[1], PROMPTS[0], PROMPTS[1], PROMPTS[3]],
+                                    [13, 99, 11, 12, 5], **kw)
+    assert (b[2], b[3], b[0]) == (a[0], a[1], a[2])
+    for got, want in zip((lp_b[2], lp_b[3], lp_b[0]), lp_a):  # same tokens; log-probs up to batch numerics
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=0.02, rtol=0)
+    assert all(t < 64 for c in a + b for t in c)
+    many, _ = setup.engine.generate(None, [PROMPTS[0]] * 8, list(range(8)), **kw)
+    assert len({tuple(c) for c in many}) > 1  # different seeds, different samples
+
+
+@pytest.mark.vllm
+@requires_vllm
+def test_logprobs_are_log_softmax_of_tempered_logits(setup):
+    assert_logprobs_match(setup, temperature=0.8)
+    assert_logprobs_match(setup, temperature=1.0)
+
+
+@pytest.mark.vllm
+@requires_vllm
+def test_push_weights_updates_generation(setup):
+    before = copy.deepcopy(setup.hf)
+    perturb_(setup.hf)
+    setup.engine.push_weights(setup.hf)
+    comps, lps = assert_logprobs_match(setup)
+    old = reference_logprobs(before, PROMPTS, comps, 0.8)
+    assert max((torch.tensor(lp) - o).abs().max().item() for lp, o in zip(lps, old)) > 0.2  # really changed
+
+
+@pytest.mark.vllm
+@requires_vllm
+def test_sleep_wake_round_trip_and_push_while_asleep(setup):
+    kw = dict(max_tokens=12, temperature=1.0, top_p=1.0)
+    first = setup.engine.generate(None, PROMPTS, [7, 8, 9, 10], **kw)
+    setup.engine.sleep()
+    setup.engine.wake_up()
+    assert setup.engine.generate(None, PROMPTS, [7, 8, 9, 10], **kw) == first
+    setup.engine.sleep()  # the trainer's order: generate, sleep, optimizer step, push, wake_up
+    perturb_(setup.hf)
+    setup.engine.push_weights(setup.hf)
+    setup.engine.wake_up()
+    assert_logprobs_match(setup)
+    setup.engine.sleep()
+
+
+@pytest.mark.vllm
+@requires_vllm
+def test_push_weights_lora(setup):
+    peft = pytest.importorskip("peft")
+    lora = peft.get_peft_model(copy.deepcopy(setup.hf), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    setup.engine.wake_up()
+    setup.engine.push_weights(lora)
+    merged = round_bf16_(copy.deepcopy(lora).merge_and_unload())
+    assert_logprobs_match(setup, model=merged)  # vLLM now runs base + LoRA delta
+    assert not lora.base_model.model.model.layers[0].self_attn.q_proj.merged
+    setup.engine.push_weights(setup.hf)  # restore the shared engine to the plain model
+    assert_logprobs_match(setup)
