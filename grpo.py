@@ -30,7 +30,7 @@ from common.rewards import compute_rewards, get_reward_function
 from common.rollout import HFEngine, sample_seed
 from common.toy import TOY_DIR, prepare_toy
 from common.utils import (MetricsLog, TrainState, check_args, completion_logprobs, find_checkpoint, pad_rows,
-                          parse_args, save_checkpoint, step_prompt_indices)
+                          parse_args, save_checkpoint, step_prompts)
 from common.vllm_engine import VLLMEngine, vllm_available
 
 
@@ -270,13 +270,11 @@ def main(args: Args):
         metrics = {}
 
         # 1. Rollouts: G completions for each of this process's prompts (whole groups per process)
-        rows = train_data.select(step_prompt_indices(step, args.batch_size, args.num_generations, args.mini_batch_size,
-                                                     accelerator.num_processes, accelerator.process_index,
-                                                     len(train_data), args.seed))
-        N, G = len(rows), args.num_generations
-        first_prompt = accelerator.process_index * N  # global index of this process's first prompt in the step
+        positions, indices = step_prompts(step, args.batch_size, args.num_generations, args.mini_batch_size,
+                                          accelerator.num_processes, accelerator.process_index, len(train_data), args.seed)
+        rows, G = train_data.select(indices), args.num_generations
         prompt_ids = [p for p in rows["prompt_ids"] for _ in range(G)]
-        seeds = [sample_seed(args.seed, step, first_prompt + i // G, i % G) for i in range(N * G)]
+        seeds = [sample_seed(args.seed, step, position, j) for position in positions for j in range(G)]
         engine.wake_up()
         gen_start = time.time()
         completion_ids, sampler_logp = engine.generate(model, prompt_ids, seeds, max_tokens=args.max_completion_length,

@@ -111,12 +111,16 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], batch_size: int = 500) -
     return correct / len(rows)
 
 
-def warm_start(model, tokenizer, rows: list[dict], seed: int, steps: int, batch_size: int = 64, lr: float = 5e-3):
-    """Supervised next-token training on `prompt + answer + EOS`, loss on the answer tokens only."""
+def warm_start(model, tokenizer, rows: list[dict], valid: list[dict], seed: int, target_accuracy: float,
+               max_steps: int = 2000, batch_size: int = 64, lr: float = 5e-3, check_every: int = 10) -> int:
+    """Supervised next-token training on `prompt + answer + EOS` (loss on the answer tokens only) until
+    greedy accuracy on `valid` reaches `target_accuracy`. Addition is learned abruptly (the carry),
+    so a fixed step count lands anywhere between 10% and 90% depending on float rounding; stopping
+    at a measured accuracy makes the warm start the same kind of policy on every machine."""
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    model.train()
-    for step in range(steps):
+    for step in range(1, max_steps + 1):
+        model.train()
         idx = torch.randint(len(rows), (batch_size,), generator=gen).tolist()
         prompts = [rows[i]["prompt"] for i in idx]
         full = [rows[i]["prompt"] + rows[i]["answer"] + tokenizer.eos_token for i in idx]
@@ -131,18 +135,19 @@ def warm_start(model, tokenizer, rows: list[dict], seed: int, steps: int, batch_
         opt.zero_grad()
         loss.backward()
         opt.step()
-        for group in opt.param_groups:  # linear decay keeps the warm start's accuracy stable
-            group["lr"] = lr * (1 - (step + 1) / steps)
+        if step % check_every == 0 and greedy_accuracy(model, tokenizer, valid) >= target_accuracy:
+            break
     model.eval()
+    return step
 
 
-def prepare_toy(path: str, seed: int = 0, warm_start_steps: int = 550) -> dict:
+def prepare_toy(path: str, seed: int = 0, target_accuracy: float = 0.35) -> dict:
     """Build (or reuse) the toy model and data under `path`; returns the paths and warm-start accuracy."""
     info_file = os.path.join(path, "toy.json")
     if os.path.exists(info_file):
         with open(info_file) as f:
             info = json.load(f)
-        if info["seed"] == seed and info["warm_start_steps"] == warm_start_steps:
+        if info["seed"] == seed and info["target_accuracy"] == target_accuracy:
             return info
     os.makedirs(path, exist_ok=True)
     train, test = make_splits(seed)
@@ -152,10 +157,11 @@ def prepare_toy(path: str, seed: int = 0, warm_start_steps: int = 550) -> dict:
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, seed)
     start = time.time()
-    warm_start(model, tokenizer, train, seed, warm_start_steps)
+    steps = warm_start(model, tokenizer, train, train[:NUM_TEST], seed, target_accuracy)
     info = {
         "seed": seed,
-        "warm_start_steps": warm_start_steps,
+        "target_accuracy": target_accuracy,
+        "warm_start_steps": steps,
         "warm_start_seconds": round(time.time() - start, 1),
         "warm_start_test_accuracy": greedy_accuracy(model, tokenizer, test),
         "num_parameters": sum(p.numel() for p in model.parameters()),

@@ -84,19 +84,22 @@ def check_args(args, num_processes: int) -> None:
         ) from None
 
 
-def step_prompt_indices(step: int, batch_size: int, num_generations: int, mini_batch_size: int,
-                        num_processes: int, process_index: int, dataset_size: int, seed: int) -> list[int]:
-    """Dataset rows of this process's prompts at `step`; the same global batch whatever the process count.
+def step_prompts(step: int, batch_size: int, num_generations: int, mini_batch_size: int, num_processes: int,
+                 process_index: int, dataset_size: int, seed: int) -> tuple[list[int], list[int]]:
+    """This process's prompts at `step`: (their indices within the step's global batch, their dataset rows).
 
-    The step's N prompts are consecutive entries of a seeded per-epoch permutation. Mini-batch k is
-    prompts [k*Nm, (k+1)*Nm) of the step; each process takes a contiguous 1/P of every mini-batch.
+    The step's N prompts are consecutive entries of a seeded per-epoch permutation of the dataset.
+    Mini-batch k is prompts [k*Nm, (k+1)*Nm) of the step and each process takes a contiguous 1/P of
+    every mini-batch, so the global batch, and every optimizer step's share of it, does not depend on P.
     """
     N, Nm = batch_size // num_generations, (mini_batch_size or batch_size) // num_generations
-    positions = torch.arange(step * N, (step + 1) * N)  # (N,) positions in the endless stream of prompts
-    epoch, offset = positions // dataset_size, positions % dataset_size
-    rows = torch.stack([torch.randperm(dataset_size, generator=torch.Generator().manual_seed(seed + int(e)))[o]
-                        for e, o in zip(epoch, offset)])  # (N,)
-    return rows.view(N // Nm, num_processes, Nm // num_processes)[:, process_index].flatten().tolist()
+    positions = torch.arange(N).view(N // Nm, num_processes, Nm // num_processes)[:, process_index].flatten()
+    stream = step * N + positions  # (n,) positions in the endless stream of prompts
+    epochs = stream // dataset_size
+    perms = {e: torch.randperm(dataset_size, generator=torch.Generator().manual_seed(seed + e))
+             for e in set(epochs.tolist())}
+    rows = [int(perms[int(e)][o]) for e, o in zip(epochs, stream % dataset_size)]
+    return positions.tolist(), rows
 
 
 def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int,
