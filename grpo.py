@@ -110,8 +110,13 @@ def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
     return (centered / (grouped.std(dim=1, keepdim=True) + 1e-6)).flatten()  # (B,)
 
 
-def batch_stats(advantages: torch.Tensor, mask: torch.Tensor, args: Args) -> dict[str, torch.Tensor]:
-    """Sums over rows that compute_loss divides by; the loop adds them up over the optimizer batch."""
+def batch_stats(current_logp, old_logp, advantages, mask, args: Args) -> dict[str, torch.Tensor]:
+    """What compute_loss needs from the whole optimizer batch when it is called per micro-batch.
+
+    Scalars are sums over this process's rows (the loop adds them up over processes); (rows,) tensors
+    are per-row values. `current_logp()` gives (rows, T) log-probs at the current weights, without
+    gradient, for estimators whose statistics depend on them (GRPO's do not).
+    """
     return {"num_rows": kept_rows(advantages, args).sum().float()}
 
 
@@ -298,13 +303,15 @@ def main(args: Args):
         attention_mask = torch.cat([(prompts_t != tokenizer.pad_token_id).long(), mask], dim=1).to(accelerator.device)
         mask, advantages = mask.to(accelerator.device), advantages.to(accelerator.device)
         sampler_logp_t, T = sampler_logp_t.to(accelerator.device), completions_t.shape[1]
-        micro_batches = [slice(i, i + args.micro_batch_size) for i in range(0, local_rows, args.micro_batch_size)]
 
         # 4. Behaviour (old) and reference log-probs at the weights that sampled, without gradient
-        def logprobs_of(net) -> torch.Tensor:
+        def micro_batches(rows: slice) -> list[slice]:
+            return [slice(i, i + args.micro_batch_size) for i in range(rows.start, rows.stop, args.micro_batch_size)]
+
+        def logprobs_of(net, rows: slice = slice(0, local_rows)) -> torch.Tensor:
             with torch.no_grad():
                 return torch.cat([completion_logprobs(net, input_ids[s], attention_mask[s], T, args.temperature)[0]
-                                  for s in micro_batches])  # (B, T)
+                                  for s in micro_batches(rows)])  # (rows, T)
 
         old_logp = logprobs_of(model)  # (B, T)
         ref_logp = None
@@ -328,14 +335,18 @@ def main(args: Args):
         for _ in range(args.num_iterations):
             for mb_start in range(0, local_rows, local_mini):
                 mb = slice(mb_start, mb_start + local_mini)
-                stats = batch_stats(advantages[mb], mask[mb], args)
-                stats = {k: accelerator.reduce(v, "sum") for k, v in stats.items()}  # over all processes
-                for s in micro_batches[mb_start // args.micro_batch_size:(mb_start + local_mini) // args.micro_batch_size]:
+                # Statistics of the whole optimizer batch: scalars are sums over rows, added up over all
+                # processes; per-row values stay with their rows (groups never straddle processes).
+                stats = batch_stats(lambda: logprobs_of(model, mb), old_logp[mb], advantages[mb], mask[mb], args)
+                stats = {k: accelerator.reduce(v, "sum") if v.dim() == 0 else v for k, v in stats.items()}
+                for s in micro_batches(mb):
+                    rows = slice(s.start - mb_start, s.stop - mb_start)  # the micro-batch within the mini-batch
                     with accelerator.accumulate(model):
                         logp, entropy = completion_logprobs(model, input_ids[s], attention_mask[s], T, args.temperature)
                         loss, loss_metrics = compute_loss(
                             logp, old_logp[s], None if ref_logp is None else ref_logp[s], advantages[s], mask[s], args,
-                            tis_weights=None if tis_weights is None else tis_weights[s], **stats)
+                            tis_weights=None if tis_weights is None else tis_weights[s],
+                            **{k: v if v.dim() == 0 else v[rows] for k, v in stats.items()})
                         # loss is this micro-batch's share of the optimizer batch's loss: undo accelerate's
                         # division by the accumulation steps and the mean over processes.
                         accelerator.backward(loss * accelerator.gradient_accumulation_steps * accelerator.num_processes)

@@ -66,6 +66,8 @@ class HFEngine:
     @torch.no_grad()
     def generate(self, model, prompt_ids: list[list[int]], seeds: list[int], *, max_tokens: int,
                  temperature: float, top_p: float, batch_size: int = 64) -> tuple[list[list[int]], list[list[float]]]:
+        if len(seeds) != len(prompt_ids):
+            raise ValueError(f"one seed per prompt: got {len(seeds)} seeds for {len(prompt_ids)} prompts")
         unwrapped = self.accelerator.unwrap_model(model)
         was_training = unwrapped.training
         unwrapped.eval()

@@ -128,7 +128,7 @@ def test_matches_reference_and_micro_batches_sum_to_full_batch(train_on, loss_ag
     assert loss.item() == pytest.approx(reference_loss(logp.detach(), old, ref, A, mask, args), rel=1e-5)
     (full_grad,) = torch.autograd.grad(loss, logp)
 
-    stats = grpo.batch_stats(A, mask, args)
+    stats = grpo.batch_stats(lambda: logp.detach(), old, A, mask, args)
     micro = sum(grpo.compute_loss(logp[s], old[s], ref[s], A[s], mask[s], args, **stats)[0]
                 for s in [slice(0, 1), slice(1, 4), slice(4, 8)])
     assert micro.item() == pytest.approx(loss.item(), rel=1e-6)

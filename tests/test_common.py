@@ -1,0 +1,133 @@
+"""common/: data loading and templates, reproducible HF sampling, batch geometry, argument layers."""
+
+import json
+import os
+
+import datasets
+import pytest
+import torch
+from accelerate import Accelerator
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from common.data import load_prompts, resolve_dataset
+from common.rollout import HFEngine, sample_seed
+from common.toy import TOY_DIR
+from common.utils import completion_logprobs, pad_rows, parse_args, step_prompts
+
+ROWS = [{"q": "1+2=", "a": "3", "level": 1}, {"q": "10+20=", "a": "30", "level": 2}]
+
+
+@pytest.fixture(scope="module")
+def toy(toy_workdir):
+    path = os.path.join(toy_workdir, TOY_DIR, "model")
+    return AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
+
+
+def test_presets_resolve_and_explicit_columns_win():
+    spec = resolve_dataset("gsm8k", None, None, None)
+    assert (spec["path"], spec["name"], spec["prompt_column"], spec["answer_column"]) == \
+        ("openai/gsm8k", "main", "question", "answer")
+    assert resolve_dataset("math", None, "question", None)["prompt_column"] == "question"
+    assert resolve_dataset("my/data", None, None, None)["prompt_column"] == "prompt"
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "folder", "save_to_disk"])
+def test_local_formats_load_through_load_dataset(tmp_path, toy, fmt):
+    tokenizer, _ = toy
+    ds = datasets.Dataset.from_list(ROWS)
+    path = tmp_path / "data"
+    if fmt == "jsonl":
+        path = tmp_path / "d.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    elif fmt == "parquet":
+        path = tmp_path / "d.parquet"
+        ds.to_parquet(str(path))
+    elif fmt == "folder":
+        path.mkdir()
+        ds.to_json(str(path / "train.jsonl"))
+    else:
+        datasets.DatasetDict({"train": ds}).save_to_disk(str(path))
+    out = load_prompts(tokenizer, str(path), None, "train", "q", "a")
+    assert out["prompt"] == ["1+2=", "10+20="] and out["answer"] == ["3", "30"]
+    assert out["level"] == [1, 2]  # other columns travel to the reward functions
+    assert out["prompt_ids"][0] == tokenizer("1+2=")["input_ids"]
+
+
+def test_template_chat_template_and_length_filter(tmp_path, toy):
+    tokenizer, _ = toy
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    raw = load_prompts(tokenizer, str(path), None, "train", "q", "a", template="Q:{prompt}", max_prompt_length=6)
+    assert raw["prompt_text"] == ["Q:1+2="]  # the 8-character prompt was dropped
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    tokenizer.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                               "{% if enable_thinking %}T{% endif %}{% if add_generation_prompt %}A{% endif %}")
+    chat = load_prompts(tokenizer, str(path), None, "train", "q", "a", system_prompt="S", enable_thinking=True)
+    assert chat["prompt_text"][0] == "<system>S<user>1+2=TA"
+    with pytest.raises(ValueError, match="must contain"):
+        load_prompts(tokenizer, str(path), None, "train", "q", "a", template="no placeholder")
+
+
+def test_hf_sampling_depends_only_on_the_seed(toy):
+    tokenizer, model = toy
+    engine = HFEngine(tokenizer, Accelerator(cpu=True))
+    prompts = [tokenizer(p)["input_ids"] for p in ["1+2=", "45+67=", "9+9=", "12+88="]]
+    seeds = [sample_seed(7, 3, i, 0) for i in range(4)]
+    kw = dict(max_tokens=6, temperature=1.0, top_p=1.0)
+    together, logp = engine.generate(model, prompts, seeds, batch_size=4, **kw)
+    one_by_one, _ = engine.generate(model, prompts, seeds, batch_size=1, **kw)
+    reversed_, _ = engine.generate(model, prompts[::-1], seeds[::-1], batch_size=3, **kw)
+    assert together == one_by_one == reversed_[::-1]
+    many_a, _ = engine.generate(model, prompts * 8, list(range(32)), **kw)
+    many_b, _ = engine.generate(model, prompts * 8, list(range(32, 64)), **kw)
+    assert many_a != many_b  # other seeds, other samples
+    with pytest.raises(ValueError, match="one seed per prompt"):
+        engine.generate(model, prompts, seeds[:3], **kw)
+
+    # the sampler's log-probs are the trainer's: log_softmax(logits / T) at the sampled tokens
+    ids = torch.cat([pad_rows(prompts, tokenizer.pad_token_id, left=True),
+                     pad_rows(together, tokenizer.pad_token_id)], dim=1)
+    mask = pad_rows([[1] * len(c) for c in together], 0)
+    attention = torch.cat([(pad_rows(prompts, tokenizer.pad_token_id, left=True) != tokenizer.pad_token_id).long(),
+                           mask], dim=1)
+    with torch.no_grad():
+        trainer, _ = completion_logprobs(model, ids, attention, mask.shape[1], 1.0)
+    torch.testing.assert_close(trainer * mask, pad_rows(logp, 0.0) * mask, atol=1e-4, rtol=1e-4)
+
+
+def test_sampling_follows_the_temperature(toy):
+    """Gumbel-max sampling: the empirical frequency of the first token matches softmax(logits / T)."""
+    tokenizer, model = toy
+    engine = HFEngine(tokenizer, Accelerator(cpu=True))
+    prompt = tokenizer("37+48=")["input_ids"]
+    with torch.no_grad():
+        probs = torch.softmax(model(torch.tensor([prompt])).logits[0, -1] / 0.7, -1)
+    n = 4000
+    out, _ = engine.generate(model, [prompt] * n, list(range(n)), max_tokens=1, temperature=0.7, top_p=1.0,
+                             batch_size=n)
+    freq = torch.bincount(torch.tensor([c[0] for c in out]), minlength=len(probs)).float() / n
+    assert (freq - probs).abs().max() < 0.03
+
+
+def test_step_prompts_partition_the_global_batch():
+    args = dict(batch_size=32, num_generations=4, mini_batch_size=16, dataset_size=10, seed=3)
+    one_pos, one_rows = step_prompts(5, num_processes=1, process_index=0, **args)
+    parts = [step_prompts(5, num_processes=2, process_index=p, **args) for p in range(2)]
+    assert sorted(parts[0][0] + parts[1][0]) == list(range(8))
+    assert parts[0][0] == [0, 1, 4, 5]  # a contiguous half of each mini-batch
+    by_position = dict(zip(one_pos, one_rows))
+    assert all(by_position[pos] == row for pos, row in zip(*parts[0]))
+    assert len(set(step_prompts(0, num_processes=1, process_index=0, **{**args, "batch_size": 40})[1])) == 10
+
+
+def test_preset_then_config_then_command_line(tmp_path):
+    import grpo
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("learning_rate: 0.5\nbatch_size: 64\n")
+    args = parse_args(grpo.Args, ["--preset", "toy", "--config", str(recipe), "--batch_size", "32"])
+    assert (args.reward_funcs, args.learning_rate, args.batch_size) == ("toy_addition", 0.5, 32)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("not_a_field: 1\n")
+    with pytest.raises(SystemExit, match="not_a_field"):
+        parse_args(grpo.Args, ["--config", str(bad)])
