@@ -18,6 +18,7 @@ import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Literal
 
 import torch
 from accelerate import Accelerator, PartialState
@@ -47,7 +48,7 @@ class Args:
     resume_from: str | None = field(default=None, metadata={"help": "a checkpoint folder, or a run folder (its latest)"})
     # Model
     model: str = field(default="Qwen/Qwen3-4B", metadata={"help": "hub id or local folder of the policy"})
-    dtype: str = field(default="bfloat16", metadata={"help": "weights dtype: bfloat16, float16 or float32"})
+    dtype: Literal["bfloat16", "float16", "float32"] = field(default="bfloat16", metadata={"help": "weights dtype: bfloat16, float16 or float32"})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "trade compute for activation memory"})
     lora_r: int = field(default=0, metadata={"help": "LoRA rank; 0 trains all weights"})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha"})
@@ -69,7 +70,7 @@ class Args:
     reward_funcs: str = field(default="math_accuracy", metadata={"help": "comma-separated registered names or module:function"})
     reward_weights: str | None = field(default=None, metadata={"help": "comma-separated weights (default: all 1)"})
     # Rollouts
-    rollout_engine: str = field(default="auto", metadata={"help": "vllm, hf (transformers generate), or auto (vllm if usable)"})
+    rollout_engine: Literal["auto", "vllm", "hf"] = field(default="auto", metadata={"help": "vllm, hf (transformers generate), or auto (vllm if usable)"})
     max_prompt_length: int = field(default=512, metadata={"help": "longer prompts are dropped from the data"})
     max_completion_length: int = field(default=1024, metadata={"help": "tokens generated per completion at most"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature (the policy is softmax(logits / T))"})
@@ -95,9 +96,9 @@ class Args:
     beta: float = field(default=0.04, metadata={"help": "KL coefficient to the reference policy (k3 estimator)"})
     epsilon: float = field(default=0.2, metadata={"help": "lower clip range"})
     epsilon_high: float = field(default=0.2, metadata={"help": "upper clip range"})
-    advantage: str = field(default="zscore", metadata={"help": "zscore, or sign (seed 003: iterated MLE with clipping)"})
-    train_on: str = field(default="all", metadata={"help": "all, positive (PL: A > 0 only) or negative (NL: A < 0 only)"})
-    loss_agg: str = field(default="seq-mean-token-mean", metadata={"help": "or token-sum-norm (seed 003 TNCL: / (B * max_completion_length))"})
+    advantage: Literal["zscore", "sign"] = field(default="zscore", metadata={"help": "zscore, or sign (seed 003: iterated MLE with clipping)"})
+    train_on: Literal["all", "positive", "negative"] = field(default="all", metadata={"help": "all, positive (PL: A > 0 only) or negative (NL: A < 0 only)"})
+    loss_agg: Literal["seq-mean-token-mean", "token-sum-norm"] = field(default="seq-mean-token-mean", metadata={"help": "or token-sum-norm (seed 003 TNCL: / (B * max_completion_length))"})
 
 
 # ALGO LOGIC: advantages and loss
@@ -175,22 +176,19 @@ def main(args: Args):
         with state.main_process_first():
             prepare_toy(TOY_DIR)
     check_args(args, state.num_processes)
-    if args.advantage not in ("zscore", "sign") or args.train_on not in ("all", "positive", "negative") or \
-            args.loss_agg not in ("seq-mean-token-mean", "token-sum-norm"):
-        raise SystemExit("error: --advantage zscore|sign, --train_on all|positive|negative, "
-                         "--loss_agg seq-mean-token-mean|token-sum-norm")
-    M = args.mini_batch_size or args.batch_size
-    local_rows, local_mini = args.batch_size // state.num_processes, M // state.num_processes
-    accelerator = Accelerator(
-        gradient_accumulation_steps=local_mini // args.micro_batch_size,
-        log_with=None if args.report_to == "none" else args.report_to,
-        step_scheduler_with_optimizer=False,  # the scheduler steps once per optimizer step, whatever the process count
-    )
     resume = find_checkpoint(args.resume_from) if args.resume_from else None
     run_name = [args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"]
     broadcast_object_list(run_name)  # every process writes to the same run folder
     run_dir = os.path.dirname(os.path.dirname(resume)) if resume else os.path.join(args.output_dir, run_name[0])
     os.makedirs(run_dir, exist_ok=True)
+    M = args.mini_batch_size or args.batch_size
+    local_rows, local_mini = args.batch_size // state.num_processes, M // state.num_processes
+    accelerator = Accelerator(
+        gradient_accumulation_steps=local_mini // args.micro_batch_size,
+        log_with=None if args.report_to == "none" else args.report_to,
+        project_dir=run_dir,  # tensorboard writes its event files here
+        step_scheduler_with_optimizer=False,  # the scheduler steps once per optimizer step, whatever the process count
+    )
     set_seed(args.seed)
 
     # Model, reference, data

@@ -16,6 +16,7 @@ import yaml
 from transformers import AutoConfig, HfArgumentParser
 
 from common.toy import TOY_PRESET
+from common.vllm_engine import vllm_available
 
 PRESETS = {"toy": TOY_PRESET}
 TRACKER_MODULES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio", "mlflow": "mlflow"}
@@ -71,8 +72,8 @@ def check_args(args, num_processes: int) -> None:
     elif args.report_to != "none" and importlib.util.find_spec(TRACKER_MODULES[args.report_to]) is None:
         problems.append(f"--report_to {args.report_to}: the package {TRACKER_MODULES[args.report_to]!r} is not "
                         f"installed; pip install it or pass --report_to none")
-    if args.rollout_engine not in ("auto", "vllm", "hf"):
-        problems.append(f"--rollout_engine must be auto, vllm or hf, got {args.rollout_engine!r}")
+    if args.rollout_engine == "vllm" and not vllm_available():
+        problems.append("--rollout_engine vllm needs vllm installed and a CUDA GPU; use --rollout_engine hf")
     if problems:
         raise SystemExit("error: " + "\n       ".join(problems))
     try:  # a cheap look at the model before loading anything big
