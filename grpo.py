@@ -22,7 +22,7 @@ from typing import Literal
 
 import torch
 from accelerate import Accelerator, PartialState
-from accelerate.utils import broadcast_object_list, set_seed
+from accelerate.utils import broadcast_object_list, gather_object, set_seed
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
@@ -33,6 +33,7 @@ from common.toy import TOY_DIR, prepare_toy
 from common.utils import (MetricsLog, TrainState, check_args, completion_logprobs, find_checkpoint, pad_rows,
                           parse_args, save_checkpoint, step_prompts)
 from common.vllm_engine import VLLMEngine, vllm_available
+from evals.run import evaluate_benchmarks, load_eval_sets
 
 
 @dataclass
@@ -92,6 +93,8 @@ class Args:
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping"})
     eval_steps: int = field(default=50, metadata={"help": "held-out greedy accuracy every this many steps (0: off)"})
     eval_num_prompts: int = field(default=500, metadata={"help": "held-out prompts per evaluation"})
+    eval_benchmarks: str = field(default="", metadata={"help": "evals/ benchmarks (e.g. math500,aime25; NAME=FILE for a local copy) logged as eval/<name>/avg@k"})
+    eval_num_samples: int = field(default=1, metadata={"help": "samples per benchmark question, k of avg@k (1: greedy)"})
     # Algorithm-specific
     beta: float = field(default=0.04, metadata={"help": "KL coefficient to the reference policy (k3 estimator)"})
     epsilon: float = field(default=0.2, metadata={"help": "lower clip range"})
@@ -216,7 +219,10 @@ def main(args: Args):
     with accelerator.main_process_first():  # the main process fills the datasets cache first
         train_data = load_prompts(tokenizer, data["path"], args.dataset_config or data["name"], data["split"], **prompt_kwargs)
         eval_data = None
-        if args.eval_steps > 0:
+        eval_sets = load_eval_sets(args.eval_benchmarks, tokenizer, use_chat_template=args.use_chat_template,
+                                   enable_thinking=args.enable_thinking, system_prompt=args.system_prompt,
+                                   max_prompt_length=args.max_prompt_length) if args.eval_steps > 0 else []
+        if args.eval_steps > 0 and (args.eval_dataset or data["eval_split"]):
             eval_spec = resolve_dataset(args.eval_dataset or args.dataset, args.eval_split, args.prompt_column,
                                         args.answer_column) if args.eval_dataset else data
             eval_data = load_prompts(tokenizer, eval_spec["path"], args.dataset_config or eval_spec["name"],
@@ -251,8 +257,15 @@ def main(args: Args):
         accelerator.init_trackers(run_name[0], config={k: v for k, v in asdict(args).items() if v is not None})
     log = MetricsLog(run_dir, accelerator.is_main_process, resume_step=train_state.step)
 
-    def evaluate(step: int) -> dict:
-        """Greedy accuracy (the first reward function) on held-out prompts, split over processes."""
+    def evaluate() -> dict:
+        """Greedy accuracy (the first reward function) on held-out prompts, and the --eval_benchmarks."""
+        metrics = evaluate_benchmarks(engine, model, tokenizer, eval_sets, n=args.eval_num_samples,
+                                      temperature=args.temperature if args.eval_num_samples > 1 else 0.0,
+                                      max_tokens=args.max_completion_length, top_p=args.top_p, seed=args.seed,
+                                      process_index=accelerator.process_index,
+                                      num_processes=accelerator.num_processes, gather=gather_object)
+        if eval_data is None:
+            return metrics
         rows = eval_data.select(range(accelerator.process_index, len(eval_data), accelerator.num_processes))
         engine.wake_up()
         completion_ids, _ = engine.generate(model, rows["prompt_ids"], [0] * len(rows),
@@ -262,10 +275,11 @@ def main(args: Args):
         columns = {c: rows[c] for c in reward_columns}
         correct = reward_funcs[0](rows["prompt"], texts, **columns)
         stats = accelerator.reduce(torch.tensor([sum(correct), len(correct)], device=accelerator.device), "sum")
-        return {"eval/accuracy": (stats[0] / stats[1]).item()}
+        return {"eval/accuracy": (stats[0] / stats[1]).item(), **metrics}
 
-    if eval_data is not None and train_state.step == 0:
-        log.write({"step": 0, **evaluate(0)})
+    evaluating = args.eval_steps > 0 and (eval_data is not None or len(eval_sets) > 0)
+    if evaluating and train_state.step == 0:
+        log.write({"step": 0, **evaluate()})
     progress = tqdm(range(train_state.step, args.total_steps), initial=train_state.step, total=args.total_steps,
                     disable=not accelerator.is_local_main_process, desc=args.exp_name)
     for step in progress:
@@ -389,8 +403,8 @@ def main(args: Args):
             metrics[f"reward/{name}/std"] = gathered[f"reward/{name}"].std().item()
         metrics["time/tokens_per_s"] = gathered["length"].sum().item() / metrics["time/step"]
         train_state.step = step + 1
-        if eval_data is not None and (step + 1) % args.eval_steps == 0:
-            metrics.update(evaluate(step + 1))
+        if evaluating and (step + 1) % args.eval_steps == 0:
+            metrics.update(evaluate())
         if (args.save_steps and (step + 1) % args.save_steps == 0) or step + 1 == args.total_steps:
             save_checkpoint(accelerator, model, tokenizer, run_dir, step + 1)
         log.write(metrics)

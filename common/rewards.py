@@ -24,6 +24,8 @@ Math grading
 ``math_accuracy`` takes the model's last ``\\boxed{}`` (or ``#### x``, or last
 number) and compares it with the dataset answer using math-verify, so that
 ``\\frac{1}{2}``, ``0.5`` and ``\\dfrac12`` all count as the same answer.
+``choice_accuracy`` grades multiple choice: the option letter of ``\\boxed{C}``, "the answer
+is (C)" or "Answer: C". The evaluation package (evals/) grades with these same functions.
 """
 
 import importlib
@@ -171,6 +173,53 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
 def math_accuracy(prompts: list[str], completions: list[str], answer: list[str], **_) -> list[float]:
     """1.0 when the completion's final answer is equivalent to the reference answer, else 0.0."""
     return [float(is_equivalent(extract_answer(c), extract_gold(a))) for c, a in zip(completions, answer)]
+
+
+# Multiple choice: the options are lines "A. ..." in the prompt (see evals/benchmarks.py format_choices).
+LETTERS = "ABCDEFGHIJ"
+_OPTION_LINE = re.compile(r"^([A-J])\. ", re.MULTILINE)
+_CHOICE_PATTERNS = [  # most explicit first; within a pattern the last match wins
+    re.compile(r"answer\s*(?:is|:)\s*[:*\s]*\(?\s*([A-J])\b(?![.,']?\w)", re.IGNORECASE),
+    re.compile(r"\(([A-J])\)"),
+    re.compile(r"\b([A-J])\b(?=\s*(?:[.):*]|$))", re.MULTILINE),  # a lone letter closing a sentence or line
+]
+
+
+def extract_choice(text: str, letters: str = LETTERS) -> str | None:
+    """The option letter a completion chose, or None.
+
+    Looks, in order, for the last ``\\boxed{C}`` (also ``\\boxed{\\text{(C)}}``), "the answer is (C)" /
+    "Answer: C", the last "(C)", then the last letter standing alone at the end of a sentence or
+    line. Only letters in `letters` count, so "I" and "A" as words do not. A closed ``<think>``
+    block is ignored, as in ``extract_answer``.
+    """
+    if "</think>" in text:
+        text = text.rsplit("</think>", 1)[1]
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        inner = _TEXT.sub(r"\1", boxed).strip().strip("()$*. ").strip()
+        if inner and inner[0] in letters and (len(inner) == 1 or not inner[1].isalnum()):
+            return inner[0]
+    for pattern in _CHOICE_PATTERNS:
+        found = [m for m in pattern.findall(text) if m in letters]
+        if found:
+            return found[-1]
+    return None
+
+
+@register_reward("choice_accuracy")
+def choice_accuracy(prompts: list[str], completions: list[str], answer: list[str], **_) -> list[float]:
+    """1.0 when the completion picks the reference option letter, else 0.0.
+
+    The valid letters are read from the option lines "A. ..." of the prompt (A-J if it has none);
+    `answer` holds the letter ("C", or "(C)") or its index (2, as MMLU stores it).
+    """
+    rewards = []
+    for p, c, a in zip(prompts, completions, answer):
+        letters = "".join(_OPTION_LINE.findall(p)) or LETTERS
+        gold = LETTERS[a] if isinstance(a, int) else str(a).strip().strip("()").strip()[:1].upper()
+        rewards.append(float(extract_choice(c, letters) == gold))
+    return rewards
 
 
 @register_reward("format")

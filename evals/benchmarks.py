@@ -1,0 +1,228 @@
+"""Benchmarks: where each one lives on the hub, which columns hold the question and the answer, how
+its prompt is written and which reward function grades it.
+
+    BENCHMARKS["math500"]                       a Benchmark (hub id, config, split, columns, grader)
+    load_benchmark("math500")                   -> list of examples {"prompt", "answer", "groups"}
+    load_benchmark("aime25", "aime25.jsonl")    the same from a local file in the hub schema
+    register_benchmark(Benchmark(...))          add your own
+
+Graders are reward functions of common/rewards.py (the `fn(prompts, completions, answer=...)`
+contract), so a training reward and an evaluation score are computed by the same code.
+
+Schemas were taken from the datasets' cards; tests/test_evals.py loads a few rows of each in that
+schema from evals/fixtures/. Where a card was not available to check, the entry says so.
+"""
+
+import os
+import random
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import datasets
+from huggingface_hub.errors import GatedRepoError
+
+from common.toy import TOY_DIR  # importing common.toy registers the "toy_addition" reward
+from common.data import LOCAL_FORMATS, load_rows
+from common.rewards import LETTERS, RewardFn, get_reward_function
+
+MATH_TEMPLATE = "{prompt}\nPlease reason step by step, and put your final answer within \\boxed{}."
+CHOICE_TEMPLATE = "{prompt}\nPlease reason step by step, and put the letter of your final answer within \\boxed{}."
+GRADERS = {"math": "math_accuracy", "choice": "choice_accuracy", "toy": "toy_addition"}
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    name: str
+    path: str  # hub id (or a local file, for the toy task)
+    split: str
+    prompt_column: str
+    answer_column: str
+    config: str | tuple[str, ...] | None = None  # several configs are concatenated, each row tagged "config"
+    grader: str = "math"  # math | choice | toy, or any registered reward name / "module:function"
+    template: str = MATH_TEMPLATE  # the user message; {prompt} is the question (with its options)
+    group_by: tuple[str, ...] = ()  # columns to report separately (those the data lacks are skipped)
+    # Multiple choice: row -> (options, index of the correct one); the prompt lists them as "A. ...".
+    choices: Callable[[dict], tuple[list[str], int]] | None = None
+    keep: Callable[[dict], bool] | None = None  # rows to evaluate on (default: all)
+    gated: bool = False  # the hub asks users to accept terms first
+    notes: str = field(default="", compare=False)
+
+
+BENCHMARKS: dict[str, Benchmark] = {}
+
+
+def register_benchmark(benchmark: Benchmark) -> Benchmark:
+    """Make `benchmark` selectable by its name (registering a name again replaces it)."""
+    if "{prompt}" not in benchmark.template:
+        raise ValueError(f"benchmark {benchmark.name!r}: template must contain '{{prompt}}'")
+    BENCHMARKS[benchmark.name] = benchmark
+    return benchmark
+
+
+def get_benchmark(name: str) -> Benchmark:
+    if name not in BENCHMARKS:
+        raise ValueError(f"unknown benchmark {name!r}; known benchmarks: {', '.join(sorted(BENCHMARKS))}. "
+                         f"Add your own with evals.benchmarks.register_benchmark(Benchmark(...)).")
+    return BENCHMARKS[name]
+
+
+def get_grader(benchmark: Benchmark) -> RewardFn:
+    return get_reward_function(GRADERS.get(benchmark.grader, benchmark.grader))
+
+
+def format_choices(question: str, options: list[str]) -> str:
+    """The question followed by one line per option: "A. ...", "B. ..." (common.rewards reads them back)."""
+    if len(options) > len(LETTERS):
+        raise ValueError(f"at most {len(LETTERS)} options are supported, got {len(options)}")
+    return question.strip() + "\n\n" + "\n".join(f"{LETTERS[i]}. {str(o).strip()}" for i, o in enumerate(options))
+
+
+def gpqa_choices(row: dict) -> tuple[list[str], int]:
+    """GPQA stores the correct answer apart from three wrong ones: shuffle them with a seed taken from
+    the question text, so every run (and every machine) shows the same order."""
+    options = [row["Correct Answer"], row["Incorrect Answer 1"], row["Incorrect Answer 2"], row["Incorrect Answer 3"]]
+    order = list(range(4))
+    random.Random(row["Question"]).shuffle(order)  # str seeds hash with sha512: stable across processes
+    return [options[i] for i in order], order.index(0)
+
+
+MATH_ARENA = "MathArena competition set: problem_idx, problem, answer (string; integers for AIME), problem_type (list)"
+for _benchmark in [
+    Benchmark("gsm8k", "openai/gsm8k", "test", "question", "answer", config="main",
+              notes="answer is a worked solution ending in '#### 72'"),
+    Benchmark("math500", "HuggingFaceH4/MATH-500", "test", "problem", "answer", group_by=("level", "subject"),
+              notes="columns problem, solution, answer, subject, level (int 1-5), unique_id"),
+    Benchmark("math", "DigitalLearningGmbH/MATH-lighteval", "test", "problem", "solution", config="default",
+              group_by=("level", "type"),
+              notes="the full 5,000-problem MATH test set; solution ends in \\boxed{}; level is 'Level 1'..'Level 5'"),
+    Benchmark("aime24", "HuggingFaceH4/aime_2024", "train", "problem", "answer",
+              notes="columns id, problem, solution, answer, url, year"),
+    Benchmark("aime25", "MathArena/aime_2025", "train", "problem", "answer", group_by=("problem_type",),
+              notes=MATH_ARENA + " (problem_type and the answer dtype not checked against the card)"),
+    Benchmark("aime26", "MathArena/aime_2026", "train", "problem", "answer",
+              notes="columns problem_idx, answer (int), problem"),
+    Benchmark("amc23", "math-ai/amc23", "test", "question", "answer",
+              notes="columns id, question, answer (a float such as 27.0), url (card not checked: from usage)"),
+    Benchmark("hmmt_feb25", "MathArena/hmmt_feb_2025", "train", "problem", "answer", group_by=("problem_type",),
+              notes=MATH_ARENA),
+    Benchmark("hmmt_nov25", "MathArena/hmmt_nov_2025", "train", "problem", "answer", group_by=("problem_type",),
+              notes=MATH_ARENA + " (card not checked: assumed like hmmt_feb_2025)"),
+    Benchmark("brumo25", "MathArena/brumo_2025", "train", "problem", "answer", group_by=("problem_type",),
+              notes=MATH_ARENA),
+    Benchmark("gpqa_diamond", "Idavidrein/gpqa", "train", "Question", "Correct Answer", config="gpqa_diamond",
+              grader="choice", template=CHOICE_TEMPLATE, group_by=("High-level domain",), choices=gpqa_choices,
+              gated=True, notes="198 questions; options shuffled per question (seeded by its text)"),
+    Benchmark("mmlu_pro", "TIGER-Lab/MMLU-Pro", "test", "question", "answer", grader="choice",
+              template=CHOICE_TEMPLATE, group_by=("category",),
+              choices=lambda row: (list(row["options"]), LETTERS.index(row["answer"].strip())),
+              notes="up to 10 options; answer is the letter, answer_index its position"),
+]:
+    register_benchmark(_benchmark)
+
+# MMLU-Redux 2.0: one hub config per MMLU subject (100 re-annotated questions each).
+MMLU_SUBJECTS = (
+    "abstract_algebra anatomy astronomy business_ethics clinical_knowledge college_biology college_chemistry "
+    "college_computer_science college_mathematics college_medicine college_physics computer_security "
+    "conceptual_physics econometrics electrical_engineering elementary_mathematics formal_logic global_facts "
+    "high_school_biology high_school_chemistry high_school_computer_science high_school_european_history "
+    "high_school_geography high_school_government_and_politics high_school_macroeconomics high_school_mathematics "
+    "high_school_microeconomics high_school_physics high_school_psychology high_school_statistics "
+    "high_school_us_history high_school_world_history human_aging human_sexuality international_law jurisprudence "
+    "logical_fallacies machine_learning management marketing medical_genetics miscellaneous moral_disputes "
+    "moral_scenarios nutrition philosophy prehistory professional_accounting professional_law professional_medicine "
+    "professional_psychology public_relations security_studies sociology us_foreign_policy virology world_religions"
+).split()
+register_benchmark(Benchmark(
+    "mmlu_redux", "edinburgh-dawg/mmlu-redux-2.0", "test", "question", "answer", config=tuple(MMLU_SUBJECTS),
+    grader="choice", template=CHOICE_TEMPLATE, group_by=("config",),
+    choices=lambda row: (list(row["choices"]), int(row["answer"])),
+    # The annotators flagged some questions as wrong (bad ground truth, no correct option, ...): as is usual
+    # for MMLU-Redux, only those marked "ok" are scored.
+    keep=lambda row: row.get("error_type", "ok") == "ok",
+    notes="columns question, choices, answer (index), error_type, source, correct_answer, potential_reason"))
+
+register_benchmark(Benchmark(
+    "toy", os.path.join(TOY_DIR, "test.jsonl"), "train", "prompt", "answer", grader="toy",
+    template="{prompt}", notes="held-out sums of the toy task, built by common.toy.prepare_toy"))
+
+
+# ---------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------
+
+
+def _is_gated(error: BaseException) -> bool:
+    """A GatedRepoError (or a message that says "gated") anywhere in the exception's cause chain."""
+    while error is not None:
+        if isinstance(error, GatedRepoError) or re.search(r"\bgated\b", str(error), re.IGNORECASE):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def local_file(name: str, data_dir: str) -> str:
+    """`data_dir/<name>.jsonl` (or .json, .parquet, .csv): a local copy of a benchmark in its hub schema."""
+    for ext in LOCAL_FORMATS:
+        candidate = os.path.join(data_dir, name + ext)
+        if os.path.isfile(candidate):
+            return candidate
+    raise ValueError(f"benchmark {name!r}: no file {name}.jsonl (or {', '.join(LOCAL_FORMATS)}) in --data_dir "
+                     f"{data_dir!r}")
+
+
+def _load_table(benchmark: Benchmark, path_override: str | None) -> datasets.Dataset:
+    if path_override is not None:
+        return load_rows(path_override, None, benchmark.split)
+    configs = benchmark.config if isinstance(benchmark.config, tuple) else (benchmark.config,)
+    try:
+        tables = [load_rows(benchmark.path, config, benchmark.split) for config in configs]
+    except ValueError as e:
+        if _is_gated(e):
+            raise ValueError(
+                f"benchmark {benchmark.name!r}: the dataset {benchmark.path} is gated. To get access, accept "
+                f"the terms at https://huggingface.co/datasets/{benchmark.path} and run `hf auth login` (or set "
+                f"HF_TOKEN). Or evaluate on a local copy with --data_dir.") from e
+        gated = (f"\nThe dataset is gated: accept the terms at https://huggingface.co/datasets/{benchmark.path} "
+                 "and run `hf auth login` (or set HF_TOKEN).") if benchmark.gated else ""
+        raise ValueError(
+            f"benchmark {benchmark.name!r}: {str(e).splitlines()[0]}{gated}\nWithout access to the hub, give a "
+            f"local copy in the same schema: --data_dir DIR (reads DIR/{benchmark.name}.jsonl) or "
+            f"--benchmarks {benchmark.name}=FILE.") from e
+    if len(tables) == 1:
+        return tables[0]
+    return datasets.concatenate_datasets([t.add_column("config", [c] * len(t)) for c, t in zip(configs, tables)])
+
+
+def load_benchmark(name: str | Benchmark, path_override: str | None = None,
+                   data_dir: str | None = None) -> list[dict]:
+    """The benchmark's questions as {"prompt", "answer", "groups"}; `prompt` is the question (with its
+    options "A. ..." for multiple choice) before the template, `answer` what the grader compares with,
+    `groups` {column: [values]} for the group_by columns the data has.
+
+    Read from the hub, or from `path_override` / `data_dir/<name>.jsonl` in the hub's schema.
+    """
+    benchmark = name if isinstance(name, Benchmark) else get_benchmark(name)
+    if path_override is None and data_dir:
+        path_override = local_file(benchmark.name, data_dir)
+    table = _load_table(benchmark, path_override)
+    where = path_override or benchmark.path
+    for column in (benchmark.prompt_column, benchmark.answer_column):
+        if column not in table.column_names:
+            raise ValueError(f"benchmark {benchmark.name!r}: {where} has no column {column!r}; its columns are "
+                             f"{table.column_names}")
+    group_columns = [c for c in benchmark.group_by if c in table.column_names]
+    examples = []
+    for row in table:
+        if benchmark.keep is not None and not benchmark.keep(row):
+            continue
+        if benchmark.choices is not None:
+            options, correct = benchmark.choices(row)
+            prompt, answer = format_choices(row[benchmark.prompt_column], options), LETTERS[correct]
+        else:
+            prompt, answer = row[benchmark.prompt_column], str(row[benchmark.answer_column])
+        groups = {c: [str(v) for v in (row[c] if isinstance(row[c], list) else [row[c]])] for c in group_columns}
+        examples.append({"prompt": prompt, "answer": answer, "groups": groups})
+    if not examples:
+        raise ValueError(f"benchmark {benchmark.name!r}: no questions in {where}")
+    return examples

@@ -1,0 +1,382 @@
+"""evals/: benchmark schemas (fixtures in the hub schema), the shared grader, pass@k, error messages,
+model loading (checkpoints, LoRA adapters), and an end-to-end evaluation of the toy model."""
+
+import itertools
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import datasets
+import pytest
+import torch
+from huggingface_hub.errors import GatedRepoError
+
+from common.rewards import choice_accuracy, extract_choice, get_reward_function, is_equivalent, math_accuracy
+from common.toy import TOY_DIR, toy_addition
+from evals.benchmarks import BENCHMARKS, get_benchmark, get_grader, load_benchmark
+from evals.run import (EvalArgs, _stats, evaluate_benchmarks, k_values, load_eval_sets, load_model, main, pass_at_k,
+                       run_eval_set)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURES = os.path.join(REPO, "evals", "fixtures")
+
+# The columns of each hub dataset, as its dataset card lists them (GPQA: only the columns we read and a few
+# more; the real file also has Pre-Revision* and validator columns). The fixtures must match exactly.
+HUB_COLUMNS = {
+    "gsm8k": {"question", "answer"},
+    "math500": {"problem", "solution", "answer", "subject", "level", "unique_id"},
+    "math": {"problem", "level", "solution", "type"},
+    "aime24": {"id", "problem", "solution", "answer", "url", "year"},
+    "aime25": {"problem_idx", "problem", "answer", "problem_type"},
+    "aime26": {"problem_idx", "answer", "problem"},
+    "amc23": {"id", "question", "answer", "url"},
+    "hmmt_feb25": {"problem_idx", "problem", "answer", "problem_type"},
+    "hmmt_nov25": {"problem_idx", "problem", "answer", "problem_type"},
+    "brumo25": {"problem_idx", "problem", "answer", "problem_type"},
+    "gpqa_diamond": {"Question", "Correct Answer", "Incorrect Answer 1", "Incorrect Answer 2", "Incorrect Answer 3",
+                     "Explanation", "Subdomain", "High-level domain", "Record ID"},
+    "mmlu_pro": {"question_id", "question", "options", "answer", "answer_index", "cot_content", "category", "src"},
+    "mmlu_redux": {"question", "choices", "answer", "error_type", "source", "correct_answer", "potential_reason"},
+}
+
+
+def fixture(name: str) -> str:
+    return os.path.join(FIXTURES, f"{name}.jsonl")
+
+
+def read_jsonl(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+# --- benchmarks and fixtures ------------------------------------------------------
+
+
+def test_every_benchmark_has_a_fixture():
+    assert set(HUB_COLUMNS) == set(BENCHMARKS) - {"toy"}
+    assert {f[: -len(".jsonl")] for f in os.listdir(FIXTURES)} == set(HUB_COLUMNS)
+
+
+@pytest.mark.parametrize("name", sorted(HUB_COLUMNS))
+def test_fixture_has_the_hub_schema_and_loads(name):
+    rows = read_jsonl(fixture(name))
+    assert all(set(row) == HUB_COLUMNS[name] for row in rows)
+    benchmark = get_benchmark(name)
+    assert {benchmark.prompt_column, benchmark.answer_column} <= HUB_COLUMNS[name]
+    examples = load_benchmark(name, fixture(name))
+    assert examples and all(isinstance(e["prompt"], str) and isinstance(e["answer"], str) for e in examples)
+    # the reference answer, boxed, gets full marks from the benchmark's own grader
+    gold = [e["answer"] if benchmark.grader == "choice" else e["answer"].rsplit("####", 1)[-1] for e in examples]
+    completions = [f"So the answer is $\\boxed{{{g.strip()}}}$." for g in gold]
+    if name == "math":  # the answer column is a whole solution: it is its own (boxed) completion
+        completions = [e["answer"] for e in examples]
+    assert get_grader(benchmark)([e["prompt"] for e in examples], completions,
+                                 answer=[e["answer"] for e in examples]) == [1.0] * len(examples)
+
+
+def test_data_dir_and_groups():
+    examples = load_benchmark("math500", data_dir=FIXTURES)
+    assert [e["groups"] for e in examples][:2] == [{"level": ["1"], "subject": ["Prealgebra"]},
+                                                   {"level": ["3"], "subject": ["Algebra"]}]
+    hmmt = load_benchmark("hmmt_feb25", data_dir=FIXTURES)
+    assert hmmt[2]["groups"] == {"problem_type": ["Combinatorics", "Algebra"]}  # a problem in two groups
+
+
+def test_multiple_choice_prompts():
+    pro = load_benchmark("mmlu_pro", fixture("mmlu_pro"))
+    assert pro[0]["prompt"].splitlines()[2:5] == ["A. 21", "B. 27", "C. 29"] and pro[0]["answer"] == "C"
+    assert pro[1]["prompt"].endswith("D. newton") and pro[1]["answer"] == "D"
+    redux = load_benchmark("mmlu_redux", fixture("mmlu_redux"))
+    assert len(redux) == 2  # the row annotated "wrong_groundtruth" is not scored
+    assert [e["answer"] for e in redux] == ["B", "C"]
+
+
+def test_gpqa_options_shuffled_deterministically():
+    first, again = load_benchmark("gpqa_diamond", fixture("gpqa_diamond")), load_benchmark("gpqa_diamond", fixture("gpqa_diamond"))
+    assert first == again
+    for row, example in zip(read_jsonl(fixture("gpqa_diamond")), first):
+        options = dict(line.split(". ", 1) for line in example["prompt"].splitlines()[2:])
+        assert options[example["answer"]] == row["Correct Answer"]
+        assert set(options.values()) == {row["Correct Answer"]} | {row[f"Incorrect Answer {i}"] for i in (1, 2, 3)}
+    assert len({e["answer"] for e in first}) > 1  # the correct answer is not always first
+
+
+def test_multi_config_benchmark_from_the_hub(monkeypatch):
+    """MMLU-Redux is one hub config per subject: loaded one by one, concatenated, grouped by config."""
+    calls = []
+
+    def fake_load_dataset(path, name=None, split=None, **_):
+        calls.append((path, name, split))
+        return datasets.Dataset.from_list(read_jsonl(fixture("mmlu_redux")))
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    examples = load_benchmark("mmlu_redux")
+    assert len(calls) == 57 and calls[0] == ("edinburgh-dawg/mmlu-redux-2.0", "abstract_algebra", "test")
+    assert len(examples) == 57 * 2 and examples[0]["groups"] == {"config": ["abstract_algebra"]}
+
+
+# --- one grader for training and evaluation ---------------------------------------------
+
+
+def test_graders_are_the_training_rewards():
+    assert get_grader(get_benchmark("math500")) is math_accuracy is get_reward_function("math_accuracy")
+    assert get_grader(get_benchmark("gpqa_diamond")) is choice_accuracy is get_reward_function("choice_accuracy")
+    assert get_grader(get_benchmark("toy")) is toy_addition
+
+
+# Each pair checked with math-verify 0.9. Not supported, so not asserted: numbers written as words
+# ("twenty" vs 20), degrees vs radians (90^\circ vs \pi/2).
+@pytest.mark.parametrize("pred, gold", [
+    (r"\dfrac{3}{4}", r"\frac34"), (r"\tfrac{3}{4}", "0.75"), (r"\frac{6}{8}", r"\frac{3}{4}"), ("2.5", r"\frac{5}{2}"),
+    (r"x^{2} + 2 x", "x^2+2x"), (r"2 \sqrt {3}", r"2\sqrt3"), (r"\frac{\sqrt{3}}{3}", r"\frac{1}{\sqrt{3}}"),
+    (r"5 \mbox{ inches}", "5"), (r"12 \text{ dollars}", "12"), (r"\$12", "12"), (r"30^{\circ}", "30"), ("45", r"45^\circ"),
+    (r"20 \text{ degrees}", "20"), (r"\frac{1}{2}\text{ hours}", "0.5"),
+    (r"\left[ 1, 3 \right)", "[1,3)"), (r"(-\infty, 2]", r"(-\infty,2]"), (r"(-\infty, 0) \cup (1, \infty)", r"(-\infty,0)\cup(1,\infty)"),
+    (r"\left(1, -2\right)", "(1,-2)"), ("(1, 2)", "(1,2)"), (r"\{1,2\}", r"\{2,1\}"),
+    ("1,000,000", "1000000"), ("1{,}000", "1000"), (r"\$1,000", "1000"), ("1,000.50", "1000.5"),
+    (r"\text{even}", "even"), ("(C)", r"\text{(C)}"), ("y = \\frac{1}{2}", "0.5"), ("27", "27.0"), ("47", "047"),
+])
+def test_equivalent_answers(pred, gold):
+    assert is_equivalent(pred, gold)
+
+
+@pytest.mark.parametrize("pred, gold", [
+    (r"\frac{2}{3}", r"\frac{3}{2}"), (r"\frac{1}{3}", "0.333"), ("-0.5", r"\frac{1}{2}"), ("[1,3)", "(1,3)"),
+    (r"(-\infty,2)", r"(-\infty,2]"), ("(1,2)", "[1,2]"), ("(2,1)", "(1,2)"), ("(1,2,3)", "(3,2,1)"), ("1,001", "1000"),
+    (r"5 \text{ meters}", "6"), ("odd", r"\text{even}"), (r"\text{Monday}", r"\text{Tuesday}"), ("x^2", "x^3"),
+])
+def test_not_equivalent_answers(pred, gold):
+    assert not is_equivalent(pred, gold)
+
+
+def test_math_accuracy_on_whole_completions():
+    completions = [r"So $\boxed{\boxed{\dfrac{3}{4}}}$", r"\boxed{\frac{\sqrt{2}}{2}}",
+                   r"first \boxed{1} then \boxed{(2, \frac{1}{2})}", r"\boxed{\left[ \frac{1}{2}, 3 \right)}",
+                   r"<think>\boxed{7}</think> the answer is \boxed{8}"]
+    answers = [r"\frac34", r"... \boxed{\frac{1}{\sqrt{2}}}", r"\left(2,\tfrac12\right)", "[0.5,3)", "7"]
+    assert math_accuracy([""] * 5, completions, answer=answers) == [1.0, 1.0, 1.0, 1.0, 0.0]
+
+
+@pytest.mark.parametrize("text, letter", [
+    ("The answer is (C).", "C"), (r"so \boxed{C}", "C"), (r"\boxed{\text{(B)}}", "B"), (r"\boxed{B. 42}", "B"),
+    ("Answer: D", "D"), ("ANSWER: **B**", "B"), ("The answer is: C", "C"), ("Final answer: C) 12", "C"),
+    ("Between (A) and (B), I pick (B) because", "B"), ("I think A is wrong, so it is B.", "B"),
+    ("<think>maybe A.</think> The answer is D", "D"), ("C", "C"),
+    ("I think so.", None), ("A car goes fast", None), (r"\boxed{12}", None), ("answer is Bob", None),
+    (r"\boxed{}", None), (r"\boxed{()}", None), ("", None),
+])
+def test_extract_choice(text, letter):
+    assert extract_choice(text) == letter
+
+
+def test_choice_accuracy_uses_the_prompts_options():
+    prompt = "Q?\n\nA. x\nB. y\nC. z\nD. w"
+    completions = ["The answer is E.", "The answer is (B)", "the answer is J", r"\boxed{D}"]
+    assert choice_accuracy([prompt] * 4, completions, answer=["E", "B", "J", "(D)"]) == [0.0, 1.0, 0.0, 1.0]
+    assert choice_accuracy(["no options listed"], ["the answer is J"], answer=["J"]) == [1.0]
+    assert choice_accuracy([prompt] * 2, ["Answer: C", "Answer: C"], answer=[2, 1]) == [1.0, 0.0]  # MMLU's index
+
+
+# --- metrics -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", range(1, 7))
+def test_pass_at_k_matches_enumeration(n):
+    for c in range(n + 1):
+        samples = [1] * c + [0] * (n - c)
+        for k in range(1, n + 1):
+            subsets = list(itertools.combinations(samples, k))
+            assert pass_at_k(n, c, k) == pytest.approx(sum(any(s) for s in subsets) / len(subsets), abs=1e-12)
+
+
+def test_pass_at_k_large_n_and_bad_input():
+    assert pass_at_k(1000, 1, 1) == pytest.approx(1e-3)
+    assert pass_at_k(1000, 500, 500) == pytest.approx(1.0)
+    assert 0.0 < pass_at_k(10_000, 3, 20) < 1.0
+    assert k_values(32) == [1, 2, 4, 8, 16, 32] and k_values(6) == [1, 2, 4, 6] and k_values(1) == [1]
+    with pytest.raises(ValueError):
+        pass_at_k(4, 5, 1)
+
+
+def test_avg_at_k_is_the_mean_of_sample_scores():
+    scores = [[1.0, 0.0, 0.0, 1.0], [0.0] * 4, [1.0] * 4]
+    stats = _stats(scores, 4)
+    assert stats["avg@4"] == pytest.approx(6 / 12) and stats["pass@1"] == pytest.approx(6 / 12)
+    assert stats["pass@4"] == pytest.approx(2 / 3) and stats["num_questions"] == 3
+
+
+# --- bad input -----------------------------------------------------------------------------
+
+
+def test_unknown_benchmark_lists_the_known_ones():
+    with pytest.raises(ValueError) as info:
+        load_benchmark("aime2099")
+    assert "aime2099" in str(info.value) and all(name in str(info.value) for name in BENCHMARKS)
+    with pytest.raises(SystemExit) as info:
+        main(EvalArgs(model="unused", benchmarks="math500,aime2099"))
+    assert "known benchmarks" in str(info.value) and "gpqa_diamond" in str(info.value)
+
+
+def _gated_error() -> GatedRepoError:
+    error = GatedRepoError.__new__(GatedRepoError)  # its constructor wants an HTTP response
+    Exception.__init__(error, "403 Client Error. Access to dataset Idavidrein/gpqa is restricted.")
+    return error
+
+
+@pytest.mark.parametrize("error", [_gated_error(), FileNotFoundError("Dataset 'x' is a gated dataset on the Hub.")])
+def test_gated_dataset_says_how_to_get_access(monkeypatch, error):
+    def fake_load_dataset(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    with pytest.raises(ValueError) as info:
+        load_benchmark("gpqa_diamond")
+    message = str(info.value)
+    assert "accept the terms at https://huggingface.co/datasets/Idavidrein/gpqa" in message
+    assert "hf auth login" in message and "HF_TOKEN" in message
+
+
+def test_hub_failure_suggests_a_local_copy(monkeypatch):
+    def fake_load_dataset(*args, **kwargs):
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    with pytest.raises(ValueError, match="ConnectionError: no network") as info:
+        load_benchmark("aime25")
+    assert "--data_dir" in str(info.value) and "aime25=FILE" in str(info.value)
+    assert "gated" not in str(info.value)
+
+
+def test_model_that_does_not_load(tmp_path):
+    with pytest.raises(ValueError) as info:
+        load_model(str(tmp_path))  # a folder without a model in it
+    assert f"cannot load --model {str(tmp_path)!r}" in str(info.value) and "LoRA adapter" in str(info.value)
+    with pytest.raises(SystemExit, match="cannot load --model"):
+        main(EvalArgs(model=str(tmp_path / "missing"), benchmarks="toy", engine="hf"))
+
+
+# --- models: checkpoints and adapters ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def toy_model_dir(toy_workdir):
+    return str(toy_workdir / TOY_DIR / "model")
+
+
+def test_training_checkpoint_and_run_folder_load(tmp_path, toy_model_dir):
+    run = tmp_path / "run"
+    for step in (2, 4):
+        shutil.copytree(toy_model_dir, run / "checkpoints" / f"step_{step}" / "model")
+        os.makedirs(run / "checkpoints" / f"step_{step}" / "state")
+    reference = load_model(toy_model_dir)[0]
+    for path in (run / "checkpoints" / "step_2", run):  # a checkpoint, and a run folder (its latest)
+        model, tokenizer, weights = load_model(str(path))
+        assert weights.endswith(os.path.join("step_4" if path == run else "step_2", "model"))
+        assert torch.equal(model.lm_head.weight, reference.lm_head.weight)
+        assert tokenizer.padding_side == "left"
+
+
+def test_lora_adapter_is_merged(tmp_path, toy_model_dir):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(toy_model_dir),
+                                LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    peft_model.save_pretrained(tmp_path / "adapter")
+    model, tokenizer, weights = load_model(str(tmp_path / "adapter"))
+    assert weights == toy_model_dir and not hasattr(model, "peft_config")
+    ids = torch.tensor([tokenizer("12+34=")["input_ids"]])
+    with torch.no_grad():
+        merged = model(ids).logits
+        assert torch.allclose(merged, peft_model(ids).logits, atol=1e-5)
+        with peft_model.disable_adapter():
+            assert not torch.allclose(merged, peft_model(ids).logits, atol=1e-3)  # the adapter does change it
+
+
+# --- running: reproducible per request, sliced over processes --------------------------------
+
+
+@pytest.fixture
+def one_thread():
+    """The toy model is tiny: on a shared CPU, waiting for a second OpenMP thread costs more than it computes."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class CountingEngine:
+    """Answers every prompt with the tokens of "7" and counts its calls."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.calls = tokenizer, 0
+
+    def generate(self, model, prompt_ids, seeds, *, max_tokens, temperature, top_p):
+        self.calls += 1
+        ids = self.tokenizer("7", add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+        return [ids] * len(prompt_ids), [[0.0] * len(ids)] * len(prompt_ids)
+
+    def wake_up(self):
+        pass
+
+    def sleep(self):
+        pass
+
+
+def test_processes_make_the_same_number_of_engine_calls(toy_model_dir, in_toy_workdir):
+    _, tokenizer, _ = load_model(toy_model_dir, load_weights=False)
+    (eval_set,) = load_eval_sets("toy", tokenizer, max_questions=5)
+    engines = [CountingEngine(tokenizer) for _ in range(2)]
+    records = [run_eval_set(engines[p], None, tokenizer, eval_set, n=1, temperature=1.0, max_tokens=3, batch_size=2,
+                            process_index=p, num_processes=2) for p in range(2)]
+    assert [e.calls for e in engines] == [2, 2]  # 3 and 2 questions: the shorter slice is padded
+    assert sorted(r["index"] for rs in records for r in rs) == [0, 1, 2, 3, 4]
+
+
+def test_results_do_not_depend_on_processes_or_batching(toy_model_dir, in_toy_workdir, one_thread):
+    from accelerate import Accelerator
+
+    from common.rollout import HFEngine
+
+    model, tokenizer, _ = load_model(toy_model_dir)
+    eval_sets = load_eval_sets("toy", tokenizer, max_questions=12)
+    engine = HFEngine(tokenizer, Accelerator(cpu=True))
+    kwargs = dict(n=3, temperature=1.0, max_tokens=4, seed=5)
+    one = evaluate_benchmarks(engine, model, tokenizer, eval_sets, **kwargs)
+    slices = {p: run_eval_set(engine, model, tokenizer, eval_sets[0], batch_size=5, process_index=p, num_processes=3,
+                              **kwargs) for p in range(3)}
+    three = evaluate_benchmarks(engine, model, tokenizer, eval_sets, **kwargs, process_index=0, num_processes=3,
+                                gather=lambda records: records + slices[1] + slices[2])
+    assert set(one) == {"eval/toy/avg@3", "eval/toy/pass@3"}
+    assert one == three and 0.0 < one["eval/toy/avg@3"] < one["eval/toy/pass@3"] < 1.0
+    assert evaluate_benchmarks(engine, model, tokenizer, [], **kwargs) == {}
+
+
+# --- end to end ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_evaluate_toy_model_from_the_command_line(toy_workdir, tmp_path):
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "evals.run", "--model", os.path.join(TOY_DIR, "model"), "--benchmarks", "toy",
+               "--n", "2", "--temperature", "1.0", "--max_tokens", "6", "--engine", "hf", "--max_questions", "100",
+               "--output", str(out)]
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, cwd=toy_workdir, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(out / "results.json") as f:
+        results = json.load(f)
+    toy = results["benchmarks"]["toy"]
+    scores = [s for q in toy["questions"] for s in q["scores"]]
+    assert toy["num_questions"] == 100 == len(toy["questions"]) and len(scores) == 200
+    assert set(scores) <= {0.0, 1.0}
+    assert 0.0 <= toy["avg@2"] <= 1.0 and toy["avg@2"] == pytest.approx(sum(scores) / len(scores))
+    assert toy["pass@2"] == pytest.approx(sum(max(q["scores"]) for q in toy["questions"]) / 100)
+    assert results["metrics"] == {"eval/toy/avg@2": toy["avg@2"], "eval/toy/pass@2": toy["pass@2"]}
+    samples = read_jsonl(out / "samples" / "toy.jsonl")
+    assert len(samples) == 100 and samples[0]["prompt"] == read_jsonl(toy_workdir / TOY_DIR / "test.jsonl")[0]["prompt"]
+    assert [s["scores"] for s in samples] == [q["scores"] for q in toy["questions"]]
+    assert "| toy | 100 |" in (out / "results.md").read_text()
