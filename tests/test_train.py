@@ -45,7 +45,8 @@ def sgd_gradient(cwd, run_name: str, argv: list[str], num_processes: int = 1,
 def assert_same_gradient(a: dict, b: dict):
     assert any(g.abs().max() > 0 for g in a.values())
     for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-7, msg=name)
+        # read back as w0 - w1 in float32: a few ulps of weights near 1 (1.2e-7 each) is the floor
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=5e-7, msg=name)
 
 
 @pytest.mark.slow

@@ -1,0 +1,405 @@
+"""GSPO: Group Sequence Policy Optimization (Zheng et al. 2025, arXiv:2507.18071; seed 000 section 2).
+
+    A_i = (R_i - mean_g R) / (std_g R + 1e-6),    s_i = exp((1/L_i) sum_t mask * (logp_t - old_logp_t))
+    L   = -(1/B) sum_i [min(s_i A_i, clip(s_i, 1-eps, 1+eps_high) A_i) - beta * (1/L_i) sum_t mask * kl_t]
+
+Differs from grpo.py:
+- one ratio per completion, s_i, the geometric mean of its token ratios (gradient through the mean),
+  clipped per completion in a far narrower range (eps 3e-4, eps_high 4e-4); beta 0; no seed 003 switches;
+  --tis_cap scales each completion's term by the mean of its tokens' TIS weights.
+
+Run:
+    python gspo.py --preset toy                                  # CPU, minutes
+    accelerate launch gspo.py --model Qwen/Qwen3-4B --dataset gsm8k
+"""
+
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+import torch
+from accelerate import Accelerator, PartialState
+from accelerate.utils import broadcast_object_list, gather_object, set_seed
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
+
+from common.data import load_prompts, resolve_dataset
+from common.rewards import compute_rewards, get_reward_function
+from common.rollout import HFEngine, sample_seed
+from common.toy import TOY_DIR, prepare_toy
+from common.utils import (MetricsLog, TrainState, check_args, completion_logprobs, find_checkpoint, pad_rows,
+                          parse_args, save_checkpoint, step_prompts)
+from common.vllm_engine import VLLMEngine, vllm_available
+from evals.run import evaluate_benchmarks, load_eval_sets
+
+
+@dataclass
+class Args:
+    # Experiment
+    exp_name: str = field(default=os.path.basename(__file__)[: -len(".py")], metadata={"help": "name of this experiment"})
+    seed: int = field(default=1, metadata={"help": "seed of the run (weights init of LoRA, data order, sampling)"})
+    preset: str | None = field(default=None, metadata={"help": "a named set of defaults: toy (CPU, minutes)"})
+    output_dir: str = field(default="runs", metadata={"help": "runs are written to output_dir/run_name"})
+    run_name: str | None = field(default=None, metadata={"help": "default: {exp_name}__{seed}__{unix time}"})
+    report_to: str = field(default="tensorboard", metadata={"help": "tracker: tensorboard, wandb, trackio, mlflow or none"})
+    save_steps: int = field(default=100, metadata={"help": "checkpoint every this many steps (0: only at the end)"})
+    resume_from: str | None = field(default=None, metadata={"help": "a checkpoint folder, or a run folder (its latest)"})
+    # Model
+    model: str = field(default="Qwen/Qwen3-4B", metadata={"help": "hub id or local folder of the policy"})
+    dtype: Literal["bfloat16", "float16", "float32"] = field(default="bfloat16", metadata={"help": "weights dtype: bfloat16, float16 or float32"})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "trade compute for activation memory"})
+    lora_r: int = field(default=0, metadata={"help": "LoRA rank; 0 trains all weights"})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha"})
+    lora_target_modules: str = field(default="all-linear", metadata={"help": "comma-separated module names, or all-linear"})
+    # Data and rewards
+    dataset: str = field(default="gsm8k", metadata={"help": "preset (gsm8k, math, numina, deepscaler), hub id or local file/folder"})
+    dataset_config: str | None = field(default=None, metadata={"help": "dataset configuration name (hub datasets)"})
+    split: str | None = field(default=None, metadata={"help": "training split (default: the preset's, else train)"})
+    eval_dataset: str | None = field(default=None, metadata={"help": "held-out prompts (default: --dataset)"})
+    eval_split: str | None = field(default=None, metadata={"help": "held-out split (default: the preset's, else test)"})
+    prompt_column: str | None = field(default=None, metadata={"help": "column with the question (default: the preset's, else prompt)"})
+    answer_column: str | None = field(default=None, metadata={"help": "column with the reference answer (default: the preset's, else answer)"})
+    prompt_template: str = field(
+        default="{prompt}\nPlease reason step by step, and put your final answer within \\boxed{}.",
+        metadata={"help": "user message; {prompt} is replaced by the question"})
+    system_prompt: str = field(default="", metadata={"help": "system message (chat templates only)"})
+    use_chat_template: bool = field(default=True, metadata={"help": "wrap prompts in the tokenizer's chat template"})
+    enable_thinking: bool = field(default=False, metadata={"help": "Qwen3's thinking mode in the chat template"})
+    reward_funcs: str = field(default="math_accuracy", metadata={"help": "comma-separated registered names or module:function"})
+    reward_weights: str | None = field(default=None, metadata={"help": "comma-separated weights (default: all 1)"})
+    # Rollouts
+    rollout_engine: Literal["auto", "vllm", "hf"] = field(default="auto", metadata={"help": "vllm, hf (transformers generate), or auto (vllm if usable)"})
+    max_prompt_length: int = field(default=512, metadata={"help": "longer prompts are dropped from the data"})
+    max_completion_length: int = field(default=1024, metadata={"help": "tokens generated per completion at most"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature (the policy is softmax(logits / T))"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling"})
+    vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "GPU memory fraction vLLM may take"})
+    vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "GPUs per vLLM engine (consecutive ranks)"})
+    tis_cap: float = field(default=0.0, metadata={"help": "truncated importance sampling cap for sampler/trainer mismatch; 0: off"})
+    # Optimisation
+    total_steps: int = field(default=500, metadata={"help": "RL steps (one batch of rollouts each)"})
+    batch_size: int = field(default=256, metadata={"help": "completions per step over all processes: B = prompts x G"})
+    num_generations: int = field(default=8, metadata={"help": "completions per prompt, G"})
+    mini_batch_size: int = field(default=0, metadata={"help": "completions per optimizer step over all processes; 0: batch_size"})
+    micro_batch_size: int = field(default=4, metadata={"help": "completions per forward/backward on each process"})
+    num_iterations: int = field(default=1, metadata={"help": "passes over each batch of rollouts (mu)"})
+    learning_rate: float = field(default=1e-6, metadata={"help": "AdamW learning rate"})
+    lr_scheduler_type: str = field(default="constant", metadata={"help": "transformers scheduler name"})
+    warmup_steps: int = field(default=0, metadata={"help": "learning-rate warmup in optimizer steps"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping"})
+    eval_steps: int = field(default=50, metadata={"help": "held-out greedy accuracy every this many steps (0: off)"})
+    eval_num_prompts: int = field(default=500, metadata={"help": "held-out prompts per evaluation"})
+    eval_benchmarks: str = field(default="", metadata={"help": "evals/ benchmarks (e.g. math500,aime25; NAME=FILE for a local copy) logged as eval/<name>/avg@k"})
+    eval_num_samples: int = field(default=1, metadata={"help": "samples per benchmark question, k of avg@k (1: greedy)"})
+    # Algorithm-specific
+    beta: float = field(default=0.0, metadata={"help": "KL coefficient to the reference policy (k3, mean over each completion)"})
+    epsilon: float = field(default=3e-4, metadata={"help": "lower clip range of the sequence ratio s_i"})
+    epsilon_high: float = field(default=4e-4, metadata={"help": "upper clip range of the sequence ratio s_i"})
+
+
+# ALGO LOGIC: advantages and loss
+def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
+    """Group-normalised advantages; rows of one prompt are contiguous."""
+    grouped = rewards.view(-1, args.num_generations)  # (N, G)
+    centered = grouped - grouped.mean(dim=1, keepdim=True)  # (N, G)
+    return (centered / (grouped.std(dim=1, keepdim=True) + 1e-6)).flatten()  # (B,)
+
+
+def batch_stats(current_logp, old_logp, advantages, mask, args: Args) -> dict[str, torch.Tensor]:
+    """What compute_loss needs from the whole optimizer batch when it is called per micro-batch.
+
+    Scalars are sums over this process's rows (the loop adds them up over processes); (rows,) tensors
+    are per-row values. `current_logp()` gives (rows, T) log-probs at the current weights, without
+    gradient, for estimators whose statistics depend on them (GSPO's do not).
+    """
+    return {"num_rows": torch.ones_like(advantages).sum()}  # GSPO: a mean over all rows
+
+
+def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, num_rows=None, tis_weights=None):
+    """GSPO loss (arXiv:2507.18071 section 4.1) with full-batch semantics. `num_rows` (default: B) is the
+    denominator over the whole optimizer batch when called per micro-batch; `tis_weights` (B, T)
+    multiply the policy term per token: s_i sits on every token of row i, so each completion's term is scaled
+    by the masked token mean of its TIS weights, (1/L_i) sum_t mask * tis_t."""
+    mask = mask.float()  # (B, T)
+    if num_rows is None:
+        num_rows = len(advantages)
+    seq_ratio = torch.exp((mask * (logp - old_logp)).sum(-1) / mask.sum(-1).clamp(min=1))  # (B,)  GSPO: s_i
+    ratio = seq_ratio[:, None].expand_as(logp)  # (B, T)  GSPO: s_i on every token of row i
+    A = advantages[:, None]  # (B, 1)
+    clipped = torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high)  # (B, T)
+    surrogate = torch.min(ratio * A, clipped * A)  # (B, T)  GSPO: min(s_i A_i, clip(s_i) A_i) along row i
+    if tis_weights is not None:
+        surrogate = surrogate * tis_weights  # (B, T)
+    per_token = surrogate  # (B, T)
+    if args.beta > 0:
+        kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1  # (B, T)  k3
+        per_token = per_token - args.beta * kl  # (B, T)
+    per_seq = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)  GSPO: surrogate_i - beta K_i
+    loss = -per_seq.sum() / max(num_rows, 1)
+
+    with torch.no_grad():
+        token_mean = lambda x: (x * mask).sum() / mask.sum().clamp(min=1)  # noqa: E731
+        is_low = (seq_ratio < 1 - args.epsilon) & (advantages < 0)  # (B,)  GSPO: whole completions clipped
+        is_high = (seq_ratio > 1 + args.epsilon_high) & (advantages > 0)  # (B,)
+        metrics = {
+            "loss/policy": loss.detach(),
+            "policy/seq_ratio_mean": seq_ratio.mean(),
+            "policy/seq_ratio_min": seq_ratio.min(),
+            "policy/seq_ratio_max": seq_ratio.max(),
+            "policy/clip_frac": (is_low | is_high).float().mean(),
+        }
+        if args.beta > 0:
+            metrics["policy/kl"] = token_mean(kl)
+    return loss, metrics
+
+
+def main(args: Args):
+    state = PartialState()
+    if args.preset == "toy":
+        with state.main_process_first():
+            prepare_toy(TOY_DIR)
+    check_args(args, state.num_processes)
+    resume = find_checkpoint(args.resume_from) if args.resume_from else None
+    run_name = [args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"]
+    broadcast_object_list(run_name)  # every process writes to the same run folder
+    run_dir = os.path.dirname(os.path.dirname(resume)) if resume else os.path.join(args.output_dir, run_name[0])
+    os.makedirs(run_dir, exist_ok=True)
+    M = args.mini_batch_size or args.batch_size
+    local_rows, local_mini = args.batch_size // state.num_processes, M // state.num_processes
+    accelerator = Accelerator(
+        gradient_accumulation_steps=local_mini // args.micro_batch_size,
+        log_with=None if args.report_to == "none" else args.report_to,
+        project_dir=run_dir,  # tensorboard writes its event files here
+        step_scheduler_with_optimizer=False,  # the scheduler steps once per optimizer step, whatever the process count
+    )
+    set_seed(args.seed)
+
+    # Model, reference, data
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
+    tokenizer = AutoTokenizer.from_pretrained(args.model, padding_side="left")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    ref_model = None
+    if args.lora_r > 0:  # the reference is the base model: the adapter disabled, no second copy
+        from peft import LoraConfig, get_peft_model
+
+        targets = args.lora_target_modules if args.lora_target_modules == "all-linear" else args.lora_target_modules.split(",")
+        model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules=targets,
+                                                 task_type="CAUSAL_LM"))
+    elif args.beta > 0:
+        ref_model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval().requires_grad_(False)
+    data = resolve_dataset(args.dataset, args.split, args.prompt_column, args.answer_column, args.eval_split)
+    prompt_kwargs = dict(prompt_column=data["prompt_column"], answer_column=data["answer_column"],
+                         template=args.prompt_template, system_prompt=args.system_prompt,
+                         use_chat_template=args.use_chat_template, enable_thinking=args.enable_thinking,
+                         max_prompt_length=args.max_prompt_length)
+    with accelerator.main_process_first():  # the main process fills the datasets cache first
+        train_data = load_prompts(tokenizer, data["path"], args.dataset_config or data["name"], data["split"], **prompt_kwargs)
+        eval_data = None
+        eval_sets = load_eval_sets(args.eval_benchmarks, tokenizer, use_chat_template=args.use_chat_template,
+                                   enable_thinking=args.enable_thinking, system_prompt=args.system_prompt,
+                                   max_prompt_length=args.max_prompt_length) if args.eval_steps > 0 else []
+        if args.eval_steps > 0 and (args.eval_dataset or data["eval_split"]):
+            eval_spec = resolve_dataset(args.eval_dataset or args.dataset, args.eval_split, args.prompt_column,
+                                        args.answer_column) if args.eval_dataset else data
+            eval_data = load_prompts(tokenizer, eval_spec["path"], args.dataset_config or eval_spec["name"],
+                                     eval_spec["eval_split"] if not args.eval_dataset else eval_spec["split"], **prompt_kwargs)
+            eval_data = eval_data.select(range(min(args.eval_num_prompts, len(eval_data))))
+    reward_funcs = [get_reward_function(name) for name in args.reward_funcs.split(",")]
+    reward_weights = [float(w) for w in args.reward_weights.split(",")] if args.reward_weights else None
+    reward_columns = [c for c in train_data.column_names if c not in ("prompt", "prompt_text", "prompt_ids")]
+
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
+                                  weight_decay=args.weight_decay)
+    optimizer_steps = args.total_steps * args.num_iterations * (args.batch_size // M)
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, optimizer_steps)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    if ref_model is not None:
+        ref_model = accelerator.prepare_model(ref_model, evaluation_mode=True)
+    train_state = TrainState()
+    accelerator.register_for_checkpointing(train_state)
+    if resume:
+        accelerator.load_state(os.path.join(resume, "state"))
+
+    use_vllm = args.rollout_engine == "vllm" or (args.rollout_engine == "auto" and vllm_available())
+    if use_vllm:
+        engine = VLLMEngine(args.model, accelerator=accelerator, tensor_parallel_size=args.vllm_tensor_parallel_size,
+                            gpu_memory_utilization=args.vllm_gpu_memory_utilization, seed=args.seed,
+                            max_model_len=args.max_prompt_length + args.max_completion_length, dtype=args.dtype)
+        engine.push_weights(model)  # a resumed or LoRA-wrapped policy differs from the files on disk
+    else:
+        engine = HFEngine(tokenizer, accelerator)
+
+    if accelerator.is_main_process:
+        accelerator.init_trackers(run_name[0], config={k: v for k, v in asdict(args).items() if v is not None})
+    log = MetricsLog(run_dir, accelerator.is_main_process, resume_step=train_state.step)
+
+    def evaluate() -> dict:
+        """Greedy accuracy (the first reward function) on held-out prompts, and the --eval_benchmarks."""
+        metrics = evaluate_benchmarks(engine, model, tokenizer, eval_sets, n=args.eval_num_samples,
+                                      temperature=args.temperature if args.eval_num_samples > 1 else 0.0,
+                                      max_tokens=args.max_completion_length, top_p=args.top_p, seed=args.seed,
+                                      process_index=accelerator.process_index,
+                                      num_processes=accelerator.num_processes, gather=gather_object)
+        if eval_data is None:
+            return metrics
+        rows = eval_data.select(range(accelerator.process_index, len(eval_data), accelerator.num_processes))
+        engine.wake_up()
+        completion_ids, _ = engine.generate(model, rows["prompt_ids"], [0] * len(rows),
+                                            max_tokens=args.max_completion_length, temperature=0.0, top_p=1.0)
+        engine.sleep()
+        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        columns = {c: rows[c] for c in reward_columns}
+        correct = reward_funcs[0](rows["prompt"], texts, **columns)
+        stats = accelerator.reduce(torch.tensor([sum(correct), len(correct)], device=accelerator.device), "sum")
+        return {"eval/accuracy": (stats[0] / stats[1]).item(), **metrics}
+
+    evaluating = args.eval_steps > 0 and (eval_data is not None or len(eval_sets) > 0)
+    if evaluating and train_state.step == 0:
+        log.write({"step": 0, **evaluate()})
+    progress = tqdm(range(train_state.step, args.total_steps), initial=train_state.step, total=args.total_steps,
+                    disable=not accelerator.is_local_main_process, desc=args.exp_name)
+    for step in progress:
+        step_start = time.time()
+        metrics = {}
+
+        # 1. Rollouts: G completions for each of this process's prompts (whole groups per process)
+        positions, indices = step_prompts(step, args.batch_size, args.num_generations, args.mini_batch_size,
+                                          accelerator.num_processes, accelerator.process_index, len(train_data), args.seed)
+        rows, G = train_data.select(indices), args.num_generations
+        prompt_ids = [p for p in rows["prompt_ids"] for _ in range(G)]
+        seeds = [sample_seed(args.seed, step, position, j) for position in positions for j in range(G)]
+        engine.wake_up()
+        gen_start = time.time()
+        completion_ids, sampler_logp = engine.generate(model, prompt_ids, seeds, max_tokens=args.max_completion_length,
+                                                       temperature=args.temperature, top_p=args.top_p)
+        metrics["time/rollout"] = time.time() - gen_start
+        engine.sleep()
+        completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+
+        # 2. Rewards and advantages (groups are whole on each process: no communication needed)
+        columns = {c: [v for v in rows[c] for _ in range(G)] for c in reward_columns}
+        rewards, per_func = compute_rewards(reward_funcs, reward_weights, [p for p in rows["prompt"] for _ in range(G)],
+                                            completions, columns)  # (B,)
+        advantages = compute_advantages(rewards, args)  # (B,)
+
+        # 3. Tensors: [left-padded prompt | right-padded completion]; mask marks completion tokens incl. EOS
+        prompts_t = pad_rows(prompt_ids, tokenizer.pad_token_id, left=True)  # (B, P)
+        completions_t = pad_rows(completion_ids, tokenizer.pad_token_id)  # (B, T)
+        mask = pad_rows([[1] * len(c) for c in completion_ids], 0)  # (B, T)
+        sampler_logp_t = pad_rows(sampler_logp, 0.0)  # (B, T)
+        input_ids = torch.cat([prompts_t, completions_t], dim=1).to(accelerator.device)  # (B, P + T)
+        attention_mask = torch.cat([(prompts_t != tokenizer.pad_token_id).long(), mask], dim=1).to(accelerator.device)
+        mask, advantages = mask.to(accelerator.device), advantages.to(accelerator.device)
+        sampler_logp_t, T = sampler_logp_t.to(accelerator.device), completions_t.shape[1]
+
+        # 4. Behaviour (old) and reference log-probs at the weights that sampled, without gradient
+        def micro_batches(rows: slice) -> list[slice]:
+            return [slice(i, i + args.micro_batch_size) for i in range(rows.start, rows.stop, args.micro_batch_size)]
+
+        def logprobs_of(net, rows: slice = slice(0, local_rows)) -> torch.Tensor:
+            with torch.no_grad():
+                return torch.cat([completion_logprobs(net, input_ids[s], attention_mask[s], T, args.temperature)[0]
+                                  for s in micro_batches(rows)])  # (rows, T)
+
+        old_logp = logprobs_of(model)  # (B, T)
+        ref_logp = None
+        if args.beta > 0:
+            if ref_model is not None:
+                ref_logp = logprobs_of(ref_model)
+            else:
+                with accelerator.unwrap_model(model).disable_adapter():
+                    ref_logp = logprobs_of(model)
+        gap = (sampler_logp_t - old_logp).abs()  # (B, T) sampler/trainer mismatch
+        metrics["rollout/logp_gap_mean"] = ((gap * mask).sum() / mask.sum()).item()
+        metrics["rollout/logp_gap_max"] = (gap * mask).max().item()
+        tis_weights = None
+        if args.tis_cap > 0:  # truncated importance sampling: pi_old / pi_sampler, capped
+            tis_weights = torch.exp(old_logp - sampler_logp_t).clamp(max=args.tis_cap) * mask  # (B, T)
+
+        # 5. Policy updates: num_iterations passes, one optimizer step per mini-batch
+        model.train()
+        update_start = time.time()
+        step_metrics, grad_norms = [], []
+        for _ in range(args.num_iterations):
+            for mb_start in range(0, local_rows, local_mini):
+                mb = slice(mb_start, mb_start + local_mini)
+                # Statistics of the whole optimizer batch: scalars are sums over rows, added up over all
+                # processes; per-row values stay with their rows (groups never straddle processes).
+                stats = batch_stats(lambda: logprobs_of(model, mb), old_logp[mb], advantages[mb], mask[mb], args)
+                stats = {k: accelerator.reduce(v, "sum") if v.dim() == 0 else v for k, v in stats.items()}
+                for s in micro_batches(mb):
+                    rows = slice(s.start - mb_start, s.stop - mb_start)  # the micro-batch within the mini-batch
+                    with accelerator.accumulate(model):
+                        logp, entropy = completion_logprobs(model, input_ids[s], attention_mask[s], T, args.temperature)
+                        loss, loss_metrics = compute_loss(
+                            logp, old_logp[s], None if ref_logp is None else ref_logp[s], advantages[s], mask[s], args,
+                            tis_weights=None if tis_weights is None else tis_weights[s],
+                            **{k: v if v.dim() == 0 else v[rows] for k, v in stats.items()})
+                        # loss is this micro-batch's share of the optimizer batch's loss: undo accelerate's
+                        # division by the accumulation steps and the mean over processes.
+                        accelerator.backward(loss * accelerator.gradient_accumulation_steps * accelerator.num_processes)
+                        if accelerator.sync_gradients:
+                            grad_norms.append(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
+                        optimizer.step()
+                        optimizer.zero_grad()
+                    loss_metrics["policy/entropy"] = (entropy * mask[s]).sum() / mask[s].sum()
+                    step_metrics.append(loss_metrics)
+                scheduler.step()
+        metrics["time/update"] = time.time() - update_start
+        push_start = time.time()
+        engine.push_weights(model)
+        metrics["time/weight_push"] = time.time() - push_start
+
+        # 6. Logging: means over micro-batches, then over processes (one gather: keys may differ by process)
+        local = {key: sum(m[key].item() for m in step_metrics if key in m) / sum(key in m for m in step_metrics)
+                 for key in {key for m in step_metrics for key in m}}
+        per_process = gather_object([local])
+        for key in sorted({key for p in per_process for key in p}):
+            metrics[key] = sum(p[key] for p in per_process if key in p) / sum(key in p for p in per_process)
+        # each micro-batch's loss is its share of the optimizer batch's: scale the mean back to a batch loss
+        metrics["loss/policy"] *= accelerator.gradient_accumulation_steps * accelerator.num_processes
+        lengths = mask.sum(-1).float()  # (B,)
+        truncated = torch.tensor([c[-1] != tokenizer.eos_token_id for c in completion_ids], device=accelerator.device)
+        group_std = rewards.view(-1, G).std(dim=1)  # (N,)
+        gathered = accelerator.gather_for_metrics({
+            "reward": rewards.to(accelerator.device), "length": lengths, "truncated": truncated.float(),
+            "zero_std": (group_std == 0).float().to(accelerator.device),
+            **{f"reward/{name}": r.to(accelerator.device) for name, r in per_func.items()}})
+        metrics.update({
+            "step": step + 1,
+            "reward/mean": gathered["reward"].mean().item(),
+            "reward/std": gathered["reward"].std().item(),
+            "reward/frac_zero_std_groups": gathered["zero_std"].mean().item(),
+            "completion/length_mean": gathered["length"].mean().item(),
+            "completion/length_max": gathered["length"].max().item(),
+            "completion/truncated_frac": gathered["truncated"].mean().item(),
+            "optim/grad_norm": torch.stack(grad_norms).mean().item(),
+            "optim/lr": scheduler.get_last_lr()[0],
+            "time/step": time.time() - step_start,
+        })
+        for name in per_func:
+            metrics[f"reward/{name}/mean"] = gathered[f"reward/{name}"].mean().item()
+            metrics[f"reward/{name}/std"] = gathered[f"reward/{name}"].std().item()
+        metrics["time/tokens_per_s"] = gathered["length"].sum().item() / metrics["time/step"]
+        train_state.step = step + 1
+        if evaluating and (step + 1) % args.eval_steps == 0:
+            metrics.update(evaluate())
+        if (args.save_steps and (step + 1) % args.save_steps == 0) or step + 1 == args.total_steps:
+            save_checkpoint(accelerator, model, tokenizer, run_dir, step + 1)
+        log.write(metrics)
+        accelerator.log(metrics, step=step + 1)
+        progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics.get('policy/kl', 0.0):.4f}",
+                             tok_s=f"{metrics['time/tokens_per_s']:.0f}")
+    accelerator.end_training()
+    return run_dir
+
+
+if __name__ == "__main__":
+    main(parse_args(Args))

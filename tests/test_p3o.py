@@ -1,0 +1,220 @@
+"""p3o.compute_advantages / batch_stats / compute_loss against hand-computed values and gradients, then end-to-end
+runs (micro-batch and process invariance with stale policies, learning on the toy task)."""
+
+import dataclasses
+import math
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+from conftest import read_metrics, run_script
+from test_snib import STALE, assert_same_update, sgd_update
+
+import grpo
+import p3o
+
+ARGS = p3o.Args(num_generations=2)
+
+
+def test_defaults_are_the_papers_and_there_are_no_other_switches():
+    args = p3o.Args()
+    assert (args.beta, args.entropy_coeff) == (0.0, 0.0)
+    shared = {f.name for f in dataclasses.fields(grpo.Args)} - {"beta", "epsilon", "epsilon_high", "advantage",
+                                                                 "train_on", "loss_agg"}
+    assert {f.name for f in dataclasses.fields(p3o.Args)} - shared == {"beta", "entropy_coeff"}  # no clip
+
+
+def test_zscore_advantages_by_hand():
+    # group 1: rewards (1, 0, 0, 0): mean 0.25, unbiased std 0.5; group 2: all equal -> 0
+    A = p3o.compute_advantages(torch.tensor([1.0, 0, 0, 0, 3, 3, 3, 3]), replace(ARGS, num_generations=4))
+    torch.testing.assert_close(A, torch.tensor([0.75, -0.25, -0.25, -0.25, 0, 0, 0, 0]) / (0.5 + 1e-6))
+
+
+def spread_batch():
+    """Lengths 2 and 1; valid ratios r = (2, 0.5 | 1), and log-ratios of 100 in the padding (exp would overflow)."""
+    old = torch.tensor([[-1.0, -1.0, -50.0], [-2.0, -50.0, -50.0]])
+    logp = (old + torch.tensor([[math.log(2.0), math.log(0.5), 100.0], [0.0, 100.0, 100.0]])).requires_grad_()
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    return logp, old, mask
+
+
+ESS = 3.5**2 / (3 * (4 + 0.25 + 1))  # (sum r)^2 / (n sum r^2) = 7/9
+KL_OLD = [math.log(2) + 0.5 - 1, math.log(0.5) + 2 - 1, 0.0]  # (logp - old) + exp(old - logp) - 1
+
+
+def test_ess_is_one_on_policy_and_below_one_when_ratios_spread():
+    logp, old, mask = spread_batch()
+    _, on = p3o.compute_loss(logp, logp.detach(), None, torch.tensor([1.0, -1.0]), mask, ARGS)
+    assert on["p3o/ess"].item() == 1.0 and on["p3o/capped_frac"].item() == 0.0
+    _, off = p3o.compute_loss(logp, old, None, torch.tensor([1.0, -1.0]), mask, ARGS)
+    assert ESS == pytest.approx(7 / 9)
+    assert off["p3o/ess"].item() == pytest.approx(ESS)
+    assert off["p3o/capped_frac"].item() == pytest.approx(2 / 3)  # r = 2 and r = 1 exceed 7/9
+    assert off["p3o/behaviour_kl"].item() == pytest.approx(sum(KL_OLD) / 3)
+    assert off["policy/ratio_mean"].item() == pytest.approx(3.5 / 3)
+
+
+def test_off_policy_loss_and_gradient_by_hand():
+    logp, old, mask = spread_batch()
+    A = torch.tensor([1.0, -1.0])
+    loss, _ = p3o.compute_loss(logp, old, None, A, mask, ARGS)
+    weights = [7 / 9, 0.5, 7 / 9]  # stopgrad(min(r_t, ESS))
+    lp = [logp[0, 0].item(), logp[0, 1].item(), logp[1, 0].item()]
+    a = [1.0, 1.0, -1.0]
+    expected = sum(-w * x * ai + (1 - ESS) * k for w, x, ai, k in zip(weights, lp, a, KL_OLD)) / 3
+    assert loss.item() == pytest.approx(expected)
+    loss.backward()
+    # d/d logp_t: -w_t A_i / n + (1 - ESS) (1 - exp(old - logp)) / n; nothing on padding
+    d_kl = [1 - 0.5, 1 - 2.0, 0.0]
+    g = [(-w * ai + (1 - ESS) * d) / 3 for w, ai, d in zip(weights, a, d_kl)]
+    torch.testing.assert_close(logp.grad, torch.tensor([[g[0], g[1], 0.0], [g[2], 0.0, 0.0]]))
+
+
+def test_behaviour_kl_term_scales_with_one_minus_ess():
+    logp, old, mask = spread_batch()
+    loss, _ = p3o.compute_loss(logp, old, None, torch.zeros(2), mask, ARGS)  # A = 0: only the trust region is left
+    assert loss.item() == pytest.approx((1 - ESS) * sum(KL_OLD) / 3)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[(1 - ESS) * 0.5 / 3, (1 - ESS) * -1.0 / 3, 0], [0, 0, 0]]))
+
+
+def test_on_policy_gradient_is_minus_advantage_over_the_token_count():
+    logp, _, mask = spread_batch()
+    A = torch.tensor([1.0, -2.0])
+    loss, metrics = p3o.compute_loss(logp, logp.detach(), None, A, mask, ARGS)
+    assert loss.item() == pytest.approx(-(1.0 * (logp[0, 0] + logp[0, 1]) - 2.0 * logp[1, 0]).item() / 3)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-1 / 3, -1 / 3, 0], [2 / 3, 0, 0]]))
+
+
+def test_reference_kl_and_entropy_bonus_by_hand():
+    logp, _, mask = spread_batch()
+    ref = logp.detach() + torch.tensor([[0.5, -0.5, 0.0], [0.2, 0.0, 0.0]])  # ref - logp on valid tokens
+    entropy = torch.tensor([[1.0, 2.0, 7.0], [0.5, 7.0, 7.0]], requires_grad=True)
+    args = replace(ARGS, beta=0.1, entropy_coeff=0.01)
+    loss, metrics = p3o.compute_loss(logp, logp.detach(), ref, torch.zeros(2), mask, args, entropy=entropy)
+    kl = [math.exp(d) - d - 1 for d in (0.5, -0.5, 0.2)]  # (logp - ref) + exp(ref - logp) - 1
+    assert loss.item() == pytest.approx((0.1 * sum(kl) - 0.01 * 3.5) / 3, rel=1e-5)
+    assert metrics["policy/kl"].item() == pytest.approx(sum(kl) / 3)
+    loss.backward()
+    torch.testing.assert_close(entropy.grad, -0.01 * mask.float() / 3)
+    g = [0.1 * (1 - math.exp(d)) / 3 for d in (0.5, -0.5, 0.2)]
+    torch.testing.assert_close(logp.grad, torch.tensor([[g[0], g[1], 0], [g[2], 0, 0]]))
+
+
+def test_entropy_bonus_needs_an_entropy_with_gradient():
+    logp, _, mask = spread_batch()
+    args = replace(ARGS, entropy_coeff=0.01)
+    with pytest.raises(ValueError, match="entropy with its gradient"):
+        p3o.compute_loss(logp, logp.detach(), None, torch.zeros(2), mask, args)
+    with pytest.raises(ValueError, match="entropy with its gradient"):  # what the loop has today: a detached entropy
+        p3o.compute_loss(logp, logp.detach(), None, torch.zeros(2), mask, args, entropy=torch.ones(2, 3))
+    p3o.compute_loss(logp, logp.detach(), None, torch.zeros(2), mask, ARGS, entropy=torch.ones(2, 3))  # coeff 0: fine
+
+
+def test_tis_weights_scale_the_policy_term_per_token():
+    logp, _, mask = spread_batch()
+    A = torch.tensor([1.0, -2.0])
+    tis = torch.tensor([[0.5, 2.0, 9.0], [3.0, 9.0, 9.0]])
+    loss, _ = p3o.compute_loss(logp, logp.detach(), None, A, mask, ARGS, tis_weights=tis)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-0.5 / 3, -2.0 / 3, 0], [2.0 * 3.0 / 3, 0, 0]]))
+
+
+# Against loops straight from ESTIMATORS.md; micro-batches and processes
+
+
+def reference_loss(logp, old, ref, A, mask, args, tis=None, entropy=None):
+    """Loops over valid tokens with torch scalars (autograd then gives the reference gradient)."""
+    B, T = logp.shape
+    valid = [(i, t) for i in range(B) for t in range(T) if mask[i, t]]
+    r = [math.exp((logp[i, t] - old[i, t]).item()) for i, t in valid]
+    n = len(valid)
+    ess = sum(r) ** 2 / (n * sum(x * x for x in r))
+    kl = lambda x, y: (x - y) + torch.exp(torch.clamp(y - x, -10, 10)) - 1  # noqa: E731
+    total = 0.0
+    for (i, t), r_t in zip(valid, r):
+        total = total - min(r_t, ess) * logp[i, t] * A[i] * (1.0 if tis is None else tis[i, t])
+        total = total + (1 - ess) * kl(logp[i, t], old[i, t])
+        if args.beta > 0:
+            total = total + args.beta * kl(logp[i, t], ref[i, t])
+        if args.entropy_coeff > 0:
+            total = total - args.entropy_coeff * entropy[i, t]
+    return total / n, ess
+
+
+def random_batch(seed=0, B=8, T=5, spread=0.3):
+    torch.manual_seed(seed)
+    logp = (torch.randn(B, T, dtype=torch.float64) * 0.3 - 1).requires_grad_()
+    old = logp.detach() + torch.randn(B, T, dtype=torch.float64) * spread
+    ref = logp.detach() + torch.randn(B, T, dtype=torch.float64) * 0.3
+    lengths = torch.tensor([5, 1, 3, 4, 2, 5, 5, 1])
+    mask = (torch.arange(T)[None] < lengths[:, None]).long()  # (B, T) unequal lengths, right-padded
+    A = p3o.compute_advantages(torch.rand(B, dtype=torch.float64), replace(ARGS, num_generations=4))
+    tis = (torch.rand(B, T, dtype=torch.float64) + 0.5) * mask
+    entropy = torch.rand(B, T, dtype=torch.float64, requires_grad=True)
+    return logp, old, ref, A, mask, tis, entropy
+
+
+@pytest.mark.parametrize("beta, entropy_coeff, with_tis", [(0.0, 0.0, False), (0.05, 0.01, True)])
+def test_matches_reference_and_micro_batches_sum_to_full_batch(beta, entropy_coeff, with_tis):
+    args = replace(ARGS, num_generations=4, beta=beta, entropy_coeff=entropy_coeff)
+    logp, old, ref, A, mask, tis, entropy = random_batch()
+    tis = tis if with_tis else None
+    inputs = [logp, entropy] if entropy_coeff > 0 else [logp]
+    loss, metrics = p3o.compute_loss(logp=logp, old_logp=old, ref_logp=ref, advantages=A, mask=mask, args=args,
+                                     tis_weights=tis, entropy=entropy)
+    full_grad = torch.autograd.grad(loss, inputs)
+    expected, ess = reference_loss(logp, old, ref, A, mask, args, tis, entropy)
+    assert metrics["p3o/ess"].item() == pytest.approx(ess) and ess < 0.95
+    assert 0 < metrics["p3o/capped_frac"] < 1
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-10)
+    for got, want in zip(full_grad, torch.autograd.grad(expected, inputs)):
+        torch.testing.assert_close(got, want)
+
+    # micro-batches with the mini-batch's sums; then two "processes", each summing its own half (the all-reduce)
+    stats = p3o.batch_stats(logp.detach, old, A, mask, args)
+    halves = [p3o.batch_stats(logp[s].detach, old[s], A[s], mask[s], args) for s in (slice(0, 4), slice(4, 8))]
+    reduced = {k: halves[0][k] + halves[1][k] for k in stats}
+    for stats in (stats, reduced):
+        micro = sum(p3o.compute_loss(logp[s], old[s], ref[s], A[s], mask[s], args, entropy=entropy[s],
+                                     tis_weights=None if tis is None else tis[s], **stats)[0]
+                    for s in [slice(0, 1), slice(1, 3), slice(3, 6), slice(6, 8)])
+        assert micro.item() == pytest.approx(loss.item(), rel=1e-10)
+        for got, want in zip(torch.autograd.grad(micro, inputs), full_grad):
+            torch.testing.assert_close(got, want)
+
+
+def test_extreme_log_ratios_stay_finite():
+    logp, old, mask = spread_batch()
+    logp = (old + torch.tensor([[60.0, -60.0, 100.0], [0.0, 100.0, 100.0]])).requires_grad_()  # r^2 > fp32 max
+    loss, metrics = p3o.compute_loss(logp, old, None, torch.tensor([1.0, -1.0]), mask, ARGS)
+    loss.backward()
+    assert math.isfinite(loss.item()) and torch.isfinite(logp.grad).all()
+    assert metrics["p3o/ess"].item() == pytest.approx(1 / 3, rel=1e-4)  # one ratio dominates: ESS -> 1/n
+
+
+# End-to-end (toy task, CPU)
+
+
+@pytest.mark.slow
+def test_stale_updates_do_not_depend_on_micro_batches_or_processes(in_toy_workdir):
+    runs = {f"p3o_p1_m{m}": sgd_update(in_toy_workdir, "p3o.py", f"p3o_p1_m{m}", STALE + ["--micro_batch_size", str(m)])
+            for m in (1, 4, 8)}
+    runs["p3o_p2"] = sgd_update(in_toy_workdir, "p3o.py", "p3o_p2", STALE + ["--micro_batch_size", "2"],
+                                num_processes=2)
+    whole = runs.pop("p3o_p1_m8")
+    for name, update in runs.items():
+        assert_same_update(update, whole, name)
+    m = read_metrics(os.path.join(in_toy_workdir, "runs", "p3o_p1_m8"))[-1]
+    assert m["p3o/ess"] < 0.995 and m["p3o/capped_frac"] > 0.05 and m["p3o/behaviour_kl"] > 1e-3, m
+
+
+@pytest.mark.slow
+def test_toy_learns(in_toy_workdir):
+    """A shortened toy run with the paper's defaults: held-out greedy accuracy must rise."""
+    run = run_script(p3o, ["--preset", "toy", "--total_steps", "50", "--eval_steps", "25", "--run_name", "learns"])
+    evals = [m["eval/accuracy"] for m in read_metrics(run) if "eval/accuracy" in m]
+    assert len(evals) == 3
+    assert evals[-1] >= evals[0] + 0.04, evals
