@@ -9,8 +9,7 @@ Differs from grpo.py:
   policy, kl_old_t = (logp - old_logp) + exp(clamp(old_logp - logp, -10, 10)) - 1; a token mean over the batch.
 - ESS counts every valid token of the optimizer batch on all processes (batch_stats at the current weights,
   all-reduced), where FeynRL takes it per micro-batch.
-- --entropy_coeff > 0 needs common.utils.completion_logprobs to return the entropy with its gradient (today it
-  is computed under no_grad); the loop already passes it to compute_loss.
+- --entropy_coeff > 0: the loop asks completion_logprobs for the entropy with its gradient and passes it on.
 
 Run:
     python p3o.py --preset toy                                   # CPU, minutes
@@ -347,7 +346,8 @@ def main(args: Args):
                 for s in micro_batches(mb):
                     rows = slice(s.start - mb_start, s.stop - mb_start)  # the micro-batch within the mini-batch
                     with accelerator.accumulate(model):
-                        logp, entropy = completion_logprobs(model, input_ids[s], attention_mask[s], T, args.temperature)
+                        logp, entropy = completion_logprobs(  # P3O: the entropy bonus needs the entropy's gradient
+                            model, input_ids[s], attention_mask[s], T, args.temperature, args.entropy_coeff > 0)  # P3O:
                         loss, loss_metrics = compute_loss(
                             logp, old_logp[s], None if ref_logp is None else ref_logp[s], advantages[s], mask[s], args,
                             tis_weights=None if tis_weights is None else tis_weights[s], entropy=entropy,  # P3O:
@@ -367,9 +367,12 @@ def main(args: Args):
         engine.push_weights(model)
         metrics["time/weight_push"] = time.time() - push_start
 
-        # 6. Logging: means over micro-batches and processes
-        for key in step_metrics[0]:
-            metrics[key] = accelerator.reduce(torch.stack([m[key].float() for m in step_metrics]).mean(), "mean").item()
+        # 6. Logging: means over micro-batches, then over processes (one gather: keys may differ by process)
+        local = {key: sum(m[key].item() for m in step_metrics if key in m) / sum(key in m for m in step_metrics)
+                 for key in {key for m in step_metrics for key in m}}
+        per_process = gather_object([local])
+        for key in sorted({key for p in per_process for key in p}):
+            metrics[key] = sum(p[key] for p in per_process if key in p) / sum(key in p for p in per_process)
         # each micro-batch's loss is its share of the optimizer batch's: scale the mean back to a batch loss
         metrics["loss/policy"] *= accelerator.gradient_accumulation_steps * accelerator.num_processes
         lengths = mask.sum(-1).float()  # (B,)

@@ -380,9 +380,12 @@ def main(args: Args):
         engine.push_weights(model)
         metrics["time/weight_push"] = time.time() - push_start
 
-        # 6. Logging: means over micro-batches and processes
-        for key in step_metrics[0]:
-            metrics[key] = accelerator.reduce(torch.stack([m[key].float() for m in step_metrics]).mean(), "mean").item()
+        # 6. Logging: means over micro-batches, then over processes (one gather: keys may differ by process)
+        local = {key: sum(m[key].item() for m in step_metrics if key in m) / sum(key in m for m in step_metrics)
+                 for key in {key for m in step_metrics for key in m}}
+        per_process = gather_object([local])
+        for key in sorted({key for p in per_process for key in p}):
+            metrics[key] = sum(p[key] for p in per_process if key in p) / sum(key in p for p in per_process)
         # each micro-batch's loss is its share of the optimizer batch's: scale the mean back to a batch loss
         metrics["loss/policy"] *= accelerator.gradient_accumulation_steps * accelerator.num_processes
         lengths = mask.sum(-1).float()  # (B,)

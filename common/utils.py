@@ -104,8 +104,9 @@ def step_prompts(step: int, batch_size: int, num_generations: int, mini_batch_si
 
 
 def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int,
-                        temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob of each completion token under softmax(logits / T), and the entropy there (no gradient).
+                        temperature: float, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of each completion token under softmax(logits / T), and the entropy there (with its
+    gradient only if `entropy_grad`: an entropy bonus needs it, logging does not).
 
     input_ids = [left-padded prompt | right-padded completion], (B, P + T). Returns two (B, T).
     """
@@ -118,7 +119,7 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     for row_logits, row_targets in zip(logits, targets):  # one row at a time bounds the fp32 (T, V) copy
         row_logp = torch.log_softmax(row_logits.float() / temperature, dim=-1)  # (T, V)
         logp.append(row_logp.gather(-1, row_targets[:, None])[:, 0])  # (T,)
-        with torch.no_grad():
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             entropy.append(-(row_logp.exp() * row_logp).sum(-1))  # (T,)
     return torch.stack(logp), torch.stack(entropy)
 
