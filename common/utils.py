@@ -189,15 +189,19 @@ def find_checkpoint(path: str) -> str:
 
 
 class MetricsLog:
-    """Append-only metrics.jsonl in the run folder (main process only); on resume, later steps are dropped."""
+    """metrics.jsonl in the run folder (main process only): one line per step; on resume, the lines
+    after the checkpoint's step are dropped, so the file reads as if the run had never stopped."""
 
     def __init__(self, run_dir: str, enabled: bool, resume_step: int = 0):
         self.path, self.enabled = os.path.join(run_dir, "metrics.jsonl"), enabled
-        if enabled and resume_step and os.path.exists(self.path):
+        if not enabled:
+            return
+        kept = []  # a new run reusing a run name starts a new file
+        if resume_step and os.path.exists(self.path):
             with open(self.path) as f:
                 kept = [line for line in f if json.loads(line)["step"] <= resume_step]
-            with open(self.path, "w") as f:
-                f.writelines(kept)
+        with open(self.path, "w") as f:
+            f.writelines(kept)
 
     def write(self, metrics: dict) -> None:
         if self.enabled:

@@ -214,7 +214,8 @@ def test_stale_updates_do_not_depend_on_micro_batches_or_processes(in_toy_workdi
 @pytest.mark.slow
 def test_toy_learns(in_toy_workdir):
     """A shortened toy run with the paper's defaults: held-out greedy accuracy must rise."""
-    run = run_script(p3o, ["--preset", "toy", "--total_steps", "50", "--eval_steps", "25", "--run_name", "learns"])
+    argv = ["--preset", "toy", "--total_steps", "50", "--eval_steps", "25", "--run_name", "p3o_learns"]
+    run = run_script(p3o, argv)  # a run name of its own: the toy workdir is shared by the whole session
     evals = [m["eval/accuracy"] for m in read_metrics(run) if "eval/accuracy" in m]
     assert len(evals) == 3
     assert evals[-1] >= evals[0] + 0.04, evals

@@ -337,29 +337,30 @@ def assert_same_update(a: dict, b: dict, label: str):
     ("fg_kl", ["--stop_grad_norm", "false"], (4, 8)),  # SNIB-fg with KL: whole groups per micro-batch
 ])
 def test_stale_updates_do_not_depend_on_micro_batches_or_processes(in_toy_workdir, variant, flags, micro_sizes):
-    runs = {f"{variant}_p1_m{m}": sgd_update(in_toy_workdir, "snib.py", f"{variant}_p1_m{m}",
-                                             STALE + flags + ["--micro_batch_size", str(m)]) for m in micro_sizes}
+    runs = {f"snib_{variant}_p1_m{m}": sgd_update(in_toy_workdir, "snib.py", f"snib_{variant}_p1_m{m}",
+                                                  STALE + flags + ["--micro_batch_size", str(m)])
+            for m in micro_sizes}
     two = micro_sizes[0] if micro_sizes[0] % 4 == 0 else 2  # 2 processes: 4 rows of each mini-batch each
-    runs[f"{variant}_p2"] = sgd_update(in_toy_workdir, "snib.py", f"{variant}_p2",
-                                       STALE + flags + ["--micro_batch_size", str(two)], num_processes=2)
-    whole = runs.pop(f"{variant}_p1_m8")
+    runs[f"snib_{variant}_p2"] = sgd_update(in_toy_workdir, "snib.py", f"snib_{variant}_p2",
+                                            STALE + flags + ["--micro_batch_size", str(two)], num_processes=2)
+    whole = runs.pop(f"snib_{variant}_p1_m8")
     for name, update in runs.items():
         assert_same_update(update, whole, name)
-    m = read_metrics(os.path.join(in_toy_workdir, "runs", f"{variant}_p1_m8"))[-1]
+    m = read_metrics(os.path.join(in_toy_workdir, "runs", f"snib_{variant}_p1_m8"))[-1]
     assert m["snib/ess"] < 0.98 and m["snib/weight_max"] > 1.05 and m["snib/raw_logweight_std"] > 0.05, m
 
 
 @pytest.mark.slow
 def test_resume_with_reward_noise_continues_exactly(in_toy_workdir):
     argv = SMALL + ["--total_steps", "2", "--save_steps", "1", "--reward_noise", "0.5"]
-    straight = run_script(snib, argv + ["--run_name", "noisy"])
-    copy = os.path.join("runs", "noisy_resumed")
+    straight = run_script(snib, argv + ["--run_name", "snib_noisy"])
+    copy = os.path.join("runs", "snib_noisy_resumed")
     shutil.copytree(straight, copy)
     shutil.rmtree(os.path.join(copy, "checkpoints", "step_2"))
     resumed = run_script(snib, argv + ["--resume_from", copy])
     assert_same_weights(final_weights(straight, 2), final_weights(resumed, 2), atol=0)
     assert read_metrics(resumed)[-1]["loss/policy"] == read_metrics(straight)[-1]["loss/policy"]
-    quiet = run_script(snib, argv + ["--reward_noise", "0", "--run_name", "quiet"])
+    quiet = run_script(snib, argv + ["--reward_noise", "0", "--run_name", "snib_quiet"])
     noisy, clean = final_weights(straight, 2), final_weights(quiet, 2)
     assert any(not torch.equal(noisy[k], clean[k]) for k in noisy)  # the noise acts
 
@@ -367,7 +368,8 @@ def test_resume_with_reward_noise_continues_exactly(in_toy_workdir):
 @pytest.mark.slow
 def test_toy_learns(in_toy_workdir):
     """A shortened toy run with the paper's defaults: held-out greedy accuracy must rise."""
-    run = run_script(snib, ["--preset", "toy", "--total_steps", "50", "--eval_steps", "25", "--run_name", "learns"])
+    argv = ["--preset", "toy", "--total_steps", "50", "--eval_steps", "25", "--run_name", "snib_learns"]
+    run = run_script(snib, argv)  # a run name of its own: the toy workdir is shared by the whole session
     evals = [m["eval/accuracy"] for m in read_metrics(run) if "eval/accuracy" in m]
     assert len(evals) == 3
     assert evals[-1] >= evals[0] + 0.04, evals
