@@ -129,8 +129,8 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, sum_r=N
     optimizer batch's sums over valid tokens, at the current weights; `tis_weights` (B, T) multiply the policy
     term per token; `entropy` (B, T) must carry its gradient when entropy_coeff > 0."""
     if args.entropy_coeff > 0 and (entropy is None or (logp.requires_grad and not entropy.requires_grad)):
-        raise ValueError("--entropy_coeff > 0 needs the entropy with its gradient, which common.utils."
-                         "completion_logprobs does not return yet (see p3o.py's docstring)")
+        raise ValueError("--entropy_coeff > 0 needs the entropy with its gradient: "
+                         "completion_logprobs(..., entropy_grad=True)")
     if sum_r is None:  # the full batch: its own statistics
         return compute_loss(logp, old_logp, ref_logp, advantages, mask, args, tis_weights=tis_weights, entropy=entropy,
                             **batch_stats(logp.detach, old_logp, advantages, mask, args))

@@ -108,7 +108,7 @@ def test_entropy_bonus_needs_an_entropy_with_gradient():
     args = replace(ARGS, entropy_coeff=0.01)
     with pytest.raises(ValueError, match="entropy with its gradient"):
         p3o.compute_loss(logp, logp.detach(), None, torch.zeros(2), mask, args)
-    with pytest.raises(ValueError, match="entropy with its gradient"):  # what the loop has today: a detached entropy
+    with pytest.raises(ValueError, match="entropy with its gradient"):  # completion_logprobs' default: detached
         p3o.compute_loss(logp, logp.detach(), None, torch.zeros(2), mask, args, entropy=torch.ones(2, 3))
     p3o.compute_loss(logp, logp.detach(), None, torch.zeros(2), mask, ARGS, entropy=torch.ones(2, 3))  # coeff 0: fine
 
