@@ -30,7 +30,7 @@ from common.rewards import compute_rewards, get_reward_function
 from common.rollout import HFEngine, sample_seed
 from common.toy import TOY_DIR, prepare_toy
 from common.utils import (MetricsLog, TrainState, check_args, completion_logprobs, find_checkpoint, pad_rows,
-                          parse_args, peak_memory_gib, save_checkpoint, step_prompts)
+                          parse_args, peak_memory_gib, save_checkpoint, sharded_parameters, step_prompts)
 from common.vllm_engine import VLLMEngine, vllm_available
 from evals.run import evaluate_benchmarks, load_eval_sets
 
@@ -84,6 +84,7 @@ class Args:
     num_generations: int = field(default=8, metadata={"help": "completions per prompt, G"})
     mini_batch_size: int = field(default=0, metadata={"help": "completions per optimizer step over all processes; 0: batch_size"})
     micro_batch_size: int = field(default=4, metadata={"help": "completions per forward/backward on each process"})
+    logprob_batch_size: int = field(default=0, metadata={"help": "completions per no-grad forward (old / reference log-probs) on each process; 0: micro_batch_size"})
     num_iterations: int = field(default=1, metadata={"help": "passes over each batch of rollouts (mu)"})
     learning_rate: float = field(default=1e-6, metadata={"help": "AdamW learning rate"})
     lr_scheduler_type: str = field(default="constant", metadata={"help": "transformers scheduler name"})
@@ -220,7 +221,7 @@ def main(args: Args):
     reward_columns = [c for c in train_data.column_names if c not in ("prompt", "prompt_text", "prompt_ids")]
 
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
-                                  weight_decay=args.weight_decay)
+                                  weight_decay=args.weight_decay, fused=True)  # one kernel per step (TRL's default)
     optimizer_steps = args.total_steps * args.num_iterations * (args.batch_size // M)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, optimizer_steps)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
@@ -278,7 +279,7 @@ def main(args: Args):
         # 1. Rollouts: G completions for each of this process's prompts (whole groups per process)
         positions, indices = step_prompts(step, args.batch_size, args.num_generations, args.mini_batch_size,
                                           accelerator.num_processes, accelerator.process_index, len(train_data), args.seed)
-        rows, G = train_data.select(indices), args.num_generations
+        rows, G = train_data[indices], args.num_generations  # {column: values}
         prompt_ids = [p for p in rows["prompt_ids"] for _ in range(G)]
         seeds = [sample_seed(args.seed, step, position, j) for position in positions for j in range(G)]
         engine.wake_up()
@@ -306,13 +307,16 @@ def main(args: Args):
         sampler_logp_t, T = sampler_logp_t.to(accelerator.device), completions_t.shape[1]
 
         # 4. Behaviour (old) and reference log-probs at the weights that sampled, without gradient
-        def micro_batches(rows: slice) -> list[slice]:
-            return [slice(i, i + args.micro_batch_size) for i in range(rows.start, rows.stop, args.micro_batch_size)]
+        def micro_batches(rows: slice, size: int = args.micro_batch_size) -> list[slice]:
+            return [slice(i, min(i + size, rows.stop)) for i in range(rows.start, rows.stop, size)]
 
         def logprobs_of(net, rows: slice = slice(0, local_rows)) -> torch.Tensor:
+            """No gradient: --logprob_batch_size rows per forward; the rows of a prompt share one forward of it."""
+            share, size = not sharded_parameters(accelerator), args.logprob_batch_size or args.micro_batch_size
             with torch.no_grad():
-                return torch.cat([completion_logprobs(net, input_ids[s], attention_mask[s], T, args.temperature)[0]
-                                  for s in micro_batches(rows)])  # (rows, T)
+                return torch.cat([completion_logprobs(net, input_ids[s], attention_mask[s], T, args.temperature,
+                                                      share_prompts=share)[0]
+                                  for s in micro_batches(rows, size)])  # (rows, T)
 
         logprobs_start = time.time()
         # On-policy (one optimizer step per batch, no TIS), old_logp is the update's own logp.detach(): no pass

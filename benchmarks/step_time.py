@@ -32,7 +32,8 @@ trl==1.16.0 and transformers 5.19) on the same work, every setting taken from th
                         use_vllm=False (transformers generate, like --rollout_engine hf)
     objective           loss_type="grpo" (sequence mean of token means, as grpo.py), scale_rewards="group", beta,
                         epsilon, epsilon_high, learning_rate, lr_scheduler_type, warmup_steps, weight_decay,
-                        max_grad_norm, seed; optim="adamw_torch" (torch.optim.AdamW, as grpo.py)
+                        max_grad_norm, seed; optim="adamw_torch_fused" (transformers' default; torch.optim.AdamW(fused=True),
+                        as grpo.py)
     threads             torch.set_num_threads(--threads) and OMP_NUM_THREADS in both processes
     step time           TRL: on_step_begin -> on_step_end of a TrainerCallback (generation, rewards, reference
                         log-probs, the forward/backward of every micro-batch and the optimizer step; not its
@@ -40,12 +41,18 @@ trl==1.16.0 and transformers 5.19) on the same work, every setting taken from th
                         update = step minus its _generate_and_score_completions; cpu/step from one on_step_end
                         to the next (its logging included, as the scripts' metrics are)
 
-Where the two do different work by design (the ratio includes it): TRL skips the old-log-prob pass when the
-update is on-policy (it uses logp.detach()); grpo.py always recomputes old_logp (the sampler/trainer gap it
-logs, and --tis_cap). grpo.py samples with a seeded Gumbel-max processor (reproducible per completion);
-TRL with transformers' multinomial sampling. Completion lengths therefore differ a little: compare
-tokens/s as well as step time. TRL's update computes the entropy through its fused LM head and logs
-per micro-batch; grpo.py computes it from the logits (common.utils.completion_logprobs).
+Where the two do different work by design (the ratio includes it):
+- grpo.py's rollout engine prefills each distinct prompt once for its G samples (common.rollout.shared_prefill);
+  TRL's transformers path prefills every row.
+- grpo.py's no-grad passes (reference; old log-probs when off-policy) run --logprob_batch_size rows per forward
+  (the toy preset: 256, the whole batch) and compute each distinct prompt once (shared_prompt_cache); TRL runs
+  them per micro-batch, every row in full. `-- --logprob_batch_size 64` measures grpo.py without the larger
+  forwards.
+- grpo.py samples with a seeded Gumbel-max processor (reproducible per completion), TRL with transformers'
+  multinomial sampling, so completion lengths differ a little: compare tokens/s as well as step time.
+- TRL's update computes the entropy through its fused LM head and logs per micro-batch; grpo.py computes it
+  from the logits (common.utils.completion_logprobs).
+Both take the update's own log-probs, detached, as the old log-probs when the update is on-policy.
 
 On a shared CPU, compare cpu/step, use --repeat 3 (interleaved runs, medians) and read the load average
 printed with the table.
@@ -143,7 +150,7 @@ def trl_config_and_data(argv: list[str], threads: int):
         loss_type="grpo", scale_rewards="group", beta=args.beta, epsilon=args.epsilon, epsilon_high=args.epsilon_high,
         num_iterations=1, learning_rate=args.learning_rate, lr_scheduler_type=args.lr_scheduler_type,
         warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
-        optim="adamw_torch", dataloader_num_workers=0,
+        optim="adamw_torch_fused", dataloader_num_workers=0,
         reward_weights=[float(w) for w in args.reward_weights.split(",")] if args.reward_weights else None,
     )
     return args, config, dataset, tokenizer

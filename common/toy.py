@@ -47,6 +47,7 @@ TOY_PRESET = dict(
     batch_size=256,
     num_generations=8,
     micro_batch_size=64,
+    logprob_batch_size=256,  # no-grad passes over the whole batch: fewer, larger forwards (and shared prompts)
     learning_rate=5e-4,
     warmup_steps=10,
     eval_steps=50,

@@ -14,6 +14,7 @@ import sys
 import torch
 import yaml
 from transformers import AutoConfig, HfArgumentParser
+from transformers.cache_utils import DynamicLayer
 
 from common.toy import TOY_PRESET
 from common.vllm_engine import vllm_available
@@ -85,6 +86,16 @@ def check_args(args, num_processes: int) -> None:
         ) from None
 
 
+def sharded_parameters(accelerator) -> bool:
+    """FSDP and DeepSpeed ZeRO-3 shard the parameters: every forward is then a collective, and every process must
+    run the same number of them (no data-dependent extra forward, such as a shared prompt prefix's)."""
+    from accelerate.utils import DistributedType
+
+    kind = accelerator.distributed_type
+    return kind == DistributedType.FSDP or (kind == DistributedType.DEEPSPEED
+                                            and accelerator.state.deepspeed_plugin.zero_stage == 3)
+
+
 def step_prompts(step: int, batch_size: int, num_generations: int, mini_batch_size: int, num_processes: int,
                  process_index: int, dataset_size: int, seed: int) -> tuple[list[int], list[int]]:
     """This process's prompts at `step`: (their indices within the step's global batch, their dataset rows).
@@ -107,20 +118,48 @@ LOGPROB_CHUNK_ELEMENTS = 2**24  # fp32 scratch of one chunk of positions x vocab
 
 
 def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int,
-                        temperature: float, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                        temperature: float, entropy_grad: bool = False,
+                        share_prompts: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of each completion token under softmax(logits / T), and the entropy there (with its
     gradient only if `entropy_grad`: an entropy bonus needs it, logging does not).
 
     input_ids = [left-padded prompt | right-padded completion], (B, P + T). Returns two (B, T) in fp32.
     The logits stay in the model's dtype; no fp32 (B, T, V) tensor is ever made (see TokenLogprobs).
+    `share_prompts` (no-grad passes only): rows with the same prompt share one forward of it (shared_prompt_cache).
     """
-    T = num_completion_tokens
+    T, P = num_completion_tokens, input_ids.shape[1] - num_completion_tokens
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding must not shift positions
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+    cache = None
+    if share_prompts and not torch.is_grad_enabled():
+        cache = shared_prompt_cache(model, input_ids, attention_mask, position_ids, P - 1)
+    start = 0 if cache is None else P - 1  # with the prompts' cache, run from each prompt's last token on
+    logits = model(input_ids=input_ids[:, start:], attention_mask=attention_mask, position_ids=position_ids[:, start:],
+                   past_key_values=cache, use_cache=cache is not None,
                    logits_to_keep=T + 1).logits  # (B, T + 1, V): position t < T predicts completion token t
     # nothing else holds these logits: the backward may overwrite them with their gradient (a second backward
     # through a retained graph then fails with autograd's in-place error instead of a wrong gradient)
     return TokenLogprobs.apply(logits, input_ids[:, -T:], temperature, entropy_grad and torch.is_grad_enabled(), True)
+
+
+def shared_prompt_cache(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                        length: int):
+    """The KV cache of the first `length` columns of every row, computed once per distinct prefix (GRPO's G
+    completions of a prompt share it) and indexed out to all rows; None, for a plain forward, when no prefix
+    repeats or the model's cache is not plain key/value layers (e.g. linear attention's states)."""
+    if length < 1:
+        return None
+    prefix = torch.cat([input_ids[:, :length], attention_mask[:, :length]], dim=1)  # (B, 2 * length)
+    distinct, row_of = torch.unique(prefix, dim=0, return_inverse=True)  # (u, 2 * length), (B,)
+    if len(distinct) == len(prefix):
+        return None
+    first = torch.full((len(distinct),), len(prefix), device=prefix.device).scatter_reduce(
+        0, row_of, torch.arange(len(prefix), device=prefix.device), "amin")  # (u,) one row of each prefix
+    cache = model(input_ids=input_ids[first, :length], attention_mask=attention_mask[first, :length],
+                  position_ids=position_ids[first, :length], use_cache=True, logits_to_keep=1).past_key_values
+    if not all(isinstance(layer, DynamicLayer) for layer in getattr(cache, "layers", [None])):
+        return None
+    cache.batch_select_indices(row_of)  # (B,) rows
+    return cache
 
 
 class TokenLogprobs(torch.autograd.Function):

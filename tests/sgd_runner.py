@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-torch.optim.AdamW = lambda params, lr, weight_decay: torch.optim.SGD(params, lr=lr)
+torch.optim.AdamW = lambda params, lr, weight_decay, **kwargs: torch.optim.SGD(params, lr=lr)
 script = sys.argv[1]
 sys.argv = sys.argv[1:]
 runpy.run_path(script, run_name="__main__")

@@ -126,3 +126,38 @@ def test_backward_overwrites_the_logits_so_a_second_backward_fails_loudly():
     logp.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         logp.sum().backward()
+
+
+def test_rows_of_one_prompt_share_its_forward_in_no_grad_passes(toy_model):
+    """share_prompts: each distinct prompt (left padding included) runs once, its cache goes to all its rows, and the
+    log-probs and entropies are the plain forward's; with gradients, or without repeats, it is the plain forward."""
+    ids, attention, mask = make_batch(toy_model.config.vocab_size, 4, 5, 6)  # prompts of 5, 2, 1 and 1 tokens
+    completions = torch.randint(2, toy_model.config.vocab_size, (4, 3, 6), generator=torch.Generator().manual_seed(3))
+    P = 5
+    rows = [0, 0, 1, 2, 0, 1, 3]  # repeats of prompts 0 and 1, not all next to each other; 2 and 3 differ only in
+    # their one real token, the last: all that precedes it (the shared prefix) is padding in both
+    ids, attention = ids[rows].clone(), attention[rows].clone()
+    ids[:, P:] = completions[rows, torch.arange(len(rows)) % 3] * attention[:, P:]  # other completions per row
+    shapes = []
+    hook = toy_model.register_forward_pre_hook(lambda m, a, k: shapes.append(tuple(k["input_ids"].shape)),
+                                               with_kwargs=True)
+    try:
+        with torch.no_grad():
+            plain = completion_logprobs(toy_model, ids, attention, 6, 0.7)
+            assert shapes == [(7, 11)]
+            shapes.clear()
+            shared = completion_logprobs(toy_model, ids, attention, 6, 0.7, share_prompts=True)
+            assert shapes == [(3, 4), (7, 7)]  # the 3 distinct prefixes (prompts less their last token), then the rest
+            shapes.clear()
+            distinct = completion_logprobs(toy_model, ids[[0, 2]], attention[[0, 2]], 6, 0.7, share_prompts=True)
+            assert shapes == [(2, 11)]
+        shapes.clear()
+        completion_logprobs(toy_model, ids, attention, 6, 0.7, share_prompts=True)
+        assert shapes == [(7, 11)]  # with gradients: no cache (its backward would need the prefix's graph)
+    finally:
+        hook.remove()
+    m = mask[rows].bool()
+    for got, want in zip(shared, plain):
+        torch.testing.assert_close(got[m], want[m], **TOL)
+    for got, want in zip(distinct, plain):
+        torch.testing.assert_close(got[m[[0, 2]]], want[[0, 2]][m[[0, 2]]], **TOL)

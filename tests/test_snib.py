@@ -312,11 +312,12 @@ def sgd_update(cwd, script: str, run_name: str, argv: list[str], num_processes: 
 
 
 def assert_same_update(a: dict, b: dict, label: str):
-    """Equal up to float32 rounding of the weights (~3e-8 here); a batch statistic taken per micro-batch or
-    per process instead moves updates of ~1e-3 by far more than atol."""
+    """Equal up to float32 rounding of the weights: w0 - w1 is exact to an ulp of w, 1.2e-7 for the norms' weights
+    near 1 (2.4e-7 allows a rounding flip in each run). A batch statistic taken per micro-batch or per process
+    instead changes the updates (up to ~2e-4 here) by far more than atol."""
     assert any(d.abs().max() > 0 for d in a.values())
     for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-7, msg=f"{label}: {name}")
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=2.4e-7, msg=f"{label}: {name}")
 
 
 @pytest.mark.slow
