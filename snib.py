@@ -106,6 +106,7 @@ class Args:
     baseline: bool = field(default=True, metadata={"help": "subtract the group mean reward; false: A_i = R_i"})
     adv_std: bool = field(default=False, metadata={"help": "also divide by the group reward std (z-score, migration guide)"})
     reward_noise: float = field(default=0.0, metadata={"help": "std of Gaussian noise added to rewards (Figure 1a robustness study)"})
+    kl_weight_grad: bool = field(default=True, metadata={"help": "the KL term w_i K_i keeps w_i's gradient (ESTIMATORS.md); false: sg(w_i) K_i (README: stale-data collapse)"})
 
 
 # ALGO LOGIC: advantages and loss
@@ -161,7 +162,7 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, num_row
         per_seq = per_seq * (tis_weights * mask).sum(-1) / lengths  # (B,)  SNIB: sequence-level TIS
     if args.beta > 0:
         kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1  # (B, T)  k3
-        per_seq = per_seq - args.beta * w * (kl * mask).sum(-1) / lengths  # (B,)  SNIB: w_i K_i, w_i with gradient
+        per_seq = per_seq - args.beta * (w if args.kl_weight_grad else w.detach()) * (kl * mask).sum(-1) / lengths  # SNIB
     if fg and fg_coeff is not None:
         per_seq = per_seq + fg_coeff * (w.detach() / G) * (u - u.detach())  # (B,)  value 0, gradient C_g w_i/G du_i
     loss = -per_seq.sum() / num_rows

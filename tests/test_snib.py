@@ -22,12 +22,12 @@ ARGS = snib.Args(num_generations=2, beta=0.0)
 def test_defaults_are_the_papers_and_there_are_no_other_switches():
     args = snib.Args()
     assert (args.epsilon, args.beta, args.num_generations) == (0.2, 0.1, 8)  # Table 1
-    assert (args.self_normalize, args.stop_grad_norm, args.baseline, args.adv_std, args.reward_noise) == \
-        (True, True, True, False, 0.0)
+    assert (args.self_normalize, args.stop_grad_norm, args.baseline, args.adv_std, args.reward_noise,
+            args.kl_weight_grad) == (True, True, True, False, 0.0, True)
     shared = {f.name for f in dataclasses.fields(grpo.Args)} - {"beta", "epsilon", "epsilon_high", "advantage",
                                                                  "train_on", "loss_agg"}
     assert {f.name for f in dataclasses.fields(snib.Args)} - shared == {
-        "beta", "epsilon", "self_normalize", "stop_grad_norm", "baseline", "adv_std", "reward_noise"}
+        "beta", "epsilon", "self_normalize", "stop_grad_norm", "baseline", "adv_std", "reward_noise", "kl_weight_grad"}
 
 
 # Advantages
@@ -193,6 +193,15 @@ def test_kl_is_importance_weighted_per_sequence_by_hand():
     row1 = 0.1 * (0.9 * K[1] + 0.9 * (1 - math.exp(-0.2)) / 3) / 2
     torch.testing.assert_close(logp.grad, torch.tensor([row0 + [0.0], [row1] * 3]))
 
+    # --kl_weight_grad false: sg(w_i) K_i, the same value, only the KL's own gradient
+    logp.grad = None
+    loss_sg, _ = snib.compute_loss(logp, old, ref, torch.zeros(2), mask, replace(args, kl_weight_grad=False))
+    assert loss_sg.item() == pytest.approx(loss.item())
+    loss_sg.backward()
+    row0 = [0.1 * 1.1 * (1 - math.exp(d)) / 2 / 2 for d in (-0.5, 0.5)]
+    row1 = 0.1 * 0.9 * (1 - math.exp(-0.2)) / 3 / 2
+    torch.testing.assert_close(logp.grad, torch.tensor([row0 + [0.0], [row1] * 3]))
+
 
 # Against loops straight from ESTIMATORS.md, and micro-batches that split groups
 
@@ -217,7 +226,7 @@ def reference_loss(logp, old, ref, A, mask, args, tis=None):
             term = term * sum(tis[i, t] for t in valid) / len(valid)
         if args.beta > 0:
             K = sum(torch.exp(ref[i, t] - logp[i, t]) - (ref[i, t] - logp[i, t]) - 1 for t in valid) / len(valid)
-            term = term - args.beta * w * K
+            term = term - args.beta * (w if args.kl_weight_grad else w.detach()) * K
         total = total + term
     return -total / B
 
@@ -242,6 +251,8 @@ CASES = {  # name: (overrides, with tis, micro-batches)
     "fg": (dict(stop_grad_norm=False), False, SPLIT),
     "fg-kl-tis": (dict(stop_grad_norm=False, beta=0.1), True, WHOLE),
     "vanilla-kl": (dict(self_normalize=False, beta=0.1), False, SPLIT),
+    "sg-kl-sgw": (dict(beta=0.1, kl_weight_grad=False), True, SPLIT),
+    "fg-kl-sgw": (dict(stop_grad_norm=False, beta=0.1, kl_weight_grad=False), False, WHOLE),
     "no-baseline": (dict(baseline=False, stop_grad_norm=False), False, SPLIT),
 }
 
