@@ -42,8 +42,8 @@ trl==1.16.0 and transformers 5.19) on the same work, every setting taken from th
                         to the next (its logging included, as the scripts' metrics are)
 
 Where the two do different work by design (the ratio includes it):
-- grpo.py's rollout engine prefills each distinct prompt once for its G samples (common.rollout.shared_prefill);
-  TRL's transformers path prefills every row.
+- grpo.py's rollout engine prefills each distinct prompt once for its G samples
+  (common.utils.shared_prompt_cache); TRL's transformers path prefills every row.
 - grpo.py's no-grad passes (reference; old log-probs when off-policy) run --logprob_batch_size rows per forward
   (the toy preset: 256, the whole batch) and compute each distinct prompt once (shared_prompt_cache); TRL runs
   them per micro-batch, every row in full. `-- --logprob_batch_size 64` measures grpo.py without the larger

@@ -16,10 +16,9 @@ import contextlib
 
 import torch
 from accelerate.utils import DistributedType
-from transformers import DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList
-from transformers.cache_utils import DynamicLayer
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from common.utils import sharded_parameters
+from common.utils import shared_prompt_cache, sharded_parameters
 
 # HFEngine: rows x (longest prompt + max_tokens) per `generate` call. Bounds the KV cache (Qwen3-4B in bf16:
 # ~19 GB at 2**17 tokens); short sequences go in one call, which is what makes a CPU run fast.
@@ -64,29 +63,6 @@ class SeededSampler(LogitsProcessor):
         return logp + gumbel.to(logp.device)
 
 
-@torch.no_grad()
-def shared_prefill(model, prompt_ids: list[list[int]], input_ids: torch.Tensor, attention_mask: torch.Tensor):
-    """The KV cache of every row's prompt but its last token, computed once per distinct prompt: GRPO samples G
-    completions of each prompt, so `generate` would otherwise prefill each prompt G times (vLLM shares them by
-    prefix caching). `generate` then runs only the last prompt token and the new ones. None (plain `generate`)
-    when no prompt repeats, when prompts are one token long, or for caches other than plain key/value layers."""
-    first = {}  # prompt -> its first row
-    rows = [first.setdefault(tuple(p), r) for r, p in enumerate(prompt_ids)]  # each row's first identical row
-    if len(first) == len(prompt_ids) or input_ids.shape[1] < 2:
-        return None
-    cache = DynamicCache(config=model.config)
-    if not all(isinstance(layer, DynamicLayer) for layer in cache.layers):  # e.g. linear attention's states
-        return None
-    distinct = torch.tensor(sorted(first.values()), device=input_ids.device)  # (u,)
-    ids, mask = input_ids[distinct, :-1], attention_mask[distinct, :-1]  # (u, P - 1)
-    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate's: left padding does not shift positions
-    model(input_ids=ids, attention_mask=mask, position_ids=position_ids, past_key_values=cache, use_cache=True,
-          logits_to_keep=1)
-    slot = {r: k for k, r in enumerate(sorted(first.values()))}  # a distinct row's place in the cache
-    cache.batch_select_indices(torch.tensor([slot[r] for r in rows], device=input_ids.device))  # (b,) rows
-    return cache
-
-
 class HFEngine:
     """transformers `generate` on the training model itself, so new weights need no push."""
 
@@ -120,11 +96,12 @@ class HFEngine:
                 device = self.accelerator.device
                 input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
                 sampler = SeededSampler(seeds[i : i + batch_size], temperature, top_p)
-                cache = None if self.sharded() else shared_prefill(unwrapped, chunk, input_ids, attention_mask)
+                # each distinct prompt, but its last token, prefilled once for all its rows (vLLM: prefix caching)
+                cache = None if self.sharded() else shared_prompt_cache(unwrapped, input_ids, attention_mask, width - 1)
                 out = unwrapped.generate(
                     input_ids=input_ids,
                     attention_mask=attention_mask,
-                    past_key_values=cache,  # the prompts but their last token, when prompts repeat
+                    past_key_values=cache,
                     generation_config=config,
                     logits_processor=LogitsProcessorList([sampler]),
                     synced_gpus=self.sharded(),

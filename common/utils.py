@@ -131,7 +131,7 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding must not shift positions
     cache = None
     if share_prompts and not torch.is_grad_enabled():
-        cache = shared_prompt_cache(model, input_ids, attention_mask, position_ids, P - 1)
+        cache = shared_prompt_cache(model, input_ids, attention_mask, P - 1)
     start = 0 if cache is None else P - 1  # with the prompts' cache, run from each prompt's last token on
     logits = model(input_ids=input_ids[:, start:], attention_mask=attention_mask, position_ids=position_ids[:, start:],
                    past_key_values=cache, use_cache=cache is not None,
@@ -141,13 +141,14 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     return TokenLogprobs.apply(logits, input_ids[:, -T:], temperature, entropy_grad and torch.is_grad_enabled(), True)
 
 
-def shared_prompt_cache(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                        length: int):
-    """The KV cache of the first `length` columns of every row, computed once per distinct prefix (GRPO's G
-    completions of a prompt share it) and indexed out to all rows; None, for a plain forward, when no prefix
-    repeats or the model's cache is not plain key/value layers (e.g. linear attention's states)."""
+def shared_prompt_cache(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, length: int):
+    """The KV cache of the first `length` columns of every (left-padded) row, computed once per distinct prefix
+    (GRPO's G completions of a prompt share it) and indexed out to all rows; None, for a plain forward, when no
+    prefix repeats or the model's cache is not plain key/value layers (e.g. linear attention's states). Used by
+    the no-grad log-prob passes and by HFEngine's prefill."""
     if length < 1:
         return None
+    position_ids = (attention_mask[:, :length].cumsum(-1) - 1).clamp(min=0)  # (B, length)
     prefix = torch.cat([input_ids[:, :length], attention_mask[:, :length]], dim=1)  # (B, 2 * length)
     distinct, row_of = torch.unique(prefix, dim=0, return_inverse=True)  # (u, 2 * length), (B,)
     if len(distinct) == len(prefix):

@@ -115,7 +115,7 @@ def test_default_generate_batch_is_a_token_budget(toy, monkeypatch):
 
 
 def test_repeated_prompts_are_prefilled_once(toy, monkeypatch):
-    """G samples of a prompt share one prefill of it (common.rollout.shared_prefill); the samples and their
+    """G samples of a prompt share one prefill of it (common.utils.shared_prompt_cache); the samples and their
     log-probs are those of a plain `generate`, left padding included."""
     import common.rollout
 
@@ -130,16 +130,13 @@ def test_repeated_prompts_are_prefilled_once(toy, monkeypatch):
         shared, shared_logp = engine.generate(model, prompts, seeds, **kw)
         assert shapes[0] == (3, 5) and shapes[1] == (13, 1)  # 3 distinct prompts less their last token, then 1 token
         shapes.clear()
-        monkeypatch.setattr(common.rollout, "shared_prefill", lambda *a: None)
+        monkeypatch.setattr(common.rollout, "shared_prompt_cache", lambda *a: None)
         plain, plain_logp = engine.generate(model, prompts, seeds, **kw)
         assert shapes[0] == (13, 6)  # every row's whole prompt
     finally:
         hook.remove()
     assert shared == plain
     torch.testing.assert_close(pad_rows(shared_logp, 0.0), pad_rows(plain_logp, 0.0), atol=1e-5, rtol=1e-5)
-    monkeypatch.undo()
-    no_repeat = torch.tensor([[5, 6, 7], [5, 6, 8]])
-    assert common.rollout.shared_prefill(model, no_repeat.tolist(), no_repeat, torch.ones_like(no_repeat)) is None
 
 
 def test_sampling_follows_the_temperature(toy):
