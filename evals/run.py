@@ -33,6 +33,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from common.data import format_prompt
 from common.rewards import compute_rewards
 from common.rollout import HFEngine, sample_seed
+from common.utils import format_seconds
 from evals.benchmarks import Benchmark, get_benchmark, get_grader, load_benchmark, local_file
 
 
@@ -332,7 +333,8 @@ def main(args: EvalArgs) -> dict:
             get_benchmark(name)
         use_vllm = args.engine == "vllm" or (args.engine == "auto" and vllm_available())
         if args.engine == "vllm" and not vllm_available():
-            raise ValueError("--engine vllm needs vllm installed and a CUDA GPU; use --engine hf")
+            raise ValueError("--engine vllm needs vLLM: pip install -r requirements.txt (GPU) or "
+                             "requirements-vllm-cpu.txt (CPU; see README); or use --engine hf")
         model, tokenizer, weights = load_model(args.model, args.dtype, load_weights=not use_vllm)
         eval_sets = load_eval_sets(args.benchmarks, tokenizer, data_dir=args.data_dir,
                                    use_chat_template=args.use_chat_template, enable_thinking=args.enable_thinking,
@@ -382,8 +384,20 @@ def main(args: EvalArgs) -> dict:
             json.dump(results, f, indent=2)
         with open(os.path.join(output, "results.md"), "w") as f:
             f.write(results_markdown(results))
-        print(f"wrote {output}/results.json and results.md")
+        print(eval_summary(results, output))
     return results
+
+
+def eval_summary(results: dict, output: str) -> str:
+    """The lines printed at the end of an evaluation: one per benchmark, the time, and where the results are."""
+    n = results["n"]
+    lines = [f"\n=== {results['model']} ({results['engine']}): {len(results['benchmarks'])} benchmark(s) in "
+             f"{format_seconds(results['seconds'])}"]
+    for name, summary in results["benchmarks"].items():
+        lines.append(f"{name + ':':22s}avg@{n} {_percent(summary[f'avg@{n}'])}%  pass@{n} "
+                     f"{_percent(summary[f'pass@{n}'])}%  ({summary['num_questions']} questions)")
+    lines.append(f"{'results:':22s}{output}/results.md, results.json, samples/<benchmark>.jsonl")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -88,23 +88,24 @@ def test_token_sum_norm_divides_by_batch_times_max_length():
 
 
 def reference_loss(logp, old, ref, A, mask, args):
-    """Loops, straight from ESTIMATORS.md."""
-    B, T = logp.shape
+    """Loops over Python floats, straight from ESTIMATORS.md."""
+    logp, old, ref, A, mask = (x.tolist() for x in (logp, old, ref, A, mask))
+    B, T = len(logp), len(logp[0])
     keep = [args.train_on == "all" or (args.train_on == "positive" and A[i] > 0)
             or (args.train_on == "negative" and A[i] < 0) for i in range(B)]
     total = 0.0
     for i in range(B):
         if not keep[i]:
             continue
-        L = sum(mask[i]).item()
+        L = sum(mask[i])
         s = 0.0
         for t in range(T):
-            if mask[i, t]:
-                r = math.exp(logp[i, t] - old[i, t])
+            if mask[i][t]:
+                r = math.exp(logp[i][t] - old[i][t])
                 rc = min(max(r, 1 - args.epsilon), 1 + args.epsilon_high)
                 term = min(r * A[i], rc * A[i])
                 if args.beta > 0:
-                    d = ref[i, t] - logp[i, t]
+                    d = ref[i][t] - logp[i][t]
                     term -= args.beta * (math.exp(d) - d - 1)
                 s += term
         total += s / (args.max_completion_length if args.loss_agg == "token-sum-norm" else L)

