@@ -6,10 +6,7 @@
 Differs from DeepSeekMath's description:
 - old_logp is the trainer's (not the sampler's; on-policy, the update's own); the sampler/trainer gap is
   logged and can be corrected with truncated importance sampling (--tis_cap, off by default).
-- Ablation switches of seed 003 (the optimisation-landscape study): --advantage sign,
-  --train_on positive|negative (PL / NL), --loss_agg token-sum-norm (TNCL).
-- --loss_agg token-mean: sum over the optimizer batch's tokens / their number (VeRL's and FeynRL's default), for
-  baselines of papers run with those (CTPO, P3O).
+- Switches: seed 003's --advantage sign, --train_on positive|negative, --loss_agg token-sum-norm; VeRL's token-mean.
 
 Run:
     python grpo.py --preset toy                                  # CPU, minutes
@@ -127,8 +124,7 @@ def batch_stats(current_logp, old_logp, advantages, mask, args: Args) -> dict[st
     are per-row values. `current_logp()` gives (rows, T) log-probs at the current weights, without
     gradient, for estimators whose statistics depend on them (on-policy it is old_logp: no extra pass).
     """
-    keep = kept_rows(advantages, args)  # (B,)
-    return {"num_rows": keep.sum().float(), "num_tokens": (mask * keep[:, None]).sum().float()}
+    return {"num_rows": (keep := kept_rows(advantages, args)).sum().float(), "num_tokens": (mask.sum(-1) * keep).sum().float()}
 
 
 def kept_rows(advantages: torch.Tensor, args: Args) -> torch.Tensor:
@@ -140,14 +136,14 @@ def kept_rows(advantages: torch.Tensor, args: Args) -> torch.Tensor:
     return torch.ones_like(advantages, dtype=torch.bool)  # (B,)
 
 
-def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, num_rows=None, num_tokens=None, tis_weights=None):
-    """GRPO loss with full-batch semantics. `num_rows` and `num_tokens` (default: this batch's kept rows and
-    their tokens) are the denominators over the whole optimizer batch when called per micro-batch;
-    `tis_weights` (B, T) multiply the policy term per token (truncated importance sampling)."""
+def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, num_rows=None, tis_weights=None, num_tokens=None):
+    """GRPO loss with full-batch semantics. `num_rows` (token-mean: `num_tokens`; default: this batch's kept) is the
+    denominator over the whole optimizer batch when called per micro-batch; `tis_weights` (B, T)
+    multiply the policy term per token (truncated importance sampling)."""
     mask = mask.float()  # (B, T)
     keep = kept_rows(advantages, args).float()  # (B,)
-    num_rows = keep.sum() if num_rows is None else num_rows
-    num_tokens = (mask * keep[:, None]).sum() if num_tokens is None else num_tokens
+    if num_rows is None:
+        num_rows, num_tokens = keep.sum(), (mask.sum(-1) * keep).sum()
     ratio = torch.exp(logp - old_logp)  # (B, T)  r_t
     A = advantages[:, None]  # (B, 1)
     clipped = torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high)  # (B, T)
@@ -158,12 +154,9 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, num_row
     if args.beta > 0:
         kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1  # (B, T)  k3
         per_token = per_token - args.beta * kl  # (B, T)
-    if args.loss_agg == "token-mean":  # VeRL / FeynRL: -sum_{i,t} mask s_t / sum_{i,t} mask, over the kept rows
-        loss = -((per_token * mask).sum(-1) * keep).sum() / max(num_tokens, 1)
-    else:
-        lengths = args.max_completion_length if args.loss_agg == "token-sum-norm" else mask.sum(-1).clamp(min=1)  # seed 003 TNCL
-        per_seq = (per_token * mask).sum(-1) / lengths  # (B,)
-        loss = -(per_seq * keep).sum() / max(num_rows, 1)
+    lengths = {"token-sum-norm": args.max_completion_length, "token-mean": 1}.get(args.loss_agg, mask.sum(-1).clamp(min=1))  # TNCL
+    per_seq = (per_token * mask).sum(-1) / lengths  # (B,)
+    loss = -(per_seq * keep).sum() / max(num_tokens if args.loss_agg == "token-mean" else num_rows, 1)  # token-mean: VeRL
 
     with torch.no_grad():
         token_mean = lambda x: (x * mask).sum() / mask.sum().clamp(min=1)  # noqa: E731
