@@ -4,10 +4,9 @@
     L = mean_{valid i,t} [max(-A_i rho_t, -A_i exp(clamp(log rho_t, -clip_low b_t, clip_high b_t))) + beta kl_t],
         b_t = p_t ** clip_power (p_t: 1-based position), and the term is capped at -A_i exp(clip_c b_t) when A_i < 0
 
-Differs from grpo.py (the paper's formulas were lost in extraction; ESTIMATORS.md restores them from the
-authors' released loss "cum-token-cumprod-la"):
+Differs from grpo.py (formulas lost in the paper's extraction, from the authors' loss "cum-token-cumprod-la"):
 - the ratio of token t is the prefix ratio pi(y_<=t) / pi_old(y_<=t), with a stop-gradient on the prefix;
-- clip bounds live in log space and grow like p_t ** clip_power (0: fixed clip, Table 3); dual clip for A < 0;
+- log-space clip bounds grow like p_t ** clip_power (0: fixed, see ctpo_qwen3_14b_fixed_clip.yaml); dual clip for A < 0;
 - a token mean over the optimizer batch; beta 0 by default; no seed 003 switches.
 
 Run:
@@ -81,6 +80,7 @@ class Args:
     vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "GPU memory fraction vLLM may take"})
     vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "GPUs per vLLM engine (consecutive ranks)"})
     tis_cap: float = field(default=0.0, metadata={"help": "truncated importance sampling cap for sampler/trainer mismatch; 0: off"})
+    old_logp_source: Literal["trainer", "sampler"] = field(default="trainer", metadata={"help": "old_logp: the trainer's no-grad pass at the sampling weights, or the sampler's log-probs as returned (FeynRL)"})
     max_logp_gap: float = field(default=0.5, metadata={"help": "stop when rollout/logp_gap_mean exceeds this: the sampler is not running the trainer's weights (0: off)"})
     # Optimisation
     total_steps: int = field(default=500, metadata={"help": "RL steps (one batch of rollouts each)"})
@@ -105,7 +105,7 @@ class Args:
     clip_low: float = field(default=0.025, metadata={"help": "log-space lower clip bound at position 1: log rho_t >= -clip_low * p_t ** clip_power"})
     clip_high: float = field(default=0.05, metadata={"help": "log-space upper clip bound at position 1: log rho_t <= clip_high * p_t ** clip_power"})
     clip_c: float = field(default=0.05, metadata={"help": "log-space dual clip for A < 0: a token's loss is at most -A * exp(clip_c * p_t ** clip_power)"})
-    clip_power: float = field(default=0.5, metadata={"help": "the bounds grow like p_t ** clip_power; 0 is the paper's fixed clip (Table 3)"})
+    clip_power: float = field(default=0.5, metadata={"help": "the bounds grow like p_t ** clip_power; 0: fixed bounds (Table 3's ablation; its bounds are not published)"})
 
 
 # ALGO LOGIC: advantages and loss
@@ -126,9 +126,10 @@ def batch_stats(current_logp, old_logp, advantages, mask, args: Args) -> dict[st
     return {"num_tokens": mask.sum().float()}  # CTPO: a token mean over the optimizer batch
 
 
-# CTPO Figure 1: the spread of c_t and the clip rate by position p_t
+# CTPO Figure 1 by position p_t: std of c_t, clip rate, and the rate a fixed ratio window has on the same rho_t
 POSITION_BUCKETS = {"pos_1-16": (1, 16), "pos_17-64": (17, 64), "pos_65-256": (65, 256),
                     "pos_257-1024": (257, 1024), "pos_1025+": (1025, math.inf)}
+FIG1_FIXED_WINDOW = (0.5, 5.0)  # "Fixed clip: ratio in [0.5, 5]" (horizon-llm/CTPO scripts/plot_clip_rate_vs_position.py)
 
 
 def masked_std(x: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
@@ -142,8 +143,7 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, num_tok
     batch's valid tokens) is the denominator over the whole optimizer batch when called per micro-batch;
     `tis_weights` (B, T) multiply the policy term per token (truncated importance sampling)."""
     mask = mask.float()  # (B, T)
-    if num_tokens is None:
-        num_tokens = mask.sum()
+    num_tokens = mask.sum() if num_tokens is None else num_tokens
     delta = torch.clamp(logp - old_logp, -20, 20)  # (B, T)  CTPO: d_t
     cum_logratio = torch.cumsum(mask * delta, dim=-1).detach()  # (B, T)  CTPO: sg(c_t), c_t = sum_{k<=t} mask_k d_k
     log_ratio = torch.clamp(cum_logratio + logp - logp.detach(), max=10)  # (B, T)  CTPO: log rho_t, grad via logp_t
@@ -168,6 +168,8 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, num_tok
         token_mean = lambda x: (x * mask).sum() / mask.sum().clamp(min=1)  # noqa: E731
         is_low = (log_ratio < -args.clip_low * scale) & (A < 0)  # (B, T) clipped from below (gradient zeroed)
         is_high = (log_ratio > args.clip_high * scale) & (A > 0)  # (B, T)
+        lo_fixed, hi_fixed = math.log(FIG1_FIXED_WINDOW[0]), math.log(FIG1_FIXED_WINDOW[1])
+        is_fixed = ((log_ratio < lo_fixed) & (A < 0)) | ((log_ratio > hi_fixed) & (A > 0))  # (B, T)  Figure 1
         metrics = {
             "loss/policy": loss.detach(),
             "policy/ratio_mean": token_mean(ratio),
@@ -183,8 +185,8 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, num_tok
             if lo <= mask.shape[1]:
                 in_bucket = (mask > 0) & (position >= lo) & (position <= hi)  # (B, T)
                 metrics[f"ctpo/cum_logratio_std/{name}"] = masked_std(cum_logratio, in_bucket)
-                clipped_here = (is_low | is_high) & in_bucket  # (B, T)
-                metrics[f"ctpo/clip_frac/{name}"] = clipped_here.sum() / in_bucket.sum().clamp(min=1)
+                for key, clipped_here in (("clip_frac", is_low | is_high), ("fixed_clip_frac", is_fixed)):
+                    metrics[f"ctpo/{key}/{name}"] = (clipped_here & in_bucket).sum() / in_bucket.sum().clamp(min=1)
         if args.beta > 0:
             metrics["policy/kl"] = token_mean(kl)
     return loss, metrics
@@ -348,9 +350,11 @@ def main(args: Args):
                                   for s in micro_batches(rows, size)])  # (rows, T)
 
         logprobs_start = time.time()
-        # On-policy (one optimizer step per batch, no TIS), old_logp is the update's own logp.detach(): no pass
-        on_policy = args.num_iterations == 1 and M == args.batch_size and args.tis_cap == 0
-        old_logp = torch.zeros_like(sampler_logp_t) if on_policy else logprobs_of(model)  # (B, T)
+        # On-policy (one optimizer step per batch, no TIS, the trainer's old_logp), old_logp is the update's own
+        # logp.detach(): no pass. --old_logp_source sampler takes the sampler's log-probs as they are: no pass either.
+        on_policy = args.num_iterations == 1 and M == args.batch_size and args.tis_cap == 0 and args.old_logp_source == "trainer"
+        old_logp = (torch.zeros_like(sampler_logp_t) if on_policy else sampler_logp_t.clone()
+                    if args.old_logp_source == "sampler" else logprobs_of(model))  # (B, T)
         ref_logp = None
         if args.beta > 0:
             if ref_model is not None:

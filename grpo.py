@@ -6,8 +6,7 @@
 Differs from DeepSeekMath's description:
 - old_logp is the trainer's (not the sampler's; on-policy, the update's own); the sampler/trainer gap is
   logged and can be corrected with truncated importance sampling (--tis_cap, off by default).
-- Ablation switches of seed 003 (the optimisation-landscape study): --advantage sign,
-  --train_on positive|negative (PL / NL), --loss_agg token-sum-norm (TNCL).
+- Switches: seed 003's --advantage sign, --train_on positive|negative, --loss_agg token-sum-norm; VeRL's token-mean.
 
 Run:
     python grpo.py --preset toy                                  # CPU, minutes
@@ -80,6 +79,7 @@ class Args:
     vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "GPU memory fraction vLLM may take"})
     vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "GPUs per vLLM engine (consecutive ranks)"})
     tis_cap: float = field(default=0.0, metadata={"help": "truncated importance sampling cap for sampler/trainer mismatch; 0: off"})
+    old_logp_source: Literal["trainer", "sampler"] = field(default="trainer", metadata={"help": "old_logp: the trainer's no-grad pass at the sampling weights, or the sampler's log-probs as returned (FeynRL)"})
     max_logp_gap: float = field(default=0.5, metadata={"help": "stop when rollout/logp_gap_mean exceeds this: the sampler is not running the trainer's weights (0: off)"})
     # Optimisation
     total_steps: int = field(default=500, metadata={"help": "RL steps (one batch of rollouts each)"})
@@ -105,7 +105,7 @@ class Args:
     epsilon_high: float = field(default=0.2, metadata={"help": "upper clip range"})
     advantage: Literal["zscore", "sign"] = field(default="zscore", metadata={"help": "zscore, or sign (seed 003: iterated MLE with clipping)"})
     train_on: Literal["all", "positive", "negative"] = field(default="all", metadata={"help": "all, positive (PL: A > 0 only) or negative (NL: A < 0 only)"})
-    loss_agg: Literal["seq-mean-token-mean", "token-sum-norm"] = field(default="seq-mean-token-mean", metadata={"help": "or token-sum-norm (seed 003 TNCL: / (B * max_completion_length))"})
+    loss_agg: Literal["seq-mean-token-mean", "token-mean", "token-sum-norm"] = field(default="seq-mean-token-mean", metadata={"help": "or token-mean (VeRL / FeynRL: / the batch's tokens), token-sum-norm (seed 003 TNCL: / (B * max_completion_length))"})
 
 
 # ALGO LOGIC: advantages and loss
@@ -125,7 +125,7 @@ def batch_stats(current_logp, old_logp, advantages, mask, args: Args) -> dict[st
     are per-row values. `current_logp()` gives (rows, T) log-probs at the current weights, without
     gradient, for estimators whose statistics depend on them (on-policy it is old_logp: no extra pass).
     """
-    return {"num_rows": kept_rows(advantages, args).sum().float()}
+    return {"num_rows": (keep := kept_rows(advantages, args)).sum().float(), "num_tokens": (mask.sum(-1) * keep).sum().float()}
 
 
 def kept_rows(advantages: torch.Tensor, args: Args) -> torch.Tensor:
@@ -137,14 +137,14 @@ def kept_rows(advantages: torch.Tensor, args: Args) -> torch.Tensor:
     return torch.ones_like(advantages, dtype=torch.bool)  # (B,)
 
 
-def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, num_rows=None, tis_weights=None):
-    """GRPO loss with full-batch semantics. `num_rows` (default: this batch's kept rows) is the
+def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, num_rows=None, tis_weights=None, num_tokens=None):
+    """GRPO loss with full-batch semantics. `num_rows` (token-mean: `num_tokens`; default: this batch's kept) is the
     denominator over the whole optimizer batch when called per micro-batch; `tis_weights` (B, T)
     multiply the policy term per token (truncated importance sampling)."""
     mask = mask.float()  # (B, T)
     keep = kept_rows(advantages, args).float()  # (B,)
     if num_rows is None:
-        num_rows = keep.sum()
+        num_rows, num_tokens = keep.sum(), (mask.sum(-1) * keep).sum()
     ratio = torch.exp(logp - old_logp)  # (B, T)  r_t
     A = advantages[:, None]  # (B, 1)
     clipped = torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high)  # (B, T)
@@ -155,9 +155,9 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, num_row
     if args.beta > 0:
         kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1  # (B, T)  k3
         per_token = per_token - args.beta * kl  # (B, T)
-    lengths = args.max_completion_length if args.loss_agg == "token-sum-norm" else mask.sum(-1).clamp(min=1)  # seed 003 TNCL
+    lengths = {"token-sum-norm": args.max_completion_length, "token-mean": 1}.get(args.loss_agg, mask.sum(-1).clamp(min=1))  # TNCL
     per_seq = (per_token * mask).sum(-1) / lengths  # (B,)
-    loss = -(per_seq * keep).sum() / max(num_rows, 1)
+    loss = -(per_seq * keep).sum() / max(num_tokens if args.loss_agg == "token-mean" else num_rows, 1)  # token-mean: VeRL
 
     with torch.no_grad():
         token_mean = lambda x: (x * mask).sum() / mask.sum().clamp(min=1)  # noqa: E731
@@ -333,9 +333,11 @@ def main(args: Args):
                                   for s in micro_batches(rows, size)])  # (rows, T)
 
         logprobs_start = time.time()
-        # On-policy (one optimizer step per batch, no TIS), old_logp is the update's own logp.detach(): no pass
-        on_policy = args.num_iterations == 1 and M == args.batch_size and args.tis_cap == 0
-        old_logp = torch.zeros_like(sampler_logp_t) if on_policy else logprobs_of(model)  # (B, T)
+        # On-policy (one optimizer step per batch, no TIS, the trainer's old_logp), old_logp is the update's own
+        # logp.detach(): no pass. --old_logp_source sampler takes the sampler's log-probs as they are: no pass either.
+        on_policy = args.num_iterations == 1 and M == args.batch_size and args.tis_cap == 0 and args.old_logp_source == "trainer"
+        old_logp = (torch.zeros_like(sampler_logp_t) if on_policy else sampler_logp_t.clone()
+                    if args.old_logp_source == "sampler" else logprobs_of(model))  # (B, T)
         ref_logp = None
         if args.beta > 0:
             if ref_model is not None:

@@ -8,7 +8,9 @@ Differs from grpo.py:
 - no clip: the batch ESS caps a detached score-function weight and sets the weight of a KL to the behaviour
   policy, kl_old_t = (logp - old_logp) + exp(clamp(old_logp - logp, -10, 10)) - 1; a token mean over the batch.
 - ESS counts every valid token of the optimizer batch on all processes (batch_stats at the current weights,
-  all-reduced), where FeynRL takes it per micro-batch.
+  all-reduced), where FeynRL takes it per micro-batch. --ess_scope micro_batch (a departure from ESTIMATORS.md)
+  takes it from each micro-batch's own tokens on its process (FeynRL also adds up the same micro-batch of every
+  rank); the loss stays a token mean over the optimizer batch, as FeynRL's normalize_loss.
 - --entropy_coeff > 0: the loop asks completion_logprobs for the entropy with its gradient and passes it on.
 
 Run:
@@ -82,6 +84,7 @@ class Args:
     vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "GPU memory fraction vLLM may take"})
     vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "GPUs per vLLM engine (consecutive ranks)"})
     tis_cap: float = field(default=0.0, metadata={"help": "truncated importance sampling cap for sampler/trainer mismatch; 0: off"})
+    old_logp_source: Literal["trainer", "sampler"] = field(default="trainer", metadata={"help": "old_logp: the trainer's no-grad pass at the sampling weights, or the sampler's log-probs as returned (FeynRL)"})
     max_logp_gap: float = field(default=0.5, metadata={"help": "stop when rollout/logp_gap_mean exceeds this: the sampler is not running the trainer's weights (0: off)"})
     # Optimisation
     total_steps: int = field(default=500, metadata={"help": "RL steps (one batch of rollouts each)"})
@@ -104,6 +107,7 @@ class Args:
     # Algorithm-specific
     beta: float = field(default=0.0, metadata={"help": "KL coefficient to the reference policy (kl_old's estimator)"})
     entropy_coeff: float = field(default=0.0, metadata={"help": "entropy bonus; > 0 needs the entropy with gradient"})
+    ess_scope: Literal["batch", "micro_batch"] = field(default="batch", metadata={"help": "ESS over the optimizer batch on all processes, or over each micro-batch on its process (FeynRL's, not ESTIMATORS.md's)"})
 
 
 # ALGO LOGIC: advantages and loss
@@ -121,8 +125,16 @@ def batch_stats(current_logp, old_logp, advantages, mask, args: Args) -> dict[st
     are per-row values. `current_logp()` gives (rows, T) log-probs at the current weights, without
     gradient, for estimators whose statistics depend on them (on-policy it is old_logp: no extra pass).
     """
-    # P3O: ESS needs sum r, sum r^2 and n over every valid token of the optimizer batch, at the current weights
-    delta = (current_logp() - old_logp).double().masked_fill(mask == 0, 0)  # (B, T)  float64: r^2 overflows fp32
+    # P3O: ESS needs sum r, sum r^2 and n over every valid token of the optimizer batch, at the current weights;
+    # --ess_scope micro_batch leaves them to each micro-batch's own forward and keeps the batch's token count
+    if args.ess_scope == "micro_batch":
+        return {"num_tokens": mask.double().sum()}
+    return ess_sums(current_logp(), old_logp, mask)
+
+
+def ess_sums(current_logp, old_logp, mask) -> dict[str, torch.Tensor]:
+    """sum r, sum r^2 and n over the valid tokens of these rows: ESS = (sum r)^2 / (n sum r^2)."""
+    delta = (current_logp - old_logp).double().masked_fill(mask == 0, 0)  # (B, T)  float64: r^2 overflows fp32
     ratio = torch.exp(delta) * mask  # (B, T)  r_t on valid tokens, 0 on padding
     return {"sum_r": ratio.sum(), "sum_r2": (ratio**2).sum(), "num_tokens": mask.double().sum()}
 
@@ -130,16 +142,16 @@ def batch_stats(current_logp, old_logp, advantages, mask, args: Args) -> dict[st
 def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, sum_r=None, sum_r2=None, num_tokens=None,
                  tis_weights=None, entropy=None):
     """P3O loss with full-batch semantics. `sum_r`, `sum_r2`, `num_tokens` (default: this batch's) are the
-    optimizer batch's sums over valid tokens, at the current weights; `tis_weights` (B, T) multiply the policy
-    term per token; `entropy` (B, T) must carry its gradient when entropy_coeff > 0."""
+    optimizer batch's sums over valid tokens, at the current weights (with --ess_scope micro_batch only
+    `num_tokens` is given: the ESS is this batch's own); `tis_weights` (B, T) multiply the policy term per token;
+    `entropy` (B, T) must carry its gradient when entropy_coeff > 0."""
     if args.entropy_coeff > 0 and (entropy is None or (logp.requires_grad and not entropy.requires_grad)):
         raise ValueError("--entropy_coeff > 0 needs the entropy with its gradient: "
                          "completion_logprobs(..., entropy_grad=True)")
-    if sum_r is None:  # the full batch: its own statistics
-        return compute_loss(logp, old_logp, ref_logp, advantages, mask, args, tis_weights=tis_weights, entropy=entropy,
-                            **batch_stats(logp.detach, old_logp, advantages, mask, args))
+    own = ess_sums(logp.detach(), old_logp, mask) if sum_r is None else dict(sum_r=sum_r, sum_r2=sum_r2, num_tokens=num_tokens)
+    num_tokens = own["num_tokens"] if num_tokens is None else num_tokens  # the token mean's denominator
     mask = mask.float()  # (B, T)
-    ess = (sum_r**2 / (num_tokens * sum_r2)).to(logp.dtype)  # ()  P3O: ESS = (sum r)^2 / (n sum r^2), detached
+    ess = (own["sum_r"]**2 / (own["num_tokens"] * own["sum_r2"])).to(logp.dtype)  # ()  P3O: ESS = (sum r)^2 / (n sum r^2)
     delta = logp - old_logp  # (B, T)
     ratio = torch.exp(delta.detach().masked_fill(mask == 0, 0))  # (B, T)  r_t
     A = advantages[:, None]  # (B, 1)
@@ -327,9 +339,11 @@ def main(args: Args):
                                   for s in micro_batches(rows, size)])  # (rows, T)
 
         logprobs_start = time.time()
-        # On-policy (one optimizer step per batch, no TIS), old_logp is the update's own logp.detach(): no pass
-        on_policy = args.num_iterations == 1 and M == args.batch_size and args.tis_cap == 0
-        old_logp = torch.zeros_like(sampler_logp_t) if on_policy else logprobs_of(model)  # (B, T)
+        # On-policy (one optimizer step per batch, no TIS, the trainer's old_logp), old_logp is the update's own
+        # logp.detach(): no pass. --old_logp_source sampler takes the sampler's log-probs as they are: no pass either.
+        on_policy = args.num_iterations == 1 and M == args.batch_size and args.tis_cap == 0 and args.old_logp_source == "trainer"
+        old_logp = (torch.zeros_like(sampler_logp_t) if on_policy else sampler_logp_t.clone()
+                    if args.old_logp_source == "sampler" else logprobs_of(model))  # (B, T)
         ref_logp = None
         if args.beta > 0:
             if ref_model is not None:

@@ -80,6 +80,7 @@ class Args:
     vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "GPU memory fraction vLLM may take"})
     vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "GPUs per vLLM engine (consecutive ranks)"})
     tis_cap: float = field(default=0.0, metadata={"help": "truncated importance sampling cap for sampler/trainer mismatch; 0: off"})
+    old_logp_source: Literal["trainer", "sampler"] = field(default="trainer", metadata={"help": "old_logp: the trainer's no-grad pass at the sampling weights, or the sampler's log-probs as returned (FeynRL)"})
     max_logp_gap: float = field(default=0.5, metadata={"help": "stop when rollout/logp_gap_mean exceeds this: the sampler is not running the trainer's weights (0: off)"})
     # Optimisation
     total_steps: int = field(default=500, metadata={"help": "RL steps (one batch of rollouts each)"})
@@ -343,9 +344,11 @@ def main(args: Args):
                                   for s in micro_batches(rows, size)])  # (rows, T)
 
         logprobs_start = time.time()
-        # On-policy (one optimizer step per batch, no TIS), old_logp is the update's own logp.detach(): no pass
-        on_policy = args.num_iterations == 1 and M == args.batch_size and args.tis_cap == 0
-        old_logp = torch.zeros_like(sampler_logp_t) if on_policy else logprobs_of(model)  # (B, T)
+        # On-policy (one optimizer step per batch, no TIS, the trainer's old_logp), old_logp is the update's own
+        # logp.detach(): no pass. --old_logp_source sampler takes the sampler's log-probs as they are: no pass either.
+        on_policy = args.num_iterations == 1 and M == args.batch_size and args.tis_cap == 0 and args.old_logp_source == "trainer"
+        old_logp = (torch.zeros_like(sampler_logp_t) if on_policy else sampler_logp_t.clone()
+                    if args.old_logp_source == "sampler" else logprobs_of(model))  # (B, T)
         ref_logp = None
         if args.beta > 0:
             if ref_model is not None:

@@ -6,7 +6,8 @@ Reads each run's metrics.jsonl, args.json (the run's Args) and stats/ (written w
 writes each figure the runs have data for (a sweep figure needs runs that differ in the swept flag):
 
     learning_curves.png                      reward, held-out accuracy, entropy, length, KL, clip fraction
-    ctpo_fig1_position.png                   CTPO Figure 1: std of c_t and clip rate by position, fixed vs adaptive
+    ctpo_fig1_position.png                   CTPO Figure 1: std of c_t and clip rate by position, adaptive vs fixed
+                                             clip (the ratio window [0.5, 5] on the same run's ratios, as the authors)
     snib_fig2_logweights.png                 SNIB Figure 2: histograms of raw u_i and self-normalised u_i - log wbar_g
     snib_fig1a_reward_noise.png              SNIB Figure 1a: final reward against --reward_noise sigma
     snib_fig1b_reward_kl.png                 SNIB Figure 1b: final reward against final KL over a --beta sweep
@@ -28,6 +29,8 @@ import numpy as np
 import torch
 from matplotlib.figure import Figure
 from transformers import HfArgumentParser
+
+from ctpo import FIG1_FIXED_WINDOW
 
 CURVES = [("reward/mean", "reward (train)"), ("eval/accuracy", "held-out accuracy"),
           ("policy/entropy", "entropy (nats / token)"), ("completion/length_mean", "completion length (tokens)"),
@@ -135,7 +138,17 @@ def clip_label(run: Run) -> str:
     power = run.args.get("clip_power")
     if power is None:
         return run.name
-    return f"{run.name}: " + ("fixed clip" if power == 0 else f"adaptive clip (p^{power:g})")
+    return f"{run.name}: " + ("fixed log-space bounds (clip_power 0)" if power == 0 else f"adaptive clip (p^{power:g})")
+
+
+def clip_rate_lines(run: Run, row: dict, buckets: list[tuple[str, float]]) -> list[tuple[str, list[tuple]]]:
+    """CTPO Figure 1's bottom row for one run: (label, points) of the clip rate it trained with and, as the paper's
+    "fixed clip" curve, the rate the ratio window [0.5, 5] has on the same ratios (logged by ctpo.py)."""
+    lines = [(clip_label(run), bucket_points(row, "clip_frac", buckets))]
+    fixed = bucket_points(row, "fixed_clip_frac", buckets)
+    if fixed:
+        lines.append((f"{run.name}: fixed clip, ratio in [{FIG1_FIXED_WINDOW[0]:g}, {FIG1_FIXED_WINDOW[1]:g}]", fixed))
+    return lines
 
 
 def nearest_row(run: Run, step: int, key_prefix: str) -> dict | None:
@@ -149,7 +162,8 @@ def bucket_points(row: dict, metric: str, buckets: list[tuple[str, float]]) -> l
 
 def plot_ctpo_fig1(runs: list[Run], path: str, steps: list[int] | None = None) -> str | None:
     """Top: std of the cumulative log-ratio c_t per position bucket, with a least-squares fit a * sqrt(p);
-    bottom: fraction of tokens clipped per bucket. One column per step, one line per run."""
+    bottom: fraction of tokens clipped per bucket, by the run's own clip (solid) and by the fixed window on the
+    same ratios (dashed). One column per step, one colour per run."""
     buckets = position_buckets(runs)
     if not buckets:
         return None
@@ -162,9 +176,10 @@ def plot_ctpo_fig1(runs: list[Run], path: str, steps: list[int] | None = None) -
     for col, step in enumerate(steps):
         for i, run in enumerate(runs):
             row = nearest_row(run, step, "ctpo/")
-            std, clip = bucket_points(row, "cum_logratio_std", buckets), bucket_points(row, "clip_frac", buckets)
+            std = bucket_points(row, "cum_logratio_std", buckets)
             axes[0, col].plot(*zip(*std), marker="o", color=f"C{i}", label=clip_label(run))
-            axes[1, col].plot(*zip(*clip), marker="o", color=f"C{i}", label=clip_label(run))
+            for style, (label, points) in zip(("-", "--"), clip_rate_lines(run, row, buckets)):
+                axes[1, col].plot(*zip(*points), marker="o", linestyle=style, color=f"C{i}", label=label)
             a = sum(y * math.sqrt(p) for p, y in std) / sum(p for p, _ in std)  # argmin_a sum (y - a sqrt(p))^2
             axes[0, col].plot(grid, a * np.sqrt(grid), linestyle="--", color=f"C{i}", alpha=0.6,
                               label="fit a * sqrt(p)" if i == 0 else None)

@@ -189,8 +189,8 @@ def test_position_bucket_metrics_by_hand():
     mask[0], mask[1, :2] = 1, 1
     _, metrics = ctpo.compute_loss(old + delta, old, None, torch.tensor([1.0, -1.0]), mask, ARGS)
     assert {k for k in metrics if k.startswith("ctpo/")} == {
-        "ctpo/cum_logratio_std/pos_1-16", "ctpo/clip_frac/pos_1-16",
-        "ctpo/cum_logratio_std/pos_17-64", "ctpo/clip_frac/pos_17-64"}
+        "ctpo/cum_logratio_std/pos_1-16", "ctpo/clip_frac/pos_1-16", "ctpo/fixed_clip_frac/pos_1-16",
+        "ctpo/cum_logratio_std/pos_17-64", "ctpo/clip_frac/pos_17-64", "ctpo/fixed_clip_frac/pos_17-64"}
     c_early = [0.3] * 16 + [-0.2] * 2  # positions 1-16 of both rows
     c_late = [0.8] * 4
 
@@ -212,6 +212,27 @@ def test_position_bucket_metrics_by_hand():
     assert metrics["ctpo/clip_frac/pos_1-16"].item() == pytest.approx(9 / 18)
     assert metrics["ctpo/clip_frac/pos_17-64"].item() == pytest.approx(1.0)
     assert metrics["policy/clip_frac"].item() == pytest.approx(13 / 22)
+
+
+def test_figure_1_fixed_clip_rate_is_the_window_half_to_five_on_the_same_ratios():
+    """As the authors' plot script: a token counts as clipped by the fixed window when A > 0 and rho_t > 5, or
+    A < 0 and rho_t < 0.5, whatever clip the run trained with."""
+    assert ctpo.FIG1_FIXED_WINDOW == (0.5, 5.0)
+    old = torch.full((3, 20), -1.0)
+    delta = torch.zeros(3, 20)
+    delta[0, 0], delta[0, 16] = 1.0, 0.7  # row 0, A = 1: c_t = 1.0 (< log 5 = 1.609) up to p = 16, then 1.7
+    delta[1, 0] = -0.8  # row 1, A = -1: c_t = -0.8 < log 0.5 = -0.693 on its 2 tokens
+    delta[2, 0] = 1.8  # row 2, A = -1: rho_t > 5, but a large ratio is not clipped for A < 0
+    mask = torch.zeros(3, 20)
+    mask[0], mask[1, :2], mask[2, :2] = 1, 1, 1
+    A = torch.tensor([1.0, -1.0, -1.0])
+    for clip_power in (0.5, 0.0):  # the same on an adaptive and on a fixed-bounds run
+        _, metrics = ctpo.compute_loss(old + delta, old, None, A, mask, replace(ARGS, clip_power=clip_power))
+        assert metrics["ctpo/fixed_clip_frac/pos_1-16"].item() == pytest.approx(2 / 20)  # row 1's 2 of 16 + 2 + 2
+        assert metrics["ctpo/fixed_clip_frac/pos_17-64"].item() == pytest.approx(1.0)  # row 0's 4 late tokens
+    # the adaptive rate on the same tokens: row 0 above 0.05 sqrt(p) everywhere, row 1 below -0.025 sqrt(p)
+    _, metrics = ctpo.compute_loss(old + delta, old, None, A, mask, ARGS)
+    assert metrics["ctpo/clip_frac/pos_1-16"].item() == pytest.approx(18 / 20)
 
 
 def test_micro_batches_sum_to_the_full_batch_loss_and_gradient():

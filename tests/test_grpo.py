@@ -87,33 +87,48 @@ def test_token_sum_norm_divides_by_batch_times_max_length():
     assert loss.item() == pytest.approx(-(1 * 2 + (-2) * 3) / (2 * 4))
 
 
+def test_token_mean_divides_by_the_batch_token_count():
+    logp, mask = on_policy_batch()  # lengths 2 and 3: 5 tokens
+    A = torch.tensor([1.0, -2.0])
+    loss, _ = grpo.compute_loss(logp, logp.detach(), None, A, mask, replace(ARGS, loss_agg="token-mean"))
+    assert loss.item() == pytest.approx(-(1 * 2 + (-2) * 3) / 5)  # every token weighs 1/5, not 1/(B L_i)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-1 / 5, -1 / 5, 0.0], [2 / 5, 2 / 5, 2 / 5]]))
+    # PL keeps row 0 only: its 2 tokens are the denominator
+    loss_pos, _ = grpo.compute_loss(logp, logp.detach(), None, A, mask, replace(ARGS, loss_agg="token-mean",
+                                                                                 train_on="positive"))
+    assert loss_pos.item() == pytest.approx(-1.0)
+    stats = grpo.batch_stats(None, None, A, mask, replace(ARGS, train_on="positive"))
+    assert (stats["num_rows"].item(), stats["num_tokens"].item()) == (1, 2)
+
+
 def reference_loss(logp, old, ref, A, mask, args):
-    """Loops over Python floats, straight from ESTIMATORS.md."""
-    logp, old, ref, A, mask = (x.tolist() for x in (logp, old, ref, A, mask))
-    B, T = len(logp), len(logp[0])
-    keep = [args.train_on == "all" or (args.train_on == "positive" and A[i] > 0)
-            or (args.train_on == "negative" and A[i] < 0) for i in range(B)]
-    total = 0.0
+    """Loops, straight from ESTIMATORS.md."""
+    B, T = logp.shape
+    keep = [bool(args.train_on == "all" or (args.train_on == "positive" and A[i] > 0)
+                 or (args.train_on == "negative" and A[i] < 0)) for i in range(B)]
+    total, tokens = 0.0, 0
     for i in range(B):
         if not keep[i]:
             continue
-        L = sum(mask[i])
+        L = sum(mask[i]).item()
+        tokens += L
         s = 0.0
         for t in range(T):
-            if mask[i][t]:
-                r = math.exp(logp[i][t] - old[i][t])
+            if mask[i, t]:
+                r = math.exp(logp[i, t] - old[i, t])
                 rc = min(max(r, 1 - args.epsilon), 1 + args.epsilon_high)
                 term = min(r * A[i], rc * A[i])
                 if args.beta > 0:
-                    d = ref[i][t] - logp[i][t]
+                    d = ref[i, t] - logp[i, t]
                     term -= args.beta * (math.exp(d) - d - 1)
                 s += term
-        total += s / (args.max_completion_length if args.loss_agg == "token-sum-norm" else L)
-    return -total / max(sum(keep), 1)
+        total += s if args.loss_agg == "token-mean" else s / (args.max_completion_length if args.loss_agg == "token-sum-norm" else L)
+    return -float(total) / max(tokens if args.loss_agg == "token-mean" else sum(keep), 1)  # pytest.approx: no tensors
 
 
 @pytest.mark.parametrize("train_on", ["all", "positive", "negative"])
-@pytest.mark.parametrize("loss_agg", ["seq-mean-token-mean", "token-sum-norm"])
+@pytest.mark.parametrize("loss_agg", ["seq-mean-token-mean", "token-mean", "token-sum-norm"])
 def test_matches_reference_and_micro_batches_sum_to_full_batch(train_on, loss_agg):
     torch.manual_seed(0)
     B, T = 8, 5
@@ -130,6 +145,8 @@ def test_matches_reference_and_micro_batches_sum_to_full_batch(train_on, loss_ag
     (full_grad,) = torch.autograd.grad(loss, logp)
 
     stats = grpo.batch_stats(lambda: logp.detach(), old, A, mask, args)
+    halves = [grpo.batch_stats(None, old[s], A[s], mask[s], args) for s in (slice(0, 4), slice(4, 8))]
+    assert all(halves[0][k] + halves[1][k] == v for k, v in stats.items())  # what the loop's all-reduce adds up
     micro = sum(grpo.compute_loss(logp[s], old[s], ref[s], A[s], mask[s], args, **stats)[0]
                 for s in [slice(0, 1), slice(1, 4), slice(4, 8)])
     assert micro.item() == pytest.approx(loss.item(), rel=1e-6)

@@ -10,9 +10,11 @@ import pytest
 import torch
 from conftest import read_metrics, run_script
 from test_snib import STALE, assert_same_update, sgd_update
+from test_train import SMALL
 
 import grpo
 import p3o
+from common.rollout import HFEngine
 
 ARGS = p3o.Args(num_generations=2)
 
@@ -22,7 +24,9 @@ def test_defaults_are_the_papers_and_there_are_no_other_switches():
     assert (args.beta, args.entropy_coeff) == (0.0, 0.0)
     shared = {f.name for f in dataclasses.fields(grpo.Args)} - {"beta", "epsilon", "epsilon_high", "advantage",
                                                                  "train_on", "loss_agg"}
-    assert {f.name for f in dataclasses.fields(p3o.Args)} - shared == {"beta", "entropy_coeff"}  # no clip
+    # no clip; ess_scope is FeynRL's per-micro-batch ESS, a documented departure (default: the batch's)
+    assert {f.name for f in dataclasses.fields(p3o.Args)} - shared == {"beta", "entropy_coeff", "ess_scope"}
+    assert args.ess_scope == "batch"
 
 
 def test_zscore_advantages_by_hand():
@@ -69,6 +73,30 @@ def test_off_policy_loss_and_gradient_by_hand():
     d_kl = [1 - 0.5, 1 - 2.0, 0.0]
     g = [(-w * ai + (1 - ESS) * d) / 3 for w, ai, d in zip(weights, a, d_kl)]
     torch.testing.assert_close(logp.grad, torch.tensor([[g[0], g[1], 0.0], [g[2], 0.0, 0.0]]))
+
+
+def test_ess_per_micro_batch_by_hand():
+    """--ess_scope micro_batch: each micro-batch's ESS from its own tokens; the token mean stays the batch's."""
+    logp, old, mask = spread_batch()  # row 0: r = (2, 0.5); row 1: r = 1
+    A = torch.tensor([1.0, -1.0])
+    args = replace(ARGS, ess_scope="micro_batch")
+    stats = p3o.batch_stats(lambda: pytest.fail("no pre-pass at the current weights"), old, A, mask, args)
+    assert set(stats) == {"num_tokens"} and stats["num_tokens"].item() == 3
+    ess0 = 2.5**2 / (2 * (4 + 0.25))  # (sum r)^2 / (n sum r^2) over row 0's two tokens = 25/34
+    first, m0 = p3o.compute_loss(logp[:1], old[:1], None, A[:1], mask[:1], args, **stats)
+    second, m1 = p3o.compute_loss(logp[1:], old[1:], None, A[1:], mask[1:], args, **stats)
+    assert m0["p3o/ess"].item() == pytest.approx(ess0) and m1["p3o/ess"].item() == 1.0
+    lp = [logp[0, 0].item(), logp[0, 1].item(), logp[1, 0].item()]
+    expected0 = (-min(2, ess0) * lp[0] - min(0.5, ess0) * lp[1] + (1 - ess0) * (KL_OLD[0] + KL_OLD[1])) / 3
+    assert first.item() == pytest.approx(expected0)
+    assert second.item() == pytest.approx(lp[2] / 3)  # ESS 1: no trust region; A = -1, weight min(1, 1)
+    (first + second).backward()
+    d_kl = [1 - 0.5, 1 - 2.0]
+    g = [(-min(r, ess0) + (1 - ess0) * d) / 3 for r, d in zip((2, 0.5), d_kl)]
+    torch.testing.assert_close(logp.grad, torch.tensor([[g[0], g[1], 0.0], [1 / 3, 0.0, 0.0]]))
+    # one micro-batch holding the whole batch is the default's full-batch loss
+    whole, _ = p3o.compute_loss(logp, old, None, A, mask, args, **stats)
+    assert whole.item() == pytest.approx(p3o.compute_loss(logp, old, None, A, mask, ARGS)[0].item())
 
 
 def test_behaviour_kl_term_scales_with_one_minus_ess():
@@ -209,6 +237,29 @@ def test_stale_updates_do_not_depend_on_micro_batches_or_processes(in_toy_workdi
         assert_same_update(update, whole, name)
     m = read_metrics(os.path.join(in_toy_workdir, "runs", "p3o_p1_m8"))[-1]
     assert m["p3o/ess"] < 0.995 and m["p3o/capped_frac"] > 0.05 and m["p3o/behaviour_kl"] > 1e-3, m
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["trainer", "sampler"])
+def test_old_logp_source_picks_the_trainers_pass_or_the_samplers_values(in_toy_workdir, monkeypatch, source):
+    """The HF sampler's log-probs are the trainer's up to rounding; shifted by +0.1 here, the ratios show which
+    the loop used as old_logp. FeynRL's setting: one optimizer step, the sampler's log-probs, ESS per micro-batch."""
+    generate = HFEngine.generate
+
+    def shifted(self, *args, **kwargs):
+        completions, logps = generate(self, *args, **kwargs)
+        return completions, [[x + 0.1 for x in row] for row in logps]
+
+    monkeypatch.setattr(HFEngine, "generate", shifted)
+    argv = SMALL + ["--old_logp_source", source, "--ess_scope", "micro_batch", "--run_name", f"p3o_old_{source}"]
+    m = read_metrics(run_script(p3o, argv))[-1]
+    if source == "trainer":  # on-policy: old_logp is the update's own forward; the sampler is 0.1 off
+        assert m["policy/ratio_mean"] == 1.0 and m["p3o/ess"] == 1.0
+        assert m["rollout/logp_gap_mean"] == pytest.approx(0.1, abs=1e-4)
+    else:  # old_logp = the sampler's: r = exp(logp - sampler) = exp(-0.1) on every token, up to rounding
+        assert m["policy/ratio_mean"] == pytest.approx(math.exp(-0.1), abs=1e-4)
+        assert m["p3o/ess"] == pytest.approx(1.0, abs=1e-6)  # equal ratios: ESS 1
+        assert m["rollout/logp_gap_mean"] == 0.0
 
 
 @pytest.mark.slow

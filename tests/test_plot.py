@@ -64,14 +64,15 @@ def test_no_known_metric_draws_nothing(tmp_path):
     assert not (tmp_path / "curves.png").exists()
 
 
-def ctpo_metrics(power: float, steps: int = 9) -> list[dict]:
-    """cum log-ratio std ~ sqrt(p); the fixed clip's rate grows with position, the adaptive one's stays flat."""
+def ctpo_metrics(power: float, steps: int = 9, fixed: bool = True) -> list[dict]:
+    """cum log-ratio std ~ sqrt(p); the fixed window's rate grows with position, the adaptive one's stays flat."""
     lines = []
     for s in range(1, steps + 1):
         m = {"step": s, "reward/mean": 0.5, "policy/clip_frac": 0.05}
         for name, p in zip(BUCKETS, MIDDLES):
             m[f"ctpo/cum_logratio_std/{name}"] = 0.01 * s * math.sqrt(p)
             m[f"ctpo/clip_frac/{name}"] = 0.06 if power else min(0.2, 0.0002 * p)
+            m.update({f"ctpo/fixed_clip_frac/{name}": min(0.2, 0.0001 * p)} if fixed else {})
         lines.append(m)
     return lines
 
@@ -82,7 +83,15 @@ def test_ctpo_fig1_fixed_vs_adaptive(tmp_path):
     names = [name for name, _ in plot.position_buckets(runs)]
     assert names == BUCKETS  # ordered by position, the open bucket last
     assert plot.clip_label(runs[0]).endswith("adaptive clip (p^0.5)")
-    assert plot.clip_label(runs[1]).endswith("fixed clip")
+    assert plot.clip_label(runs[1]).endswith("fixed log-space bounds (clip_power 0)")
+    # the paper's "fixed clip" curve is the adaptive run's own fixed_clip_frac, not another run's clip rate
+    row = plot.nearest_row(runs[0], 9, "ctpo/")
+    (own, own_points), (fixed, fixed_points) = plot.clip_rate_lines(runs[0], row, plot.position_buckets(runs))
+    assert own.endswith("adaptive clip (p^0.5)") and fixed == "ctpo_p0.5: fixed clip, ratio in [0.5, 5]"
+    assert [y for _, y in own_points] == [0.06] * 5
+    assert [y for _, y in fixed_points] == [row[f"ctpo/fixed_clip_frac/{name}"] for name in BUCKETS]
+    older = plot.load_run(write_run(tmp_path, "ctpo_old", ctpo_metrics(0.5, fixed=False), {"clip_power": 0.5}))
+    assert len(plot.clip_rate_lines(older, plot.nearest_row(older, 9, "ctpo/"), plot.position_buckets([older]))) == 1
     assert_png(plot.plot_ctpo_fig1(runs, str(tmp_path / "fig1.png")))
     assert_png(plot.plot_ctpo_fig1(runs, str(tmp_path / "fig1_steps.png"), steps=[2, 8]))
 

@@ -91,3 +91,60 @@ def test_the_command_line_overrides_a_recipe():
     path = os.path.join(REPO, "configs", "recipes", "snib_qwen3_4b.yaml")
     args = utils.parse_args(snib.Args, ["--config", path, "--beta", "0.5", "--reward_noise", "0.2"])
     assert (args.beta, args.reward_noise, args.lora_r) == (0.5, 0.2, 16)
+
+
+# Every value a recipe sets that is not its script's default names where it comes from: a place in a paper, a file
+# of the authors' released code (or a sibling recipe, which must then set the same value), or "our choice" and why.
+SOURCE = re.compile(r"(?i:\b(?:section|table|figure|appendix|algorithm|eq\.))\s*(?:\d|[A-Z]\b)"
+                    r"|\b[\w./-]+\.(?:sh|yaml|py)\b"
+                    r"|(?i:\bour choice\b)\W+\w")
+
+
+def source_comments(path: str) -> dict[str, str]:
+    """{key: the comments that source it}: its inline comment and the comment lines heading its block (a run of
+    non-blank lines), so one comment can source several keys. The file's header is a block of its own."""
+    comments, block = {}, ""
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                block = ""
+            elif line.startswith("#"):
+                block += line
+            else:
+                key, _, rest = line.partition(":")
+                inline = rest.split(" #", 1)[1] if " #" in rest else ""
+                comments[key.strip()] = block + inline
+    return comments
+
+
+def unsourced(path: str) -> list[str]:
+    """The keys of a recipe that differ from the script's defaults and name no source."""
+    defaults = importlib.import_module(script_of(path)).Args()
+    with open(path) as f:
+        recipe = yaml.safe_load(f)
+    comments = source_comments(path)
+    return [key for key, value in recipe.items()
+            if value != getattr(defaults, key) and not SOURCE.search(comments.get(key, ""))]
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=os.path.basename)
+def test_every_value_that_is_not_the_default_names_its_source(path):
+    assert not unsourced(path), f"give these keys a source (inline or heading their block): {unsourced(path)}"
+    with open(path) as f:
+        recipe = yaml.safe_load(f)
+    for key, comment in source_comments(path).items():  # "as <sibling>.yaml" must hold
+        for name in re.findall(r"\b(\w+)\.yaml\b", comment):
+            sibling = os.path.join(REPO, "configs", "recipes", f"{name}.yaml")
+            if os.path.isfile(sibling) and sibling != path:
+                with open(sibling) as f:
+                    assert yaml.safe_load(f).get(key) == recipe[key], f"{key}: cites {name}.yaml, which differs"
+
+
+def test_the_source_check_catches_an_unsourced_value(tmp_path):
+    recipe = tmp_path / "grpo_check.yaml"
+    recipe.write_text("# header: Table 1\n\nlearning_rate: 1.0e-5\nbeta: 0.1              # Table 1(b)\n"
+                      "# our choice: short runs\ntotal_steps: 10\nseed: 1\n\nepsilon: 0.3  # our choice\n"
+                      "epsilon_high: 0.2\n")
+    # learning_rate: no comment (the header is not its block); seed and epsilon_high: the defaults;
+    # epsilon: "our choice" without a reason
+    assert unsourced(str(recipe)) == ["learning_rate", "epsilon"]
