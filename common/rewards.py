@@ -231,7 +231,9 @@ def _marked_answer(text: str) -> str | None:
 
 _SENTENCE_STOP = re.compile(r"\n|\.(?:\s|$)")
 _CALCULATOR = re.compile(r"<<[^<>\n]*>>")  # GSM8K's calculator annotations "<<48/2=24>>"
-_ANCHOR = re.compile(r"=|\b(?:is|are|was|were|be|equals?|makes?|gives?|gets?|has|have|had|total(?: of)?|to)\b")
+_ROUNDING = re.compile(r"\brounds?(?: up| down)? to\b")
+_ANCHOR = re.compile(r"=|\b(?:is|are|was|were|be|equals?|makes?|gives?|gets?|has|have|had|total(?: of)?|"
+                     r"rounds?(?: up| down)? to)\b")
 _SPACED_THOUSANDS = re.compile(r"\$\s*\d{1,3}(?: \d{3})+(?!\d)")  # "$118 000"
 _NEXT_QUANTITY = re.compile(r"(?<=[\d}])\s+(?=[$\d])")  # "12 200-kilobyte videos": 12, then another number
 
@@ -268,6 +270,9 @@ def _trailing_expression(text: str) -> str | None:
     stop = _SENTENCE_STOP.search(text, last_digit)
     sentence = text[start : stop.start() if stop else len(text)]
     anchors = [a.end() for a in _ANCHOR.finditer(sentence)]
+    rounding = [a.end() for a in _ROUNDING.finditer(sentence)]
+    equals = [i + 1 for i, c in enumerate(sentence) if c == "="]
+    anchors = rounding or equals or anchors  # "= 16.66%, which rounds to 17%"; "= 200 dogs left after 60 were adopted"
     runs = [r for r in _EXPRESSION.finditer(sentence) if _has_digit(r[0])]
     after = [r for r in runs if anchors and r.end() > anchors[-1] and _has_digit(sentence[anchors[-1] : r.end()])]
     if after:
