@@ -11,7 +11,9 @@ prompt) and every other dataset column as a keyword list of length B (e.g.
 ``answer=[...]``). It returns B finite floats, one reward per completion. Take
 ``**_`` so that columns you do not use are ignored. Keep them pure and
 deterministic: the trainer may call one again on single samples to find a bad
-one (see ``compute_rewards``).
+one (see ``compute_rewards``). To log per-sample diagnostics next to the reward,
+return a ``Rewards`` (a list with a ``metrics`` dict of B values per key): each key
+appears in the per-function values of ``compute_rewards`` as ``"<name>/<key>"``.
 
 Adding one
 ----------
@@ -21,98 +23,347 @@ import path, ``"my_package.my_module:my_function"`` (see ``get_reward_function``
 
 Math grading
 ------------
-``math_accuracy`` takes the model's last ``\\boxed{}`` (or ``#### x``, or last
-number) and compares it with the dataset answer using math-verify, so that
-``\\frac{1}{2}``, ``0.5`` and ``\\dfrac12`` all count as the same answer. An answer that is
-wholly an English number ("twelve", "two hundred and five", "one half") is read as that number.
-``choice_accuracy`` grades multiple choice: the option letter of ``\\boxed{C}``, "the answer
-is (C)" or "Answer: C". The evaluation package (evals/) grades with these same functions.
+``math_accuracy`` reads the model's final answer (``extract_answer``: boxes, "the final answer is",
+``#### x``, then the trailing expression) and compares it with the dataset answer using math-verify, so
+that ``\\frac{1}{2}``, ``0.5`` and ``\\dfrac12`` all count as the same answer. Each rule below names the
+output that motivated it. Policies: an unsimplified but equal value counts (``\\frac{6}{8}`` for
+``\\frac34``); a percent sign is dropped on both sides (``17.5\\%`` = ``17.5``, not ``0.175``); a bare list
+(``2, 4, 3``) is a set unless the prompt asks for an ordered pair/triple/tuple or an order; several
+boxes side by side are one answer, a set; an answer that is wholly an English number ("twelve", "two
+hundred and five", "one half") is read as that number. math-verify runs in worker processes with a
+hard time limit per sample (``TIME_LIMIT_S``): a sample over it gets reward 0 and is counted as
+``math_accuracy/timeouts``. ``choice_accuracy`` grades multiple choice: the option letter of
+``\\boxed{C}``, "the answer is (C)" or "Answer: C". The evaluation package (evals/) grades with these
+same functions.
 """
 
+import atexit
+import functools
 import importlib
+import logging
 import math
+import os
 import re
+import subprocess
+import sys
 import threading
+import time
+import unicodedata
+import warnings
+from collections import deque
 from collections.abc import Callable, Sequence
+from decimal import Decimal
+from fractions import Fraction
+from multiprocessing.connection import Connection, Pipe, wait
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+if TYPE_CHECKING:
+    import torch
 
 RewardFn = Callable[..., Sequence[float]]
 
+
+class Rewards(list):
+    """A reward function's B rewards, plus per-sample diagnostics to log: ``metrics = {key: B floats}``."""
+
+    def __init__(self, values, metrics: dict[str, list[float]] | None = None):
+        super().__init__(values)
+        self.metrics = metrics or {}
+
+
 # ---------------------------------------------------------------------------
-# Answer extraction
+# Text as models write it: Unicode and LaTeX spellings of the same answer
 # ---------------------------------------------------------------------------
 
-_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
-# A number, with optional sign, thousands separators ("1,234") and decimals.
-# The look-behind keeps the "-" of "3-4" or "x-1" from being read as a sign.
-_NUMBER = re.compile(r"(?:(?<![\w.-])-)?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?")
-_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+# "x²" -> "x^2" must come before NFKC, which would make it "x2"; "√2" -> "\sqrt2", "−3" (U+2212) -> "-3".
+_UNICODE_MATH = str.maketrans({
+    **{c: f"^{d}" for d, c in enumerate("⁰¹²³⁴⁵⁶⁷⁸⁹")}, "⁻": "^-", "−": "-", "–": "-", "×": r"\times ",
+    "·": r"\cdot ", "÷": r"\div ", "π": r"\pi ", "∞": r"\infty ", "√": r"\sqrt", "≤": r"\le ", "≥": r"\ge ",
+    "≠": r"\ne ", "°": r"^\circ ", "\u00a0": " ", "\u2009": " ", "\u202f": " "})
+_VULGAR_FRACTION = re.compile(r"(\d?)\s*([\u00bc-\u00be\u2150-\u215e])")
 
 
-def _last_boxed(text: str) -> str | None:
-    """Content of the last complete ``\\boxed{...}``/``\\fbox{...}``, matching braces.
+def _vulgar(match: re.Match) -> str:
+    """ "½" -> "\\frac{1}{2}", "3½" -> "3+\\frac{1}{2}" (NFKC would give "31⁄2")."""
+    numerator, denominator = unicodedata.normalize("NFKC", match[2]).split("\u2044")
+    return f"{match[1]}{'+' if match[1] else ''}\\frac{{{numerator}}}{{{denominator}}}"
 
-    A regex cannot match nested braces, so we count them. A box whose braces never
-    close (a completion cut off by the length limit) is skipped.
+
+def _ascii_math(text: str) -> str:
+    """Unicode digits, fractions and symbols as LaTeX: "５" -> "5", "½" -> "\\frac{1}{2}", "√2" -> "\\sqrt2"."""
+    if text.isascii():
+        return text
+    text = _VULGAR_FRACTION.sub(_vulgar, text.translate(_UNICODE_MATH))
+    return unicodedata.normalize("NFKC", text).replace("\u2044", "/")
+
+
+# ---------------------------------------------------------------------------
+# Answer extraction (linear time: a completion of 1 MB is read in milliseconds)
+# ---------------------------------------------------------------------------
+
+_BOX_TOKEN = re.compile(r"\\(?:boxed|fbox)\s*\{|[{}]")
+
+
+def _boxes(text: str) -> list[tuple[int, int, int]]:
+    """(start, content start, end) of every complete outermost ``\\boxed{...}`` / ``\\fbox{...}``, in order.
+
+    One pass with a stack: rescanning to the end for each box is quadratic, and a completion with
+    thousands of unclosed ``\\boxed{`` took seconds. A box whose braces never close (cut off by the
+    length limit) is skipped.
     """
-    found = None
-    for match in _BOXED.finditer(text):
-        depth = 1
-        for i in range(match.end(), len(text)):
-            depth += {"{": 1, "}": -1}.get(text[i], 0)
-            if depth == 0:
-                found = text[match.end() : i]
-                break
+    first = min((i for i in (text.find("\\boxed"), text.find("\\fbox")) if i >= 0), default=-1)
+    if first < 0 or text.rfind("}") < first:  # no box, or none closed ("\boxed{" 140,000 times)
+        return []
+    depth, open_boxes, found = 0, [], []
+    for token in _BOX_TOKEN.finditer(text, first):
+        if token[0] == "}":
+            depth = max(depth - 1, 0)
+            if open_boxes and open_boxes[-1][0] == depth:
+                _, start, content = open_boxes.pop()
+                while found and found[-1][0] > start:  # a box inside this one: the outer box is the answer
+                    found.pop()
+                found.append((start, content, token.start()))
+        else:
+            if token[0] != "{":
+                open_boxes.append((depth, token.start(), token.end()))
+            depth += 1
     return found
 
 
-def _after_hashes(text: str) -> str:
-    """The GSM8K answer: the rest of the line after the last ``####``, without "1,234" commas."""
-    line = text.rsplit("####", 1)[1].strip().split("\n", 1)[0]
-    return _THOUSANDS.sub("", line).strip().rstrip(".")
+def _last_boxed(text: str) -> str | None:
+    """Content of the last complete outermost ``\\boxed{...}``/``\\fbox{...}``, or None."""
+    found = _boxes(text)
+    return text[found[-1][1] : found[-1][2]] if found else None
+
+
+# Boxes separated only by this are one answer: "$\boxed{-1}$ and $\boxed{-9}$", "x = \boxed{2}, x = \boxed{3}".
+_BOX_GAP = re.compile(r"(?:\s|[$,;.]|\\[()\[\],;! ]|\\quad|\band\b|\bor\b|\\text\{\s*(?:and|or)\s*\}|"
+                      r"(?<![a-zA-Z])[a-zA-Z](?:_\w)?\s*=)*")
+
+
+def _final_boxes(text: str) -> str | None:
+    """The last box, joined with the boxes just before it that only ``_BOX_GAP`` separates (as a set)."""
+    found = _boxes(text)
+    if not found:
+        return None
+    group = [found[-1]]
+    for box in reversed(found[:-1]):
+        gap = text[box[2] + 1 : group[0][0]]
+        if len(gap) > 40 or not _BOX_GAP.fullmatch(gap):
+            break
+        group.insert(0, box)
+    answers = list(dict.fromkeys(text[content:end].strip() for _, content, end in group))
+    return ", ".join(answers)
+
+
+# An expression as written inline: numbers, LaTeX commands, operators, \text{...} units and single
+# letters, but no English word of two letters or more ("34 hours" -> "34", "2:00 pm" -> "2:00").
+_EXPRESSION = re.compile(r"(?:\\(?:text|textbf|mbox|mathrm)\s*\{[^{}\n]*\}|\\[a-zA-Z]+|\\[()\[\],;!{}% ]"
+                         r"|[0-9.,+\-*/^_=()\[\]{}<>|!%$€£¥₹:'\t ]|(?<![a-zA-Z])[a-zA-Z](?![a-zA-Z]))+")
+_MATH_SPAN = {"$$": "$$", "$": "$", "\\(": "\\)", "\\[": "\\]"}
+_SENTENCE_END = re.compile(r"\.(?=\s|$)|\n|,\s+(?=[a-zA-Z]{2})")
+_FILLER = re.compile(r"^(?:(?:therefore|thus|then|so|simply|just|about|approximately|exactly|equal to|now)\b[\s,]*)+",
+                     re.IGNORECASE)
+_LONE_LETTERS = re.compile(r"(?:\s+[a-zA-Z])+\s*$")  # "5 a" of "5 a day"
+
+
+def _tidy(answer: str) -> str:
+    """Strip what surrounds an answer in prose: bold, "a.m.", a lone trailing letter ("5 a day"), and a
+    dangling operator ("$7200/year" -> "$7200/", "27-liter" -> "27-", "%95")."""
+    answer = re.sub(r"\s*[ap]\.m\.?$", "", answer.strip().strip("*").strip())
+    answer = _LONE_LETTERS.sub("", answer).rstrip(".,;: ").strip()
+    answer = answer.rstrip("/*+-=<>:^_(,").lstrip("%:,; ").strip()
+    if len(answer) > 1 and answer[0] == answer[-1] == "$":  # "$\sqrt{17}$" from prose
+        answer = answer.strip("$").strip()
+    return answer.replace(",", "") if _THOUSANDS.fullmatch(answer) else answer  # "1,234" -> "1234"
+
+
+def _answer_after(text: str, start: int, words_allowed: bool) -> str | None:
+    """The answer written right after a marker such as "The final answer is" (a bounded window).
+
+    A math span ($...$, \\(...\\), \\[...\\]) is taken whole; otherwise the rest of the sentence, cut to
+    its leading expression. An answer in words ("twelve", "Monday") is kept only after a phrase marker
+    (`words_allowed`): after ``####`` or ``A:`` a word means a Markdown heading, "#### For \\(T = 3\\):".
+    """
+    window = text[start : start + 500]
+    lead = re.match(r"[\s*:]*", window)
+    if window[: lead.end()].count("\n") > 2:  # the marker ends a paragraph that does not hold the answer
+        return None
+    rest = window[lead.end() :]
+    for opening, closing in sorted(_MATH_SPAN.items(), key=lambda kv: -len(kv[0])):
+        if rest.startswith(opening):
+            end = re.compile(r"(?<!\\)" + re.escape(closing)).search(rest, len(opening))  # not the "\$" of "$\$5$"
+            if end and end.start() > len(opening):
+                return _tidy(rest[len(opening) : end.start()]) or None
+            break
+    sentence = rest[: m.start()] if (m := _SENTENCE_END.search(rest)) else rest
+    if words_allowed:  # "The answer is therefore 3."
+        sentence = _FILLER.sub("", sentence)
+    expression = _EXPRESSION.match(sentence)
+    if expression is None or not _tidy(expression[0]):
+        return _tidy(sentence) or None if words_allowed else None
+    return _tidy(expression[0])
+
+
+# Final-answer phrases as models write them (the last one in the text wins):
+#   Minerva: "Final Answer: The final answer is $\frac{4}{35}$. I hope it is correct."
+#   Qwen / DeepSeek: "**Final Answer**\n\n$\frac{4}{35}$", "The answer is 18.", "**Answer:** 18"
+#   GSM8K: "#### 18" (but not a heading "#### For \(T = 3\):"); GSM8K few-shot: "A: 18"
+_MARKER = re.compile(r"(?P<phrase>(?i:final\s+answer(?:\s*\**\s*(?:is|:))?|\banswer\s+is|\banswer\s*\**\s*:))"
+                     r"|^[ \t]*(?P<line>####|A:)", re.MULTILINE)
+
+
+def _marked_answer(text: str) -> str | None:
+    """The answer after the last final-answer marker that is followed by one, or None.
+
+    The end of the text is searched first: the answer is there, and a 1 MB completion need not be read twice.
+    """
+    for start in sorted({max(len(text) - 5000, 0), 0}, reverse=True):
+        for marker in reversed(list(_MARKER.finditer(text, start))):
+            answer = _answer_after(text, marker.end(), words_allowed=marker["phrase"] is not None)
+            if answer:
+                return answer
+    return None
+
+
+_SENTENCE_STOP = re.compile(r"\n|\.(?:\s|$)")
+_CALCULATOR = re.compile(r"<<[^<>\n]*>>")  # GSM8K's calculator annotations "<<48/2=24>>"
+_ROUNDING = re.compile(r"\brounds?(?: up| down)? to\b")
+_ANCHOR = re.compile(r"=|\b(?:is|are|was|were|be|equals?|makes?|gives?|gets?|has|have|had|total(?: of)?|"
+                     r"rounds?(?: up| down)? to)\b")
+_SPACED_THOUSANDS = re.compile(r"\$\s*\d{1,3}(?: \d{3})+(?!\d)")  # "$118 000"
+_NEXT_QUANTITY = re.compile(r"(?<=[\d}])\s+(?=[$\d])")  # "12 200-kilobyte videos": 12, then another number
+
+
+def _has_digit(s: str) -> bool:
+    return any(c.isdigit() for c in s)
+
+
+def _run_value(run: str) -> str:
+    """The value an expression in prose states: "9 * 2 = $18" -> $18, "20 = A" -> 20, "50 < 52" -> 50 (a
+    comparison that justifies the answer), "Week 3:210" -> 210 (but "2:00" stays a time), "2 $10 bills" -> 2."""
+    if re.search(r"\d\s*[<>]", run):
+        run = re.split(r"[<>]", run)[0]
+    run = [part for part in run.split("=") if _has_digit(part)][-1]
+    if ":" in run and not re.search(r"\d{1,2}:\d{2}(?!\d)", run):
+        run = run.rsplit(":", 1)[1]
+    if not _SPACED_THOUSANDS.search(run):
+        run = _NEXT_QUANTITY.split(run.strip())[0]
+    return _tidy(run)
+
+
+def _trailing_expression(text: str) -> str | None:
+    """The answer of a completion with no box and no marker: an expression of its last sentence with a digit.
+
+    LaTeX-aware ("$\\frac{4}{35}$" is 4/35, not 35; "16\\pi" is not 16). In that sentence, the first
+    expression after its last "=" or verb like "is" ("the total is 34 hours in 4 weeks" -> 34, "= 16.66%,
+    which rounds up to 17%" -> 17%), else its last expression; then ``_run_value``.
+    """
+    text = _CALCULATOR.sub("", text)
+    last_digit = max(text.rfind(d) for d in "0123456789")
+    if last_digit < 0:
+        return None
+    start = max(text.rfind("\n", 0, last_digit), text.rfind(". ", 0, last_digit) + 1, last_digit - 2000)
+    stop = _SENTENCE_STOP.search(text, last_digit)
+    sentence = text[start : stop.start() if stop else len(text)]
+    anchors = [a.end() for a in _ANCHOR.finditer(sentence)]
+    rounding = [a.end() for a in _ROUNDING.finditer(sentence)]
+    equals = [i + 1 for i, c in enumerate(sentence) if c == "="]
+    anchors = rounding or equals or anchors  # "= 16.66%, which rounds to 17%"; "= 200 dogs left after 60 were adopted"
+    runs = [r for r in _EXPRESSION.finditer(sentence) if _has_digit(r[0])]
+    after = [r for r in runs if anchors and r.end() > anchors[-1] and _has_digit(sentence[anchors[-1] : r.end()])]
+    if after:
+        return _run_value(sentence[max(anchors[-1], after[0].start()) : after[0].end()]) or None
+    return _run_value(runs[-1][0]) or None if runs else None
 
 
 def extract_answer(text: str) -> str | None:
     """The final answer of a completion, or None when it gives none.
 
-    Looks, in order, for the last ``\\boxed{}``, a ``#### x`` line, then the last
-    number. Text inside a closed ``<think>...</think>`` block is ignored: numbers
-    from the scratch work there are not the answer.
+    Looks, in order, for the last ``\\boxed{}`` (with boxes side by side joined as a set), the last
+    final-answer marker ("The final answer is", "Answer:", ``#### x``, ...), then the trailing
+    expression (``_trailing_expression``). Text inside a closed ``<think>...</think>`` block is
+    ignored: numbers from the scratch work there are not the answer.
     """
     if "</think>" in text:
         text = text.rsplit("</think>", 1)[1]
-    boxed = _last_boxed(text)
+    text = _ascii_math(text)
+    boxed = _final_boxes(text)
     if boxed is not None:
         return boxed.strip()
-    if "####" in text:
-        return _after_hashes(text) or None
-    numbers = _NUMBER.findall(text)
-    return numbers[-1].replace(",", "") if numbers else None
+    return _marked_answer(text) or _trailing_expression(text)
 
 
-def extract_gold(answer: str) -> str:
+def _number_text(value: int | float) -> str:
+    """An int or float reference as digits: 3 -> "3", 2.0 -> "2", 1e-07 -> "0.0000001"."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return format(Decimal(repr(value)), "f") if isinstance(value, float) else str(value)
+
+
+def extract_gold(answer: str | int | float) -> str:
     """The reference answer in a dataset's answer column.
 
     MATH stores a full solution ending in ``\\boxed{}``, GSM8K a solution ending in
-    ``#### 42``; other datasets store the bare answer.
+    ``#### 42``; other datasets store the bare answer, as text or as a number (a JSON
+    integer, an all-digit CSV column). ``None`` is for the caller (``math_accuracy``) to handle.
     """
+    if isinstance(answer, (int, float)) and not isinstance(answer, bool):
+        return _number_text(answer)
+    answer = _ascii_math(str(answer))
     boxed = _last_boxed(answer)
     if boxed is not None:
         return boxed.strip()
     if "####" in answer:
-        return _after_hashes(answer)
+        return _tidy(answer.rsplit("####", 1)[1].strip().split("\n", 1)[0])
     return answer.strip()
 
 
 # ---------------------------------------------------------------------------
-# Equivalence
+# Normalisation: spellings math-verify reads wrongly or not at all
 # ---------------------------------------------------------------------------
 
 _EXTRACTION_CONFIG = [LatexExtractionConfig(), ExprExtractionConfig()]
-_TRAILING_UNIT = re.compile(r"(?<=.)\\(?:text|mbox)\{[^{}]*\}$")
-_TEXT = re.compile(r"\\(?:text|mbox)\{([^{}]*)\}")
+_TEXT = re.compile(r"\\(?:text|textbf|textit|mbox|mathrm|mathbf)\s*\{([^{}]*)\}")  # "\text {cm}" too
+_TRAILING_UNIT = re.compile(r"(?<=[^\s{])\s*\\(?:text|mbox|mathrm)\s*\{\s*[a-zA-Z][^{}]*\}$")  # "5\text{ cm}"
+_PERCENT = re.compile(r"\s*(?:\\?%|\\text\{\s*%\s*\}|\s+percent)$")
+_SPACING = re.compile(r"\\[,;:! ]|\\(?:left|right|displaystyle)(?![a-zA-Z])|~")
+_THOUSANDS = re.compile(r"-?\d{1,3}(?:(?:,|\{,\})\d{3})+(?:\.\d+)?")
+_CURRENCY = str.maketrans("", "", "$€£¥₹")
+_PLAIN_NUMBER = re.compile(r"-?(?:\d+(?:\.\d*)?|\.\d+)")
+
+
+def _clean(answer: str) -> str:
+    """One spelling per answer before any comparison.
+
+    ``\\text {square inches}`` is a unit (a reference "8\\sqrt{3}\\text { square inches}" rejected
+    "8\\sqrt{3}"); "17.5\\%" is 17.5 (math-verify read it as 0.175 and rejected 17.5, yet accepted 25
+    for "25\\%"); ``\\textbf{(073)}`` is 073; "1,234" and "1{,}234" are 1234.
+    """
+    s = _SPACING.sub("", _ascii_math(answer).replace("\\$", "").strip().strip("$").strip())
+    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    for opening, closing in (("\\(", "\\)"), ("\\[", "\\]")):
+        if s.startswith(opening) and s.endswith(closing):
+            s = s[len(opening) : -len(closing)]
+    s = _TRAILING_UNIT.sub("", s.strip().rstrip("."))
+    s = _PERCENT.sub("", _TEXT.sub(r"\1", s).strip())
+    s = s.strip().rstrip(".").strip()
+    if re.fullmatch(r"\(\s*-?[\d.]+\s*\)", s):  # "(073)": an answer choice written in parentheses
+        s = s[1:-1].strip()
+    if _THOUSANDS.fullmatch(s):
+        s = s.replace("{,}", "").replace(",", "")
+    s = re.sub(r"^(\d{1,2}):00$", r"\1", s.translate(_CURRENCY).strip())  # "2:00" (pm) is the hour 2
+    return s
+
+
+def _plain_number(s: str) -> Fraction | None:
+    """The exact value of a plain decimal ("047", "27.0", "-3.5"), else None."""
+    return Fraction(s) if _PLAIN_NUMBER.fullmatch(s) else None
+
+
 
 
 # Numbers written in English words. math-verify reads a word as a product of symbols (twelve -> E*E*l*t*v*w), so
@@ -158,39 +409,204 @@ def _words_to_number(answer: str) -> str | None:
     return f"{sign}{numerator}/{_DENOMINATOR[match['denominator']]}"
 
 
-def _normalize(s: str) -> str:
-    """A canonical string form, for answers math-verify cannot parse (or parses wrongly)."""
-    s = s.strip().replace("\\left", "").replace("\\right", "")
-    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-    s = _TRAILING_UNIT.sub("", s.strip())  # "5\text{ cm}" -> "5"
-    s = _TEXT.sub(r"\1", s)  # "\text{Monday}" -> "Monday"
-    return s.replace("$", "").replace(" ", "").rstrip(".")
+def _prepared(pred: str, gold: str) -> tuple[str, str]:
+    pred, gold = _clean(pred), _clean(gold)
+    return _words_to_number(pred) or pred, _words_to_number(gold) or gold  # "twelve" -> "12"
 
 
-def _parse(s: str, timeout: int | None) -> list:
-    """math-verify parse of a bare answer; the ``\\boxed{}`` makes it read the whole string."""
-    return parse(f"$\\boxed{{{s.strip().strip('$')}}}$", _EXTRACTION_CONFIG, parsing_timeout=timeout)
-
-
-def is_equivalent(pred: str | None, gold: str) -> bool:
-    """Whether a predicted answer means the same as the reference answer. Never raises.
-
-    math-verify compares the parsed expressions symbolically and numerically. Its
-    timeouts use SIGALRM, which only the main thread can set, so they are turned
-    off in other threads (e.g. a reward server's worker pool).
-    """
-    normalized = _normalize(pred) if pred is not None else ""
-    if not normalized:
+def _quick_verdict(pred: str, gold: str) -> bool | None:
+    """The verdict when no parsing is needed (most GSM8K-style answers), else None."""
+    if not pred:
         return False
-    if normalized == _normalize(gold):
+    if pred.replace(" ", "") == gold.replace(" ", ""):
         return True
-    pred, gold = _words_to_number(pred) or pred, _words_to_number(gold) or gold  # "twelve" -> "12"
-    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    pred_value, gold_value = _plain_number(pred), _plain_number(gold)
+    return pred_value == gold_value if pred_value is not None and gold_value is not None else None
+
+
+# ---------------------------------------------------------------------------
+# Equivalence with math-verify, in worker processes with a hard time limit per sample
+# ---------------------------------------------------------------------------
+
+# math-verify's own timeouts use SIGALRM, which only a main thread can set, and even there cannot stop a long
+# computation inside sympy that holds the GIL ("9^{9^{9^9}}", "1000000!", 5,000 nested braces). So it runs in
+# worker processes, and a sample that takes longer than TIME_LIMIT_S gets 0 and its worker is killed and
+# replaced. Ordinary answers take 1-100 ms there; "x^2 + 2x" against "x(x+2)" took 0.55 s on a loaded 2-core machine.
+TIME_LIMIT_S = 1.0
+GRADER_PROCESSES = min(4, os.cpu_count() or 1)  # per training process
+
+# A bare list "2, 4, 3" is a set unless the question asks for an order ("\boxed{2, 3, 4}" was accepted there).
+_ORDERED = re.compile(r"ordered\s+(?:pair|triple|quadruple|tuple|list)|\bin\s+(?:increasing|decreasing|ascending|"
+                      r"descending|alphabetical|that|this|the\s+same)\s+order|\bin\s+order\b", re.IGNORECASE)
+
+
+def _split_list(s: str) -> list[str]:
+    """The items of a bare comma list, split at commas outside brackets: "1, (2,3)" -> ["1", "(2,3)"]."""
+    items, depth, start = [], 0, 0
+    for i, c in enumerate(s):
+        depth += (c in "([{") - (c in ")]}")
+        if c == "," and depth == 0:
+            items.append(s[start:i].strip())
+            start = i + 1
+    return items + [s[start:].strip()]
+
+
+@functools.lru_cache(maxsize=4096)  # the G completions of a prompt share its reference
+def _parse(s: str) -> list:
+    """math-verify parse of a bare answer; the ``\\boxed{}`` makes it read the whole string."""
+    return parse(f"$\\boxed{{{s}}}$", _EXTRACTION_CONFIG, parsing_timeout=None)
+
+
+def _verify(pred: str, gold: str, ordered: bool) -> bool:
+    """math-verify's verdict, with ordered bare lists compared item by item. Only in a worker: it may not return."""
+    if ordered and len(gold_items := _split_list(gold)) > 1:
+        pred_items = _split_list(pred)
+        pairs = [_prepared(p, g) for p, g in zip(pred_items, gold_items)]
+        return len(pred_items) == len(gold_items) and all(_quick_verdict(*pair) or _verify(*pair, False) for pair in pairs)
     try:
-        gold_parsed, pred_parsed = _parse(gold, timeout), _parse(pred, timeout)
-        return bool(gold_parsed and pred_parsed and verify(gold_parsed, pred_parsed, timeout_seconds=timeout))
+        gold_parsed, pred_parsed = _parse(gold), _parse(pred)
+        return bool(gold_parsed and pred_parsed and verify(gold_parsed, pred_parsed, timeout_seconds=None))
     except Exception:
         return False
+
+
+def _serve(fd: int) -> None:
+    """A worker process: answer ``(index, pred, gold, ordered)`` with ``(index, verdict)`` until the pipe closes."""
+    if sys.platform == "linux":  # die with the parent even while stuck inside sympy (PR_SET_PDEATHSIG = 1)
+        import ctypes
+        import signal
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled": the parent enforces it
+    conn = Connection(fd)
+    _verify("1/2", "0.5", False)  # first-call imports and parser set-up, before any sample's clock starts
+    conn.send("ready")
+    while True:
+        try:
+            index, pred, gold, ordered = conn.recv()
+        except EOFError:
+            return
+        conn.send((index, _verify(pred, gold, ordered)))
+
+
+class _Worker:
+    """A grading process, the pipe to it, and the job it holds with that job's deadline."""
+
+    def __init__(self):
+        parent_end, child_end = Pipe()
+        root = Path(__file__).resolve().parents[__name__.count(".")]  # where `import common.rewards` works
+        code = (f"import sys; sys.path.insert(0, {str(root)!r}); "
+                f"from {__name__} import _serve; _serve({child_end.fileno()})")
+        self.process = subprocess.Popen([sys.executable, "-c", code], pass_fds=[child_end.fileno()],
+                                        stdin=subprocess.DEVNULL)
+        child_end.close()
+        self.conn, self.ready, self.job, self.deadline = parent_end, False, None, math.inf
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+        self.conn.close()
+
+
+class _Pool:
+    """Worker processes that grade jobs one at a time each; a job past its deadline kills its worker."""
+
+    def __init__(self, size: int):
+        self.size, self.pid, self.workers, self.lock = size, os.getpid(), [], threading.Lock()
+
+    def run(self, jobs: list[tuple[str, str, bool]], limit: float) -> list[bool | None]:
+        """The verdict of each job, None for one that ran over `limit` seconds or killed its worker."""
+        with self.lock:
+            while len(self.workers) < self.size:  # all of them: a spare keeps grading while a killed one restarts
+                self.workers.append(_Worker())
+            verdicts, pending, left = [None] * len(jobs), deque(range(len(jobs))), len(jobs)
+            while left:
+                for w in self.workers:
+                    if w.ready and w.job is None and pending:
+                        w.job, w.deadline = pending.popleft(), time.monotonic() + limit
+                        w.conn.send((w.job, *jobs[w.job]))
+                soonest = min(w.deadline for w in self.workers)
+                for conn in wait([w.conn for w in self.workers], None if soonest == math.inf else
+                                 max(soonest - time.monotonic(), 0)):
+                    w = next(w for w in self.workers if w.conn is conn)
+                    try:
+                        message = conn.recv()
+                    except (EOFError, OSError):  # the worker died (out of memory, killed from outside)
+                        if not w.ready:
+                            raise RuntimeError(f"a grading worker failed to start (exit code {w.process.wait()})")
+                        left -= w.job is not None
+                        self._replace(w)
+                        continue
+                    if message == "ready":
+                        w.ready = True
+                    else:
+                        verdicts[message[0]], w.job, w.deadline = message[1], None, math.inf
+                        left -= 1
+                for w in list(self.workers):
+                    if w.job is not None and time.monotonic() > w.deadline:
+                        left -= 1
+                        self._replace(w)
+            return verdicts
+
+    def _replace(self, worker: _Worker) -> None:
+        worker.kill()
+        self.workers[self.workers.index(worker)] = _Worker()
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.kill()
+        self.workers = []
+
+
+_POOL: _Pool | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> _Pool:
+    """This process's pool, created on first use (and anew in a forked child, which must not share pipes)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or _POOL.pid != os.getpid():
+            _POOL = _Pool(GRADER_PROCESSES)
+    return _POOL
+
+
+@atexit.register
+def _close_pool() -> None:
+    if _POOL is not None and _POOL.pid == os.getpid():
+        _POOL.close()
+
+
+# Jobs that ran over the time limit once: a policy that collapses onto one pathological answer would
+# otherwise cost a time limit and a worker restart per completion, every step.
+_TIMED_OUT: dict[tuple[str, str, bool], None] = {}
+
+
+def _grade(items: list[tuple[str | None, str, bool]]) -> tuple[list[bool], list[bool]]:
+    """(verdicts, timed out) for ``(pred, gold, ordered)`` triples: what the quick checks settle stays here,
+    the rest goes to the worker processes in one batch."""
+    verdicts, jobs, where = [], {}, {}  # the G completions of a prompt often give the same answer: grade it once
+    for i, (pred, gold, ordered) in enumerate(items):
+        prepared = _prepared(pred, gold) if pred is not None else None
+        verdicts.append(False if prepared is None else _quick_verdict(*prepared))
+        if verdicts[-1] is None:
+            job = (*prepared, ordered)
+            where[i] = job
+            jobs.setdefault(job, None if job in _TIMED_OUT else True)
+    todo = [job for job, needed in jobs.items() if needed]
+    jobs.update(zip(todo, _pool().run(todo, TIME_LIMIT_S) if todo else []))
+    for job in todo:
+        if jobs[job] is None:
+            _TIMED_OUT[job] = None
+            if len(_TIMED_OUT) > 1024:
+                del _TIMED_OUT[next(iter(_TIMED_OUT))]
+    timed_out = [i in where and jobs[where[i]] is None for i in range(len(items))]
+    return [bool(jobs[where[i]]) if i in where else v for i, v in enumerate(verdicts)], timed_out
+
+
+def is_equivalent(pred: str | None, gold: str, ordered: bool = False) -> bool:
+    """Whether a predicted answer means the same as the reference answer. Never raises, and returns
+    False after at most about ``TIME_LIMIT_S`` seconds, in any thread (see ``_Pool``)."""
+    return _grade([(pred, gold, ordered)])[0][0]
 
 
 # ---------------------------------------------------------------------------
@@ -215,9 +631,22 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
 
 
 @register_reward("math_accuracy")
-def math_accuracy(prompts: list[str], completions: list[str], answer: list[str], **_) -> list[float]:
-    """1.0 when the completion's final answer is equivalent to the reference answer, else 0.0."""
-    return [float(is_equivalent(extract_answer(c), extract_gold(a))) for c, a in zip(completions, answer)]
+def math_accuracy(prompts: list[str], completions: list[str], answer: list, **_) -> Rewards:
+    """1.0 when the completion's final answer is equivalent to the reference answer, else 0.0.
+
+    The reference may be text, an int or a float. ``metrics["timeouts"]`` marks the samples whose grading
+    ran over ``TIME_LIMIT_S`` (reward 0; logged as ``reward/math_accuracy/timeouts/mean``). A reference of
+    None gets reward 0 and a warning that counts them: raising would stop a run, or an evaluation, on one
+    unlabeled row, and its G completions get equal rewards, so no gradient, anyway.
+    """
+    missing = [i for i, a in enumerate(answer) if a is None]
+    if missing:
+        warnings.warn(f"math_accuracy: {len(missing)} of {len(answer)} samples have no reference answer (None), "
+                      f"the first at sample {missing[0]}; they get reward 0", stacklevel=2)
+    items = [(extract_answer(c), extract_gold(a), bool(_ORDERED.search(str(p)))) if a is not None else (None, "", False)
+             for p, c, a in zip(prompts, completions, answer)]
+    verdicts, timed_out = _grade(items)
+    return Rewards([float(v) for v in verdicts], {"timeouts": [float(t) for t in timed_out]})
 
 
 # Multiple choice: the options are lines "A. ..." in the prompt (see evals/benchmarks.py format_choices).
@@ -343,8 +772,12 @@ def _first_failing_sample(fn: RewardFn, prompts: list[str], completions: list[st
 
 def _call_reward(
     fn: RewardFn, name: str, prompts: list[str], completions: list[str], columns: dict[str, list]
-) -> torch.Tensor:
-    """Call one reward function and check its output, raising RewardError with the culprit sample."""
+) -> "tuple[torch.Tensor, dict[str, torch.Tensor]]":
+    """Call one reward function and check its output, raising RewardError with the culprit sample.
+
+    Returns the (B,) rewards and the (B,) values of each of its ``Rewards.metrics``.
+    """
+    import torch  # here, not at the top: grading workers import this module and must start fast
     try:
         out = fn(prompts, completions, **columns)
     except Exception as e:
@@ -368,7 +801,13 @@ def _call_reward(
         if not math.isfinite(v):
             raise RewardError(_describe(name, f"returned {v}", i, prompts, completions))
         values.append(v)
-    return torch.tensor(values, dtype=torch.float32)
+    metrics = getattr(out, "metrics", {})
+    for key, diagnostics in metrics.items():
+        if len(diagnostics) != len(completions):
+            raise RewardError(f"reward function {name!r} returned {len(diagnostics)} values of metric {key!r} "
+                              f"for {len(completions)} completions")
+    return torch.tensor(values, dtype=torch.float32), {
+        key: torch.tensor([float(d) for d in diagnostics], dtype=torch.float32) for key, diagnostics in metrics.items()}
 
 
 def compute_rewards(
@@ -377,10 +816,12 @@ def compute_rewards(
     prompts: list[str],
     completions: list[str],
     columns: dict[str, list],
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+) -> "tuple[torch.Tensor, dict[str, torch.Tensor]]":
     """Total reward per completion and each function's unweighted rewards (for logging).
 
-    Returns ``(sum_k weights[k] * funcs[k](...), {name: (B,) tensor})``. A broken
+    Returns ``(sum_k weights[k] * funcs[k](...), {name: (B,) tensor})``; a function that returns
+    ``Rewards`` adds ``{f"{name}/{key}": (B,) tensor}`` for each of its metrics (math_accuracy:
+    ``"math_accuracy/timeouts"``, 1.0 where grading ran over its time limit). A broken
     reward would silently poison the advantages, so any exception, wrong length or
     non-finite value stops training with a RewardError naming the function and sample.
     """
@@ -390,13 +831,16 @@ def compute_rewards(
     for key, values in {"prompts": prompts, **columns}.items():
         if len(values) != len(completions):
             raise ValueError(f"{key!r} has {len(values)} entries for {len(completions)} completions")
+    import torch  # see _call_reward
+
     total = torch.zeros(len(completions), dtype=torch.float32)
     per_function: dict[str, torch.Tensor] = {}
     for k, (fn, weight) in enumerate(zip(funcs, weights)):
         name = _reward_name(fn)
         if name in per_function:  # the same function twice (e.g. two weights): keep both in the logs
             name = f"{name}_{k}"
-        rewards = _call_reward(fn, name, prompts, completions, columns)
+        rewards, metrics = _call_reward(fn, name, prompts, completions, columns)
         per_function[name] = rewards
+        per_function.update({f"{name}/{key}": values for key, values in metrics.items()})
         total += weight * rewards
     return total, per_function

@@ -1,14 +1,20 @@
 """Tests for common/rewards.py: answer extraction, math equivalence, registry, safe reward calls."""
 
+import json
 import math
 import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
+import common.rewards as rewards_module
 from common.rewards import (
     REWARD_FUNCTIONS,
+    TIME_LIMIT_S,
     RewardError,
+    Rewards,
     compute_rewards,
     extract_answer,
     extract_gold,
@@ -30,12 +36,12 @@ from common.rewards import (
         (r"\fbox{7}", "7"),
         (r"\boxed{5} then cut off \boxed{\frac{1}{2", "5"),  # unclosed box is skipped
         (r"<think>maybe \boxed{7}, or 99</think> so it is 12", "12"),  # think block ignored
-        ("<think>I get 5, no wait, 6", "6"),  # no </think>: nothing to ignore
+        ("<think>first 5, no wait, 6", "6"),  # no </think>: nothing to ignore
         ("She pays 3 * 4 = 12\n#### 1,234", "1234"),
         ("It costs -3.5 dollars", "-3.5"),
         ("Total 1,234 apples, 7 crates and 2.25 kg", "2.25"),
         ("the sum is 1,234.", "1234"),
-        ("from 3-4", "4"),  # a hyphen between numbers is not a sign
+        ("from 3-4", "3-4"),  # the trailing expression is kept whole (LaTeX-aware), not cut to its last digits
         ("no digits here", None),
         ("<think>42</think> I give up", None),
     ],
@@ -218,8 +224,9 @@ def test_compute_rewards_weighted_sum():
     )
     assert total.dtype == torch.float32 and total.shape == (2,)
     assert total.tolist() == [1.5, 0.0]
-    assert set(per_function) == {"math_accuracy", "format"}
+    assert set(per_function) == {"math_accuracy", "math_accuracy/timeouts", "format"}
     assert per_function["math_accuracy"].tolist() == [1.0, 0.0]
+    assert per_function["math_accuracy/timeouts"].tolist() == [0.0, 0.0]
     assert per_function["format"].tolist() == [1.0, 0.0]
 
 
@@ -280,3 +287,132 @@ def test_reward_error_on_wrong_length():
 def test_compute_rewards_column_length_mismatch():
     with pytest.raises(ValueError, match="'answer' has 1 entries"):
         compute_rewards([math_accuracy], None, PROMPTS, COMPLETIONS, {"answer": ["2"]})
+
+
+# --- the grader on answers as models write them (issue 15) ------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("Final Answer: The final answer is $\\frac{4}{35}$. I hope it is correct.", r"\frac{4}{35}"),  # Minerva
+        ("**Final Answer**\n\n\\[ \\frac{4}{35} \\]", r"\frac{4}{35}"),  # Qwen / DeepSeek without a box
+        ("so the answer is $\\$118,000$.", r"\$118,000"),
+        ("The answer is 34 hours.", "34"),
+        ("The answer is therefore 3.", "3"),
+        ("so the length is $\\sqrt{17}$", r"\sqrt{17}"),  # trailing expression, not its last digits
+        ("the area comes to 16\\pi", r"16\pi"),
+        ("which gives $-\\frac{24}{25}$", r"-\frac{24}{25}"),
+        ("So she works 34 hours. The total is 34 hours in 4 weeks", "34"),  # first expression after "is"
+        ("The house sold for $118 000", "$118 000"),
+        ("They meet at 2:00 pm", "2:00"),
+        ("The roots are $\\boxed{-1}$ and $\\boxed{-9}$.", "-1, -9"),  # boxes side by side: one answer
+        ("\\boxed{5}. Checking again, the result is \\boxed{6}", "6"),
+        ("#### For \\(T = 3\\):\nthe count is 7", "7"),  # a Markdown heading is not an answer
+        ("She has 9 eggs.\nA: 9", "9"),
+        ("He has 3 * 12 = <<3*12=36>>36 pencils left", "36"),
+        ("½ of it", r"\frac{1}{2}"),
+        ("I am not sure how to go on", None),
+    ],
+)
+def test_extract_answer_as_models_write(text, expected):
+    assert extract_answer(text) == expected
+
+
+@pytest.mark.parametrize(
+    "pred, gold",
+    [("17.5", r"17.5\%"), (r"12.5\%", "12.5"), ("25", r"25\%"), (r"8\sqrt{3}", r"8\sqrt{3}\text { square inches}"),
+     (r"\textbf{(073)}", "073"), ("½", "0.5"), ("５", "5"), ("√2", r"\sqrt{2}"), ("3½", "3.5"), ("2:00", "2"),
+     (r"\$118,000", "118000"), ("€28", "28")],
+)
+def test_normalisation_equivalent(pred, gold):
+    assert is_equivalent(pred, gold)
+
+
+@pytest.mark.parametrize("pred, gold", [("17.5%", "0.175"), ("-1, -9", "-9, -2"), ("2:30", "2"), ("(073)", "74")])
+def test_normalisation_not_equivalent(pred, gold):
+    assert not is_equivalent(pred, gold)
+
+
+def test_order_comes_from_the_prompt():
+    completions = [r"\boxed{2, 3, 4}"] * 2 + [r"\boxed{2, 4, 3}"]
+    prompts = ["Find the ordered triple (a, b, c).", "Enter all solutions, separated by commas.", "Find the ordered triple."]
+    assert math_accuracy(prompts, completions, answer=["2, 4, 3"] * 3) == [0.0, 1.0, 1.0]
+
+
+def test_references_that_are_numbers_or_none():
+    completions = [r"\boxed{12}", r"\boxed{0.5}", r"\boxed{3}", "the answer is 1e-7", r"\boxed{12}"]
+    with pytest.warns(UserWarning, match="1 of 5 samples have no reference answer.*sample 4"):
+        rewards = math_accuracy(["q"] * 5, completions, answer=[12, 0.5, 3.0, 1e-7, None])
+    assert rewards == [1.0, 1.0, 1.0, 0.0, 0.0]  # "1e-7" is read as its leading expression "1"
+    assert extract_gold(3.0) == "3" and extract_gold(1e-7) == "0.0000001" and extract_gold(12) == "12"
+    total, per_function = compute_rewards([math_accuracy], None, ["q"], [r"\boxed{7}"], {"answer": [7]})
+    assert total.tolist() == [1.0]
+
+
+def test_regression_set(monkeypatch):
+    """Hand-written cases of every failure class in issue 15 (tests/data/grader_cases.jsonl, built by
+    tests/data/make_grader_cases.py); each names the rule it tests. Agreement measured: 225 of 225.
+    The time limit is raised: on a loaded machine "x^2 + 2x" against "x(x+2)" can take a second, and
+    this test is about reading answers (the limit has tests of its own below)."""
+    monkeypatch.setattr(rewards_module, "TIME_LIMIT_S", 30.0)
+    cases = [json.loads(line) for line in (Path(__file__).parent / "data" / "grader_cases.jsonl").open()]
+    rewards = math_accuracy([c.get("prompt", "") for c in cases], [c["completion"] for c in cases],
+                            answer=[c["answer"] for c in cases])
+    wrong = [(c["rule"], c["completion"], c["answer"]) for c, r in zip(cases, rewards) if r != c["correct"]]
+    print(f"agreement {len(cases) - len(wrong)}/{len(cases)}")
+    assert len(cases) >= 200 and {c["correct"] for c in cases} == {0, 1}
+    assert not wrong and sum(rewards.metrics["timeouts"]) == 0
+
+
+def _wait_for_workers():
+    """Until every grading worker has started (a killed one restarts in the background): time the grading only."""
+    pool, deadline = rewards_module._pool(), time.monotonic() + 60
+    while not (pool.workers and all(w.ready for w in pool.workers)) and time.monotonic() < deadline:
+        pool.run([("x^2", r"x \cdot x", False)], 30.0)
+
+
+HANGS = [
+    r"\boxed{9^{9^{9^9}}}",  # sympy evaluates the tower while holding the GIL
+    r"\boxed{1000000!}",
+    "\\boxed{" + "{" * 5000 + "1" + "}" * 5000 + "}",
+]
+
+
+@pytest.mark.parametrize("completion, answer", [(c, "3") for c in HANGS] + [(r"\boxed{3}", r"9^{9^{9^9}}")])
+def test_pathological_answers_time_out_in_a_worker_thread(completion, answer):
+    """A hard limit per sample, in any thread: reward 0, counted, and the pool goes on grading."""
+    _wait_for_workers()
+    results = []
+    worker = threading.Thread(target=lambda: results.append((time.monotonic(), math_accuracy(
+        ["q", "q"], [completion, r"\boxed{\frac{1}{2}}"], answer=[answer, "0.5"]), time.monotonic())))
+    worker.start()
+    worker.join(timeout=30)
+    start, rewards, end = results[0]
+    assert rewards == [0.0, 1.0] and rewards.metrics["timeouts"] == [1.0, 0.0]
+    assert end - start < TIME_LIMIT_S + 0.5
+    assert math_accuracy(["q"], [r"\boxed{x^2}"], answer=["x \\cdot x"]) == [1.0]  # a fresh worker took over
+
+
+@pytest.mark.parametrize("text", ["\\boxed{" * 140_000, "x " * 500_000 + r"\boxed{3}", "1 = " * 250_000,
+                                  "{" * 500_000 + "}" * 500_000])
+def test_extraction_is_linear(text):
+    """A 1 MB completion is read in well under a second (many unclosed boxes took 3 s for 20k characters)."""
+    start = time.perf_counter()
+    extract_answer(text)
+    assert time.perf_counter() - start < 1.0
+
+
+def test_timeouts_reach_the_logs():
+    total, per_function = compute_rewards([math_accuracy], None, ["q", "q"], [HANGS[1], r"\boxed{2}"],
+                                          {"answer": ["3", "2"]})
+    assert total.tolist() == [0.0, 1.0]
+    assert per_function["math_accuracy/timeouts"].tolist() == [1.0, 0.0]
+
+
+def test_reward_metrics_must_have_one_value_per_completion():
+    def bad_metrics(prompts, completions, **_):
+        return Rewards([1.0] * len(completions), {"odd": [1.0]})
+
+    with pytest.raises(RewardError, match="returned 1 values of metric 'odd' for 2 completions"):
+        compute_rewards([bad_metrics], None, PROMPTS, COMPLETIONS, COLUMNS)
