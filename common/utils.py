@@ -310,8 +310,8 @@ class _TiedWeightsFilter(logging.Filter):
         self.tied = tied
 
     def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if not message.startswith("Removed shared tensor"):
+        message = record.getMessage()  # accelerate's logger may prefix "[RANK 0] "
+        if "Removed shared tensor" not in message:
             return True
         names = set(re.findall(r"'([^']+)'", message.split(" while saving")[0]))
         return not names or not names <= self.tied
