@@ -32,7 +32,7 @@ from common.rewards import compute_rewards, get_reward_function
 from common.rollout import HFEngine, sample_seed
 from common.toy import TOY_DIR, prepare_toy
 from common.utils import (MetricsLog, TrainState, check_args, check_weight_sync, completion_logprobs, find_checkpoint,
-                          pad_rows, parse_args, peak_memory_gib, save_checkpoint, sharded_parameters, step_prompts)
+                          on_cpu, pad_rows, parse_args, peak_memory_gib, save_checkpoint, sharded_parameters, step_prompts)
 from common.vllm_engine import VLLMEngine, vllm_available
 from evals.run import evaluate_benchmarks, load_eval_sets
 
@@ -193,7 +193,7 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, num_tok
 
 
 def main(args: Args):
-    state = PartialState()
+    state = PartialState(cpu=on_cpu())  # on a CPU-only machine accelerate forms a gloo group only when told
     if args.preset == "toy":
         with state.main_process_first():
             prepare_toy(TOY_DIR)

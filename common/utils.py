@@ -91,6 +91,15 @@ def check_args(args, num_processes: int) -> None:
         ) from None
 
 
+def on_cpu() -> bool:
+    """Whether this run trains on the CPU (no CUDA device, or `accelerate launch --cpu`). accelerate 1.15 joins the
+    processes of a torchrun launch into one gloo group only when its state is created with cpu=True: without it,
+    each of N CPU processes trains alone (state.py _prepare_backend). Note that `accelerate launch --cpu
+    --num_processes N` starts one process without mpirun; launch N CPU processes with `torchrun --nproc_per_node N`
+    or `accelerate launch --multi_gpu --num_processes N`."""
+    return os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes") or not torch.cuda.is_available()
+
+
 def check_weight_sync(logp_gap_mean: float, max_gap: float, step: int) -> None:
     """Stop the run when the sampler's log-probs of its own tokens stray from the trainer's: the rollout engine is
     not running the weights the trainer just updated (a push that failed silently or reached only some layers, as

@@ -12,6 +12,7 @@ Run:
     python -m evals.run --model runs/grpo__1__1700000000/checkpoints/step_500 --benchmarks math --n 4
     python -m evals.run --model my-lora-adapter/ --benchmarks aime25=aime25.jsonl,gpqa_diamond --data_dir data/
     accelerate launch -m evals.run ...                            # data parallel: each process takes 1/P of the questions
+    torchrun --nproc_per_node 2 -m evals.run ...                  # the same on CPU processes (gloo)
 Writes <output>/results.json, <output>/results.md and <output>/samples/<benchmark>.jsonl (the completions).
 
 In a training loop: `load_eval_sets` once, then `evaluate_benchmarks` every eval_steps (see its docstring).
@@ -33,7 +34,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from common.data import format_prompt
 from common.rewards import compute_rewards
 from common.rollout import HFEngine, sample_seed
-from common.utils import format_seconds
+from common.utils import format_seconds, on_cpu
 from evals.benchmarks import Benchmark, get_benchmark, get_grader, load_benchmark, local_file
 
 
@@ -341,7 +342,7 @@ def main(args: EvalArgs) -> dict:
                                    system_prompt=args.system_prompt, max_questions=args.max_questions)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    accelerator = Accelerator()
+    accelerator = Accelerator(cpu=on_cpu())
     if use_vllm:
         longest = max(len(e["prompt_ids"]) for s in eval_sets for e in s.examples)
         engine = VLLMEngine(weights, accelerator=accelerator, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
