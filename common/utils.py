@@ -5,19 +5,19 @@ Nothing here touches advantages, ratios, clipping, KL or loss aggregation: those
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import os
 import shutil
 import sys
+import types
+import typing
 
 import torch
 import yaml
-from transformers import AutoConfig, HfArgumentParser
+from transformers import HfArgumentParser
 from transformers.cache_utils import DynamicLayer
 
 from common.toy import TOY_PRESET
-from common.vllm_engine import vllm_available
 
 PRESETS = {"toy": TOY_PRESET}
 TRACKER_MODULES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio", "mlflow": "mlflow"}
@@ -35,9 +35,9 @@ def parse_args(args_cls, argv: list[str] | None = None):
         if known.preset not in PRESETS:
             raise SystemExit(f"error: unknown --preset {known.preset!r}; choose one of {sorted(PRESETS)}")
         defaults.update(PRESETS[known.preset])
+    recipe = {}
     if known.config is not None:
-        with open(known.config) as f:
-            recipe = yaml.safe_load(f) or {}
+        recipe = read_recipe(known.config)
         fields = {f.name for f in dataclasses.fields(args_cls)}
         unknown = sorted(set(recipe) - fields)
         if unknown:
@@ -48,42 +48,73 @@ def parse_args(args_cls, argv: list[str] | None = None):
     i = argv.index("--config") if "--config" in argv else None
     rest = argv if i is None else argv[:i] + argv[i + 2 :]
     (args,) = parser.parse_args_into_dataclasses(args=[a for a in rest if not a.startswith("--config=")])
+    problems = type_problems(args, recipe, known.config)
+    if problems:
+        raise SystemExit("\n".join(f"error: {p}" for p in problems))
     return args
 
 
-def check_args(args, num_processes: int) -> None:
-    """Fail before any heavy work, with the flag to change, when the batch geometry or a resource is wrong."""
-    G, B = args.num_generations, args.batch_size
-    M = args.mini_batch_size or B
+def read_recipe(path: str) -> dict:
+    """A --config YAML file: a mapping of field names to values, or a one-line error naming the file."""
+    try:
+        with open(path) as f:
+            recipe = yaml.safe_load(f)
+    except OSError as e:
+        raise SystemExit(f"error: --config {path!r}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        line = f" at line {where.line + 1}" if where is not None else ""
+        raise SystemExit(f"error: --config {path!r} is not valid YAML{line}: {getattr(e, 'problem', e)}") from None
+    if recipe is not None and not isinstance(recipe, dict):
+        raise SystemExit(f"error: --config {path!r} must be a mapping of Args fields (name: value), "
+                         f"not a {type(recipe).__name__}")
+    return recipe or {}
+
+
+def type_problems(args, recipe: dict, config: str | None) -> list[str]:
+    """Values whose type is not the field's: argparse converts only strings, so a YAML list, float or mapping
+    reaches the dataclass as it is (and a Literal's choices are not checked on defaults)."""
     problems = []
-    if G < 2:
-        problems.append(f"--num_generations must be at least 2 (a group needs a baseline), got {G}")
-    elif B % G:
-        problems.append(f"--num_generations {G} must divide --batch_size {B} (rows per step = prompts x G)")
-    elif B % M or M % G:
-        problems.append(f"--mini_batch_size {M} must divide --batch_size {B} and be a multiple of --num_generations {G}")
-    elif (M // G) % num_processes:
-        problems.append(f"each of the {num_processes} processes needs whole groups of every mini-batch: the "
-                        f"{M // G} prompts of a mini-batch must be divisible by {num_processes}")
-    elif (M // num_processes) % args.micro_batch_size:
-        problems.append(f"--micro_batch_size {args.micro_batch_size} must divide the {M // num_processes} rows "
-                        f"of a mini-batch on each process (--mini_batch_size {M} / {num_processes} processes)")
-    if args.report_to not in ("none", *TRACKER_MODULES):
-        problems.append(f"--report_to {args.report_to!r}: choose none or one of {sorted(TRACKER_MODULES)}")
-    elif args.report_to != "none" and importlib.util.find_spec(TRACKER_MODULES[args.report_to]) is None:
-        problems.append(f"--report_to {args.report_to}: the package {TRACKER_MODULES[args.report_to]!r} is not "
-                        f"installed; pip install it or pass --report_to none")
-    if args.rollout_engine == "vllm" and not vllm_available():
-        problems.append("--rollout_engine vllm needs vllm installed and a CUDA GPU; use --rollout_engine hf")
-    if problems:
-        raise SystemExit("error: " + "\n       ".join(problems))
-    try:  # a cheap look at the model before loading anything big
-        AutoConfig.from_pretrained(args.model)
-    except Exception as e:
-        raise SystemExit(
-            f"error: cannot load --model {args.model!r}: {type(e).__name__}: {str(e).splitlines()[0]}\n"
-            f"       Pass a local directory written by save_pretrained, or a hub id reachable from here."
-        ) from None
+    for name, kind in typing.get_type_hints(type(args)).items():
+        value = getattr(args, name)
+        if not _is_instance(value, kind):
+            source = f" (from {config})" if config and name in recipe else ""
+            hint = (f"; write it as one comma-separated string, e.g. {','.join(map(str, value))}"
+                    if isinstance(value, list) else "")
+            problems.append(f"--{name} must be {_describe_type(kind)}, got {type(value).__name__} {value!r}"
+                            f"{source}{hint}")
+    return problems
+
+
+def _is_instance(value, kind) -> bool:
+    origin, options = typing.get_origin(kind), typing.get_args(kind)
+    if origin is typing.Literal:
+        return value in options
+    if origin in (typing.Union, types.UnionType):
+        return any(_is_instance(value, option) for option in options)
+    if kind is type(None):
+        return value is None
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+def _describe_type(kind) -> str:
+    origin, options = typing.get_origin(kind), typing.get_args(kind)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(map(str, options))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe_type(option) for option in options)
+    return {str: "a string", int: "an integer", float: "a number", bool: "true or false",
+            type(None): "null"}.get(kind, getattr(kind, "__name__", str(kind)))
+
+
+def warn(message: str) -> None:
+    """One line on stderr from the first process of each machine (the others would repeat it)."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def sharded_parameters(accelerator) -> bool:
@@ -255,12 +286,19 @@ class TrainState:
         self.step = state["step"]
 
 
-def save_checkpoint(accelerator, model, tokenizer, run_dir: str, step: int) -> str:
+def save_checkpoint(accelerator, model, tokenizer, run_dir: str, step: int, save_total_limit: int = 0) -> str:
     """`run_dir/checkpoints/step_N/{state,model}`: accelerate state (to resume) and save_pretrained weights
     (merged for LoRA, to evaluate or serve). Written to a temporary folder and renamed when complete, so an
-    interrupted save never leaves a half checkpoint behind that looks complete."""
+    interrupted save never leaves a half checkpoint behind that looks complete. Non-finite weights are never
+    written; with `save_total_limit` N > 0 only the last N checkpoints are kept."""
     final = os.path.join(run_dir, "checkpoints", f"step_{step}")
     tmp = final + ".tmp"
+    # each process counts its own parameters (its shards under FSDP), the sum tells every process the same
+    nonfinite = sum(float((~torch.isfinite(p.detach())).sum()) for p in model.parameters())
+    nonfinite = accelerator.reduce(torch.tensor(nonfinite, device=accelerator.device), "sum").item()
+    if nonfinite:
+        raise SystemExit(f"error: step {step}: {int(nonfinite)} weights are not finite; refusing to save them; the "
+                         f"last good checkpoint is {_latest_or_none(run_dir)}")
     if accelerator.is_main_process and os.path.exists(tmp):
         shutil.rmtree(tmp)
     accelerator.wait_for_everyone()
@@ -278,8 +316,25 @@ def save_checkpoint(accelerator, model, tokenizer, run_dir: str, step: int) -> s
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
+        if save_total_limit > 0:
+            for old in checkpoint_steps(run_dir)[:-save_total_limit]:
+                shutil.rmtree(os.path.join(run_dir, "checkpoints", f"step_{old}"))
     accelerator.wait_for_everyone()
     return final
+
+
+def checkpoint_steps(run_dir: str) -> list[int]:
+    """The steps of the run's complete checkpoints, in order (a .tmp folder is an interrupted save)."""
+    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    if not os.path.isdir(ckpt_dir):
+        return []
+    return sorted(int(d.split("_")[1]) for d in os.listdir(ckpt_dir) if d.startswith("step_") and
+                  not d.endswith(".tmp"))
+
+
+def _latest_or_none(run_dir: str) -> str:
+    steps = checkpoint_steps(run_dir)
+    return os.path.join(run_dir, "checkpoints", f"step_{steps[-1]}") if steps else "none (see --save_steps)"
 
 
 def _merged_copy(peft_model):
@@ -293,8 +348,7 @@ def find_checkpoint(path: str) -> str:
     if os.path.isdir(os.path.join(path, "state")):
         return path
     ckpt_dir = os.path.join(path, "checkpoints")
-    steps = sorted(int(d.split("_")[1]) for d in os.listdir(ckpt_dir) if d.startswith("step_") and
-                   not d.endswith(".tmp")) if os.path.isdir(ckpt_dir) else []
+    steps = checkpoint_steps(path)
     if not steps:
         raise SystemExit(f"error: --resume_from {path!r} is neither a checkpoint (no state/ inside) nor a run "
                          f"folder with complete checkpoints under checkpoints/step_N")
