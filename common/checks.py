@@ -163,8 +163,9 @@ def _is_finite_number(text: str) -> bool:
 
 
 def benchmark_problems(spec: str, flag: str, data_dir: str | None = None) -> list[str]:
-    """Names must be registered; NAME=FILE and --data_dir copies must exist (the hub itself is not checked)."""
-    from evals.benchmarks import get_benchmark, local_file  # evals/ builds on common/, not the other way round
+    """Names must be registered; a local copy (NAME=FILE, --data_dir) must exist and load with the benchmark's
+    columns. Copies on the hub are checked when they load (the hub is not reachable from every machine)."""
+    from evals.benchmarks import get_benchmark, load_benchmark, local_file  # evals/ builds on common/, not back
 
     problems = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
@@ -173,10 +174,12 @@ def benchmark_problems(spec: str, flag: str, data_dir: str | None = None) -> lis
             get_benchmark(name)
             if path and not os.path.isfile(path):
                 problems.append(f"{flag} {item}: no such file {path!r}; NAME=FILE reads a local copy in the hub schema")
-            elif not path and data_dir:
-                local_file(name, data_dir)
+                continue
+            copy = path or (local_file(name, data_dir) if data_dir else None)
+            if copy:
+                load_benchmark(name, copy)
         except ValueError as e:
-            problems.append(f"{flag}: {str(e).splitlines()[0]}")
+            problems.append(f"{flag}: {_first_line(e)}")
     return problems
 
 

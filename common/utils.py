@@ -5,6 +5,7 @@ Nothing here touches advantages, ratios, clipping, KL or loss aggregation: those
 
 import argparse
 import dataclasses
+import difflib
 import json
 import os
 import shutil
@@ -47,11 +48,21 @@ def parse_args(args_cls, argv: list[str] | None = None):
     parser.set_defaults(**defaults)
     i = argv.index("--config") if "--config" in argv else None
     rest = argv if i is None else argv[:i] + argv[i + 2 :]
-    (args,) = parser.parse_args_into_dataclasses(args=[a for a in rest if not a.startswith("--config=")])
+    args, unknown = parser.parse_args_into_dataclasses(args=[a for a in rest if not a.startswith("--config=")],
+                                                       return_remaining_strings=True)
+    if unknown:
+        raise SystemExit(f"error: unknown arguments {' '.join(unknown)}{did_you_mean(unknown, args_cls)}; "
+                         f"--help lists the flags")
     problems = type_problems(args, recipe, known.config)
     if problems:
         raise SystemExit("\n".join(f"error: {p}" for p in problems))
     return args
+
+
+def did_you_mean(unknown: list[str], args_cls) -> str:
+    flags = [f"--{f.name}" for f in dataclasses.fields(args_cls)]
+    close = [m for u in unknown if u.startswith("--") for m in difflib.get_close_matches(u.split("=")[0], flags, 1)]
+    return f" (did you mean {', '.join(close)}?)" if close else ""
 
 
 def read_recipe(path: str) -> dict:

@@ -165,5 +165,7 @@ def main(args: CompareArgs) -> str:
 
 
 if __name__ == "__main__":
-    (parsed,) = HfArgumentParser(CompareArgs).parse_args_into_dataclasses()
+    parsed, unknown = HfArgumentParser(CompareArgs).parse_args_into_dataclasses(return_remaining_strings=True)
+    if unknown:
+        raise SystemExit(f"error: unknown arguments {' '.join(unknown)}; flags for the runs go in --extra")
     print(main(parsed))

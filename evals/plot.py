@@ -344,7 +344,9 @@ def main(run_dirs: list[str], args: PlotArgs) -> list[str]:
 def parse_cli(argv: list[str] | None = None) -> tuple[list[str], PlotArgs]:
     parser = HfArgumentParser(PlotArgs)
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders, each holding metrics.jsonl")
-    args, positional = parser.parse_args_into_dataclasses(args=argv)
+    args, positional, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+    if unknown:
+        raise SystemExit(f"error: unknown arguments {' '.join(unknown)}; --help lists the flags")
     return positional.run_dirs, args
 
 
