@@ -374,7 +374,7 @@ class MetricsLog:
         self.path, self.enabled = os.path.join(run_dir, "metrics.jsonl"), enabled
         if not enabled:
             return
-        kept = []  # a new run reusing a run name starts a new file
+        kept = []  # a new run starts in an empty folder (common.checks.claim_run_dir)
         if resume_step and os.path.exists(self.path):
             with open(self.path) as f:
                 kept = [line for line in f if json.loads(line)["step"] <= resume_step]
