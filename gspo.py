@@ -12,7 +12,6 @@ Run:
     accelerate launch gspo.py --model Qwen/Qwen3-4B --dataset gsm8k
 """
 
-import json
 import math
 import os
 import time
@@ -25,12 +24,13 @@ from accelerate.utils import broadcast_object_list, gather_object, set_seed
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
+from common.checks import check_args, claim_run_dir, record_args, stop_if_nonfinite
 from common.data import load_prompts, resolve_dataset
 from common.rewards import compute_rewards, get_reward_function
 from common.rollout import HFEngine, sample_seed
 from common.toy import TOY_DIR, prepare_toy
-from common.utils import (MetricsLog, TrainState, check_args, check_weight_sync, completion_logprobs, find_checkpoint,
-                          on_cpu, pad_rows, parse_args, peak_memory_gib, save_checkpoint, sharded_parameters, step_prompts)
+from common.utils import (MetricsLog, TrainState, check_weight_sync, completion_logprobs, find_checkpoint, on_cpu,
+                          pad_rows, parse_args, peak_memory_gib, save_checkpoint, sharded_parameters, step_prompts)
 from common.vllm_engine import VLLMEngine, vllm_available
 from evals.run import evaluate_benchmarks, load_eval_sets
 
@@ -45,7 +45,9 @@ class Args:
     run_name: str | None = field(default=None, metadata={"help": "default: {exp_name}__{seed}__{unix time}"})
     report_to: str = field(default="tensorboard", metadata={"help": "tracker: tensorboard, wandb, trackio, mlflow or none"})
     save_steps: int = field(default=100, metadata={"help": "checkpoint every this many steps (0: only at the end)"})
+    save_total_limit: int = field(default=0, metadata={"help": "keep only the last N checkpoints (0: all)"})
     resume_from: str | None = field(default=None, metadata={"help": "a checkpoint folder, or a run folder (its latest)"})
+    resume_overrides: str = field(default="", metadata={"help": "comma-separated settings a resume may change (others must match the run's)"})
     # Model
     model: str = field(default="Qwen/Qwen3-4B", metadata={"help": "hub id or local folder of the policy"})
     dtype: Literal["bfloat16", "float16", "float32"] = field(default="bfloat16", metadata={"help": "weights dtype: bfloat16, float16 or float32"})
@@ -172,8 +174,7 @@ def main(args: Args):
     resume = find_checkpoint(args.resume_from) if args.resume_from else None
     run_name = [args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"]
     broadcast_object_list(run_name)  # every process writes to the same run folder
-    run_dir = os.path.dirname(os.path.dirname(resume)) if resume else os.path.join(args.output_dir, run_name[0])
-    os.makedirs(run_dir, exist_ok=True)
+    run_dir = claim_run_dir(args, resume, run_name[0])  # a new folder or the resumed run's, locked while this runs
     M = args.mini_batch_size or args.batch_size
     local_rows, local_mini = args.batch_size // state.num_processes, M // state.num_processes
     accelerator = Accelerator(
@@ -245,8 +246,7 @@ def main(args: Args):
 
     if accelerator.is_main_process:
         accelerator.init_trackers(run_name[0], config={k: v for k, v in asdict(args).items() if v is not None})
-        with open(os.path.join(run_dir, "args.json"), "w") as f:
-            json.dump(asdict(args), f, indent=1)
+        record_args(run_dir, asdict(args), train_state.step)
     log = MetricsLog(run_dir, accelerator.is_main_process, resume_step=train_state.step)
 
     def evaluate() -> dict:
@@ -417,11 +417,12 @@ def main(args: Args):
             metrics[f"reward/{name}/std"] = gathered[f"reward/{name}"].std().item()
         metrics["time/tokens_per_s"] = gathered["length"].sum().item() / metrics["time/step"]
         metrics["memory/peak_gib"] = max(gather_object([peak_memory_gib(accelerator.device)]))
+        stop_if_nonfinite(metrics, run_dir, log)  # a broken update is neither evaluated nor saved
         train_state.step = step + 1
         if evaluating and (step + 1) % args.eval_steps == 0:
             metrics.update(evaluate())
         if (args.save_steps and (step + 1) % args.save_steps == 0) or step + 1 == args.total_steps:
-            save_checkpoint(accelerator, model, tokenizer, run_dir, step + 1)
+            save_checkpoint(accelerator, model, tokenizer, run_dir, step + 1, args.save_total_limit)
         log.write(metrics)
         accelerator.log(metrics, step=step + 1)
         progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics.get('policy/kl', 0.0):.4f}",

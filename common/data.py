@@ -12,6 +12,8 @@ import os
 
 import datasets
 
+from common.utils import warn
+
 # The papers' datasets: `--dataset gsm8k` stands for the hub id, config, splits and columns below.
 DATASET_PRESETS = {
     "gsm8k": dict(path="openai/gsm8k", name="main", split="train", eval_split="test",
@@ -39,6 +41,13 @@ def resolve_dataset(dataset: str, split: str | None, prompt_column: str | None, 
     return spec
 
 
+def looks_local(path: str) -> bool:
+    """A path that can only mean a local file or folder: not a hub id (`name` or `org/name`). Such a path that does
+    not exist must say so, instead of being tried on the hub (slowly, and blamed on it)."""
+    return (os.path.exists(path) or path.startswith((".", "/", "~")) or path.count("/") >= 2
+            or os.path.splitext(path)[1] in LOCAL_FORMATS)
+
+
 def load_rows(path: str, name: str | None, split: str) -> datasets.Dataset:
     """A hub id, a local .jsonl/.json/.parquet/.csv file, a directory of such files, or a `save_to_disk` folder."""
     ext = os.path.splitext(path)[1]
@@ -48,7 +57,7 @@ def load_rows(path: str, name: str | None, split: str) -> datasets.Dataset:
         if os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_info.json")):
             ds = datasets.load_from_disk(path)
             return ds[split] if isinstance(ds, datasets.DatasetDict) else ds
-        if path.startswith((".", "/", "~")) and not os.path.exists(path):
+        if looks_local(path) and not os.path.exists(path):
             raise FileNotFoundError(f"no such file or directory: {path}")
         return datasets.load_dataset(path, name, split=split)
     except Exception as e:
@@ -105,4 +114,7 @@ def load_prompts(tokenizer, path: str, name: str | None, split: str, prompt_colu
         if len(ds) == 0:
             raise ValueError(f"All {before} prompts of {path!r} are longer than --max_prompt_length "
                              f"{max_prompt_length}; raise it.")
+        if len(ds) < before:
+            warn(f"{before - len(ds):,} of the {before:,} prompts of {path} ({(before - len(ds)) / before:.1%}) are "
+                 f"longer than --max_prompt_length {max_prompt_length} tokens and were dropped; raise it to keep them")
     return ds

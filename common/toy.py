@@ -49,8 +49,7 @@ TOY_PRESET = dict(
     num_generations=8,
     micro_batch_size=64,
     logprob_batch_size=256,  # no-grad passes over the whole batch: fewer, larger forwards (and shared prompts)
-    learning_rate=5e-4,
-    warmup_steps=10,
+    learning_rate=5e-4,  # a constant schedule, without warmup (the warmup_steps=10 once set here did nothing)
     eval_steps=50,
     eval_num_prompts=500,
     save_steps=0,

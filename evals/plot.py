@@ -71,12 +71,27 @@ def load_run(run_dir: str) -> Run:
     if not os.path.isfile(path):
         raise SystemExit(f"error: {run_dir!r} has no metrics.jsonl: pass run folders written by the training "
                          f"scripts (output_dir/run_name, e.g. runs/snib__1__1700000000)")
+    metrics = []
     with open(path) as f:
-        metrics = [json.loads(line) for line in f if line.strip()]
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                metrics.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"error: {path} line {number} is not JSON ({e.msg}); a run killed while writing "
+                                 f"leaves a cut last line: delete that line") from None
+    if not metrics:
+        raise SystemExit(f"error: {path} is empty: the run has logged no step yet (nothing to plot)")
+    if not all(isinstance(m, dict) and "step" in m for m in metrics):
+        raise SystemExit(f"error: {path} holds lines without a 'step': not a training run's metrics.jsonl")
     args = {}
     if os.path.isfile(os.path.join(run_dir, "args.json")):
-        with open(os.path.join(run_dir, "args.json")) as f:
-            args = json.load(f)
+        try:
+            with open(os.path.join(run_dir, "args.json")) as f:
+                args = json.load(f)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"error: {os.path.join(run_dir, 'args.json')} is not JSON ({e.msg})") from None
     return Run(os.path.basename(os.path.normpath(run_dir)), run_dir, metrics, args)
 
 
@@ -316,9 +331,16 @@ def plot_landscape(runs: list[Run], path: str, smooth: int = 1) -> str | None:
 
 
 def main(run_dirs: list[str], args: PlotArgs) -> list[str]:
+    """Every figure the runs have data for; a one-line error when the arguments or the runs allow none."""
+    problems = [f"--{name} {getattr(args, name)} must be at least {least}"
+                for name, least in (("smooth", 1), ("last", 1), ("stats_step", 0)) if getattr(args, name) < least]
+    if not all(s.strip().isdigit() for s in args.ctpo_steps.split(",") if s.strip()):
+        problems.append(f"--ctpo_steps {args.ctpo_steps!r} must be comma-separated step numbers, e.g. 100,200")
+    if problems:
+        raise SystemExit("\n".join(f"error: {p}" for p in problems))
     runs = [load_run(d) for d in run_dirs]
     out = args.out or (os.path.join(run_dirs[0], "plots") if len(run_dirs) == 1 else os.path.join("runs", "plots"))
-    ctpo_steps = [int(s) for s in args.ctpo_steps.split(",") if s]
+    ctpo_steps = [int(s) for s in args.ctpo_steps.split(",") if s.strip()]
     figures = {
         "learning_curves.png": lambda path: plot_learning_curves(runs, path, args.smooth),
         "ctpo_fig1_position.png": lambda path: plot_ctpo_fig1(runs, path, ctpo_steps),
@@ -327,13 +349,19 @@ def main(run_dirs: list[str], args: PlotArgs) -> list[str]:
         "snib_fig1b_reward_kl.png": lambda path: plot_snib_fig1b(runs, path, args.last),
         "landscape_fig9_fig10_length_entropy.png": lambda path: plot_landscape(runs, path, args.smooth),
     }
-    return [path for name, draw in figures.items() if (path := draw(os.path.join(out, name)))]
+    written = [path for name, draw in figures.items() if (path := draw(os.path.join(out, name)))]
+    if not written:
+        raise SystemExit(f"error: no figure drawn: the runs logged none of {', '.join(k for k, _ in CURVES)} (nor "
+                         f"the papers' diagnostics); pass run folders of the training scripts")
+    return written
 
 
 def parse_cli(argv: list[str] | None = None) -> tuple[list[str], PlotArgs]:
     parser = HfArgumentParser(PlotArgs)
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders, each holding metrics.jsonl")
-    args, positional = parser.parse_args_into_dataclasses(args=argv)
+    args, positional, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+    if unknown:
+        raise SystemExit(f"error: unknown arguments {' '.join(unknown)}; --help lists the flags")
     return positional.run_dirs, args
 
 

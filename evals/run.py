@@ -31,6 +31,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from common.checks import check_eval_args
 from common.data import format_prompt
 from common.rewards import compute_rewards
 from common.rollout import HFEngine, sample_seed
@@ -327,11 +328,12 @@ def main(args: EvalArgs) -> dict:
     from common.vllm_engine import VLLMEngine, vllm_available
 
     for module in filter(None, args.imports.split(",")):
-        importlib.import_module(module.strip())
-    names = [item.partition("=")[0].strip() for item in args.benchmarks.split(",") if item.strip()]
+        try:
+            importlib.import_module(module.strip())
+        except ImportError as e:
+            raise SystemExit(f"error: --imports {module.strip()!r}: {type(e).__name__}: {e}") from None
+    check_eval_args(args)  # ranges, benchmark names and local copies, the model path: before the model loads
     try:
-        for name in names:  # unknown names fail before the model loads
-            get_benchmark(name)
         use_vllm = args.engine == "vllm" or (args.engine == "auto" and vllm_available())
         if args.engine == "vllm" and not vllm_available():
             raise ValueError("--engine vllm needs vLLM: pip install -r requirements.txt (GPU) or "

@@ -1,17 +1,17 @@
 """configs/recipes/*.yaml: each parses with its script's parse_args, sets only fields of that script's Args, fits
-the hardware it names, and says what it reproduces and how to launch it."""
+the hardware it names, passes every check that needs no download, and says what it reproduces and how to launch
+it."""
 
 import dataclasses
 import glob
 import importlib
 import os
 import re
-from unittest import mock
 
 import pytest
 import yaml
 
-from common import utils
+from common import checks, utils
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = sorted(glob.glob(os.path.join(REPO, "configs", "recipes", "*.yaml")))
@@ -72,8 +72,8 @@ def test_recipe_batch_geometry_fits_the_processes_of_its_launch_config(path):
     with open(os.path.join(REPO, accelerate_config)) as f:
         num_processes = yaml.safe_load(f)["num_processes"]
     assert num_processes % args.vllm_tensor_parallel_size == 0
-    with mock.patch.object(utils.AutoConfig, "from_pretrained"):  # no download: only the geometry is checked here
-        utils.check_args(dataclasses.replace(args, report_to="none", rollout_engine="hf"), num_processes)
+    # every check that needs no download: ranges, geometry, names (the model and data are on the hub)
+    assert checks.argument_problems(dataclasses.replace(args, report_to="none", rollout_engine="hf"), num_processes) == []
 
 
 def test_a_recipe_with_an_unknown_key_is_rejected(tmp_path):

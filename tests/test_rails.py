@@ -1,0 +1,536 @@
+"""Safety rails (issue 14): bad input is refused before any weights load, in one line that names the flag; a broken
+run stops itself without saving; a run folder is never overwritten or shared; a resume keeps its settings;
+--save_total_limit keeps the last N checkpoints.
+
+The table runs each case the way the command line would (parse_args, then the script's main) in this process, with
+weight loading made to fail the test: a case passes only if it is refused before the first from_pretrained of a model.
+A few cases run as real subprocesses, to show the command line prints no traceback.
+"""
+
+import importlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+from conftest import read_metrics, run_script
+from test_train import launch as launch_processes
+from safetensors.torch import load_file
+
+from common import checks
+from common.toy import TOY_DIR, build_model, build_tokenizer, make_splits
+from common.utils import parse_args
+from common.vllm_engine import vllm_available
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["--preset", "toy", "--batch_size", "16", "--num_generations", "4", "--micro_batch_size", "4",
+         "--eval_steps", "0", "--total_steps", "1", "--learning_rate", "1e-3"]
+
+# Files a careful user might pass by mistake (written under the toy working directory, in bad/).
+BAD_FILES = {
+    "empty.jsonl": "",
+    "notes.txt": "12+34=\n",
+    "ints.jsonl": '{"prompt": 12, "answer": 46}\n{"prompt": 3, "answer": 7}\n',
+    "questions.jsonl": '{"question": "1+1=", "solution": "2"}\n',
+    "list_target.yaml": "lora_r: 4\nlora_target_modules: [q_proj, v_proj]\n",
+    "float_steps.yaml": "save_steps: 10.0\n",
+    "a_list.yaml": "- batch_size: 16\n",
+    "broken.yaml": "batch_size: [16\n",
+    "typo.yaml": "learning_rat: 1.0e-3\n",
+    "dtype.yaml": "dtype: float64\n",
+    "weights_list.yaml": "reward_weights: [1, 0.1]\n",
+    "word_decay.yaml": "weight_decay: lots\n",
+    "bool_word.yaml": "use_chat_template: maybe\n",
+    "template_int.yaml": "prompt_template: 12\n",
+}
+
+TRAIN_CASES = [
+    # the issue's "exit 0 with a broken result"
+    ("grpo", ["--temperature", "0"], "--temperature 0.0 must be > 0"),
+    ("grpo", ["--temperature=-1"], "--temperature -1.0 must be > 0"),
+    ("grpo", ["--top_p", "0"], "--top_p 0.0 must be in (0, 1]"),
+    ("grpo", ["--top_p", "1.5"], "--top_p 1.5 must be in (0, 1]"),
+    ("grpo", ["--beta=-0.5"], "--beta -0.5 must be >= 0"),
+    ("grpo", ["--lora_r=-1"], "--lora_r -1 must be >= 0"),
+    ("snib", ["--reward_noise=-1"], "--reward_noise -1.0 must be >= 0"),
+    # numbers out of range
+    ("grpo", ["--micro_batch_size", "0"], "--micro_batch_size 0 must be at least 1"),
+    ("grpo", ["--max_completion_length", "0"], "--max_completion_length 0 must be at least 1"),
+    ("grpo", ["--num_iterations", "0"], "--num_iterations 0 must be at least 1"),
+    ("grpo", ["--batch_size=-16"], "--batch_size -16 must be at least 1"),
+    ("grpo", ["--learning_rate=-1e-3"], "--learning_rate -0.001 must be >= 0"),
+    ("grpo", ["--total_steps", "0"], "--total_steps 0 must be at least 1"),
+    ("grpo", ["--max_prompt_length", "0"], "--max_prompt_length 0 must be at least 1"),
+    ("grpo", ["--max_grad_norm", "0"], "--max_grad_norm 0.0 must be > 0"),
+    ("grpo", ["--seed=-1"], "--seed -1 must be in [0, 2**32)"),
+    ("grpo", ["--save_steps=-1"], "--save_steps -1 must be >= 0"),
+    ("grpo", ["--save_total_limit=-1"], "--save_total_limit -1 must be >= 0"),
+    ("grpo", ["--eval_steps=-1"], "--eval_steps -1 must be >= 0"),
+    ("grpo", ["--eval_steps", "5", "--eval_num_prompts", "0"], "--eval_num_prompts 0 must be at least 1"),
+    ("grpo", ["--eval_num_samples", "0"], "--eval_num_samples 0 must be at least 1"),
+    ("grpo", ["--warmup_steps=-5"], "--warmup_steps -5 must be >= 0"),
+    ("grpo", ["--weight_decay=-0.1"], "--weight_decay -0.1 must be >= 0"),
+    ("grpo", ["--tis_cap=-1"], "--tis_cap -1.0 must be >= 0"),
+    ("grpo", ["--vllm_gpu_memory_utilization", "1.5"], "--vllm_gpu_memory_utilization 1.5 must be in (0, 1]"),
+    ("grpo", ["--vllm_tensor_parallel_size", "0"], "--vllm_tensor_parallel_size 0 must be at least 1"),
+    ("grpo", ["--logprob_batch_size=-1"], "--logprob_batch_size -1 must be >= 0"),
+    ("grpo", ["--dump_stats_steps=-1"], "--dump_stats_steps -1 must be >= 0"),
+    ("grpo", ["--epsilon=-0.1"], "--epsilon -0.1 must be >= 0"),
+    ("grpo", ["--lora_r", "4", "--lora_alpha", "0"], "--lora_alpha 0 must be > 0 with --lora_r 4"),
+    # batch geometry
+    ("grpo", ["--num_generations", "1"], "--num_generations 1 must be at least 2"),
+    ("grpo", ["--num_generations", "3"], "--num_generations 3 must divide --batch_size 16"),
+    ("grpo", ["--micro_batch_size", "5"], "--micro_batch_size 5 must divide the 16 rows"),
+    ("grpo", ["--mini_batch_size", "6"], "--mini_batch_size 6 must divide --batch_size 16"),
+    # names that must exist
+    ("grpo", ["--lora_r", "4", "--lora_target_modules", "q_proj,v_projj"], "--lora_target_modules: v_projj not in qwen3"),
+    ("grpo", ["--report_to", "tensorbored"], "--report_to 'tensorbored': choose none or one of"),
+    ("grpo", ["--lr_scheduler_type", "cosin"], "--lr_scheduler_type 'cosin' is not a transformers scheduler"),
+    ("grpo", ["--lr_scheduler_type", "reduce_lr_on_plateau"], "--lr_scheduler_type reduce_lr_on_plateau cannot run"),
+    ("grpo", ["--lr_scheduler_type", "warmup_stable_decay"], "--lr_scheduler_type warmup_stable_decay cannot run"),
+    ("grpo", ["--prompt_template", "What is it?"], "--prompt_template 'What is it?' has no {prompt}"),
+    ("grpo", ["--reward_funcs", "toy_additon"], "--reward_funcs: unknown reward function 'toy_additon'"),
+    ("grpo", ["--reward_funcs", "no_such_module:fn"], "--reward_funcs: cannot import reward function"),
+    ("grpo", ["--reward_funcs", "common.rewards:no_such_fn"], "--reward_funcs: cannot import reward function"),
+    ("grpo", ["--reward_funcs", "common.rewards:LETTERS"], "--reward_funcs: 'common.rewards:LETTERS' is not callable"),
+    ("grpo", ["--reward_funcs", "toy_addition,"], "--reward_funcs: unknown reward function ''"),
+    ("grpo", ["--reward_weights", "1,2"], "--reward_weights gives 2 weights for 1 --reward_funcs"),
+    ("grpo", ["--reward_weights", "one"], "--reward_weights 'one': 'one' is not a finite number"),
+    ("grpo", ["--reward_weights", "nan"], "--reward_weights 'nan': 'nan' is not a finite number"),
+    ("grpo", ["--eval_steps", "5", "--eval_benchmarks", "math501"], "--eval_benchmarks: unknown benchmark 'math501'"),
+    ("grpo", ["--eval_steps", "5", "--eval_benchmarks", "toy=no/such/toy.jsonl"], "no such file 'no/such/toy.jsonl'"),
+    ("grpo", ["--resume_overrides", "batch_sise"], "--resume_overrides: batch_sise not a field"),
+    # paths and data
+    ("grpo", ["--model", "./no/such/model"], "cannot load --model './no/such/model': no such directory"),
+    ("grpo", ["--model", "runs/toy"], "no config.json (not a save_pretrained folder); did you mean runs/toy/model?"),
+    ("grpo", ["--dataset", "./no/such/data.jsonl"], "--dataset './no/such/data.jsonl': no such file or directory"),
+    ("grpo", ["--dataset", "data/train.jsonl"], "--dataset 'data/train.jsonl': no such file or directory"),
+    ("grpo", ["--dataset", "bad/empty.jsonl"], "--dataset 'bad/empty.jsonl'"),
+    ("grpo", ["--dataset", "bad/notes.txt"], "--dataset 'bad/notes.txt': unsupported file type"),
+    ("grpo", ["--dataset", "bad/ints.jsonl"], "row 0 of --prompt_column 'prompt' is int 12; prompts must be text"),
+    ("grpo", ["--prompt_column", "question"], "has no column 'question' (its columns: prompt, answer); name the "
+                                              "right one with --prompt_column"),
+    ("grpo", ["--answer_column", "solution"], "name the right one with --answer_column"),
+    ("grpo", ["--dataset", "bad/questions.jsonl"], "--dataset 'bad/questions.jsonl' has no column 'prompt' (its "
+                                                   "columns: question, solution)"),
+    ("grpo", ["--eval_steps", "5", "--eval_benchmarks", "toy=bad/questions.jsonl"], "bad/questions.jsonl has no "
+                                                                                   "column 'prompt'"),
+    ("grpo", ["--eval_steps", "5", "--eval_dataset", "./no/such/test.jsonl"], "--eval_dataset './no/such/test.jsonl'"),
+    ("grpo", ["--resume_from", "./no/such/run"], "--resume_from './no/such/run': no such directory"),
+    ("grpo", ["--resume_from", "runs/toy"], "--resume_from 'runs/toy' is neither a checkpoint"),
+    # the command line and --config files
+    ("grpo", ["--dtype", "float64"], "invalid choice: 'float64'"),
+    ("grpo", ["--batch_size", "lots"], "invalid int value: 'lots'"),
+    ("grpo", ["--learning_rat", "1e-3", "--bogus", "1"], "unknown arguments --bogus 1"),
+    ("grpo", ["--preset", "nope"], "unknown --preset 'nope'"),
+    ("grpo", ["--config", "bad/missing.yaml"], "--config 'bad/missing.yaml': No such file or directory"),
+    ("grpo", ["--config", "bad/list_target.yaml"], "--lora_target_modules must be a string, got list ['q_proj', "
+                                                   "'v_proj'] (from bad/list_target.yaml); write it as one"),
+    ("grpo", ["--config", "bad/float_steps.yaml"], "--save_steps must be an integer, got float 10.0"),
+    ("grpo", ["--config", "bad/a_list.yaml"], "must be a mapping of Args fields"),
+    ("grpo", ["--config", "bad/broken.yaml"], "--config 'bad/broken.yaml' is not valid YAML at line"),
+    ("grpo", ["--config", "bad/typo.yaml"], "sets ['learning_rat'], which are not fields of Args"),
+    ("grpo", ["--config", "bad/dtype.yaml"], "--dtype must be one of bfloat16, float16, float32, got str 'float64'"),
+    ("grpo", ["--config", "bad/weights_list.yaml"], "--reward_weights must be a string or null, got list"),
+    ("grpo", ["--config", "bad/word_decay.yaml"], "invalid float value: 'lots'"),
+    ("grpo", ["--config", "bad/bool_word.yaml"], "argument --use_chat_template"),
+    ("grpo", ["--config", "bad/template_int.yaml"], "--prompt_template must be a string, got int 12"),
+    # the siblings: their own fields, and shared checks through each script's main
+    ("gspo", ["--temperature", "0"], "--temperature 0.0 must be > 0"),
+    ("gspo", ["--beta=-0.1"], "--beta -0.1 must be >= 0"),
+    ("gspo", ["--epsilon_high=-1e-4"], "--epsilon_high -0.0001 must be >= 0"),
+    ("gspo", ["--model", "no/such/model"], "cannot load --model 'no/such/model': no such directory"),
+    ("gspo", ["--num_generations", "5"], "--num_generations 5 must divide --batch_size 16"),
+    ("snib", ["--beta=-0.5"], "--beta -0.5 must be >= 0"),
+    ("snib", ["--epsilon=-1"], "--epsilon -1.0 must be >= 0"),
+    ("snib", ["--dataset", "./missing.jsonl"], "--dataset './missing.jsonl': no such file or directory"),
+    ("snib", ["--config", "bad/list_target.yaml"], "--lora_target_modules must be a string"),
+    ("snib", ["--top_p", "0"], "--top_p 0.0 must be in (0, 1]"),
+    ("ctpo", ["--clip_low=-0.1"], "--clip_low -0.1 must be >= 0"),
+    ("ctpo", ["--clip_high=-0.1"], "--clip_high -0.1 must be >= 0"),
+    ("ctpo", ["--clip_c=-1"], "--clip_c -1.0 must be >= 0"),
+    ("ctpo", ["--clip_power=-1"], "--clip_power -1.0 must be >= 0"),
+    ("ctpo", ["--reward_funcs", "nope"], "--reward_funcs: unknown reward function 'nope'"),
+    ("p3o", ["--entropy_coeff=-0.01"], "--entropy_coeff -0.01 must be >= 0"),
+    ("p3o", ["--beta=-1"], "--beta -1.0 must be >= 0"),
+    ("p3o", ["--micro_batch_size", "0"], "--micro_batch_size 0 must be at least 1"),
+    ("p3o", ["--lora_r", "8", "--lora_target_modules", "qkv"], "--lora_target_modules: qkv not in qwen3"),
+    ("p3o", ["--lr_scheduler_type", "linar"], "--lr_scheduler_type 'linar' is not a transformers scheduler"),
+]
+if not vllm_available():
+    TRAIN_CASES.append(("grpo", ["--rollout_engine", "vllm"], "--rollout_engine vllm needs vllm installed"))
+if importlib.util.find_spec("wandb") is None:
+    TRAIN_CASES.append(("grpo", ["--report_to", "wandb"], "the package 'wandb' is not installed; pip install it or "
+                                                          "pass --report_to none"))
+
+EVAL_CASES = [
+    (["--n", "0"], "--n 0 must be at least 1"),
+    (["--max_tokens", "0"], "--max_tokens 0 must be at least 1"),
+    (["--top_p", "0"], "--top_p 0.0 must be in (0, 1]"),
+    (["--temperature=-1"], "--temperature -1.0 must be >= 0"),
+    (["--batch_size", "0"], "--batch_size 0 must be at least 1"),
+    (["--max_questions=-1"], "--max_questions -1 must be >= 0"),
+    (["--seed=-1"], "--seed -1 must be >= 0"),
+    (["--vllm_gpu_memory_utilization", "0"], "--vllm_gpu_memory_utilization 0.0 must be in (0, 1]"),
+    (["--benchmarks", ""], "--benchmarks is empty"),
+    (["--benchmarks", "toy,math501"], "--benchmarks: unknown benchmark 'math501'"),
+    (["--benchmarks", "toy=toy_copy.jsonl"], "--benchmarks toy=toy_copy.jsonl: no such file 'toy_copy.jsonl'"),
+    (["--benchmarks", "math500", "--data_dir", "bad"], "--benchmarks: benchmark 'math500': no file math500.jsonl"),
+    (["--benchmarks", "toy=bad/questions.jsonl"], "--benchmarks: benchmark 'toy': bad/questions.jsonl has no column "
+                                                  "'prompt'"),
+    (["--data_dir", "./no/such/dir"], "--data_dir './no/such/dir': no such directory"),
+    (["--model", "./no/such/model"], "cannot load --model './no/such/model': no such directory"),
+    (["--imports", "no_such_module"], "--imports 'no_such_module': ModuleNotFoundError"),
+    (["--engine", "sglang"], "invalid choice: 'sglang'"),
+]
+PLOT_CASES = [  # (files of the run folder, extra flags, message)
+    ({"metrics.jsonl": ""}, [], "metrics.jsonl is empty: the run has logged no step yet"),
+    ({"metrics.jsonl": '{"step": 1, "reward/mean": 0.5}\n{"step": 2, "rew'}, [], "metrics.jsonl line 2 is not JSON"),
+    ({"metrics.jsonl": '[1, 2]\n'}, [], "holds lines without a 'step'"),
+    ({"metrics.jsonl": '{"step": 1, "reward/mean": 0.5}\n', "args.json": "{"}, [], "args.json is not JSON"),
+    ({"metrics.jsonl": '{"step": 1, "time/step": 1.0}\n'}, [], "no figure drawn: the runs logged none of"),
+    ({}, [], "has no metrics.jsonl"),
+    ({"metrics.jsonl": '{"step": 1, "reward/mean": 0.5}\n'}, ["--smooth", "0"], "--smooth 0 must be at least 1"),
+    ({"metrics.jsonl": '{"step": 1, "reward/mean": 0.5}\n'}, ["--ctpo_steps", "a,b"], "--ctpo_steps 'a,b' must be"),
+    ({"metrics.jsonl": '{"step": 1, "reward/mean": 0.5}\n'}, ["--colour", "red"], "unknown arguments --colour red"),
+]
+COMPARE_CASES = [
+    (["--algos", "grpo,ppo"], "--algos: no script ppo.py; choose from grpo,gspo,snib,ctpo,p3o"),
+    (["--algos", ""], "--algos is empty"),
+    (["--seeds", "0"], "--seeds 0 must be at least 1"),
+    (["--jobs", "0"], "--jobs 0 must be at least 1"),
+    (["--preset", "huge"], "--preset 'huge': choose one of ['toy']"),
+    (["--extra", "--run_name 'unclosed"], "--extra \"--run_name 'unclosed\": No closing quotation"),
+    (["--algos", "grpo", "--extra", "--temperature 0"], "grpo: --temperature 0.0 must be > 0"),
+    (["--algos", "snib", "--extra", "--reward_noise=-1"], "snib: --reward_noise -1.0 must be >= 0"),
+    (["--algos", "grpo", "--tag", "used"], "runs/compare-used/grpo__s1 holds a run already; pass another --tag"),
+]
+
+
+@pytest.fixture(scope="module")
+def quick_toy(tmp_path_factory):
+    """runs/toy as prepare_toy leaves it, but without the warm start (minutes): nothing here needs a model that
+    can add, only files where the toy preset looks for them."""
+    workdir = tmp_path_factory.mktemp("rails")
+    toy = workdir / TOY_DIR
+    train, test = make_splits(seed=0)
+    toy.mkdir(parents=True)
+    for name, rows in [("train", train), ("test", test)]:
+        (toy / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tokenizer = build_tokenizer()
+    build_model(tokenizer, seed=0).save_pretrained(toy / "model")
+    tokenizer.save_pretrained(toy / "model")
+    (toy / "toy.json").write_text(json.dumps({"seed": 0, "target_accuracy": 0.35}))  # prepare_toy: already built
+    bad = workdir / "bad"
+    bad.mkdir()
+    for name, text in BAD_FILES.items():
+        (bad / name).write_text(text)
+    return workdir
+
+
+@pytest.fixture
+def workdir(quick_toy, monkeypatch):
+    monkeypatch.chdir(quick_toy)
+    return quick_toy
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    """Loading a model's weights, or starting a run from evals.compare, fails the test: every refusal must come
+    before them."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("weights were loaded (or a run started) before the bad input was refused")
+
+    monkeypatch.setattr(transformers.modeling_utils.PreTrainedModel, "from_pretrained", refuse)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+
+
+def refusal(call, capsys) -> str:
+    """The one-line message of a SystemExit (ours carry it; argparse prints it and exits 2), with no traceback."""
+    with pytest.raises(SystemExit) as exit_info:
+        call()
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    code = exit_info.value.code
+    message = code if isinstance(code, str) else err.strip().splitlines()[-1]
+    assert code not in (0, None), "a refusal must not exit 0"
+    assert message.startswith("error: ") or ": error: " in message, message
+    assert "\n" not in message, f"one line per problem:\n{message}"
+    return message
+
+
+@pytest.mark.parametrize("script, flags, expected", TRAIN_CASES, ids=[f"{s}{' '.join(f)}" for s, f, _ in TRAIN_CASES])
+def test_bad_training_input_is_refused_before_any_weights_load(workdir, no_weights, capsys, script, flags, expected):
+    argv = flags + SMALL[2:] if flags[0] == "--preset" else SMALL + flags
+    assert expected in refusal(lambda: run_script(importlib.import_module(script), argv), capsys)
+
+
+@pytest.mark.parametrize("flags, expected", EVAL_CASES, ids=[" ".join(f) for f, _ in EVAL_CASES])
+def test_bad_eval_input_is_refused_before_the_model_loads(workdir, no_weights, capsys, flags, expected):
+    from evals import run
+
+    argv = ["--model", "runs/toy/model", "--benchmarks", "toy", "--engine", "hf", *flags]
+    assert expected in refusal(lambda: run.main(parse_args(run.EvalArgs, argv)), capsys)
+
+
+@pytest.mark.parametrize("files, flags, expected", PLOT_CASES, ids=[m for _, _, m in PLOT_CASES])
+def test_bad_plot_input_is_refused(tmp_path, capsys, files, flags, expected):
+    from evals import plot
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for name, text in files.items():
+        (run_dir / name).write_text(text)
+    assert expected in refusal(lambda: plot.main(*plot.parse_cli([str(run_dir), *flags])), capsys)
+    assert not (run_dir / "plots").exists()
+
+
+@pytest.mark.parametrize("flags, expected", COMPARE_CASES, ids=[" ".join(f) for f, _ in COMPARE_CASES])
+def test_bad_compare_input_is_refused_before_any_run_starts(workdir, no_weights, capsys, flags, expected):
+    from evals import compare
+
+    (workdir / "runs" / "compare-used" / "grpo__s1").mkdir(parents=True, exist_ok=True)
+    (workdir / "runs" / "compare-used" / "grpo__s1" / "metrics.jsonl").write_text('{"step": 1}\n')
+    args = compare.CompareArgs(**{k[2:]: type(getattr(compare.CompareArgs, k[2:]))(v)
+                                  for k, v in zip(flags[::2], flags[1::2])})
+    assert expected in refusal(lambda: compare.main(args), capsys)
+
+
+def test_every_problem_gets_its_own_line(workdir, no_weights, capsys):
+    import gspo
+
+    with pytest.raises(SystemExit) as exit_info:
+        run_script(gspo, SMALL + ["--temperature", "0", "--top_p", "2", "--beta=-1"])
+    lines = exit_info.value.code.splitlines()
+    assert [line.split()[1] for line in lines] == ["--temperature", "--top_p", "--beta"]
+    assert all(line.startswith("error: ") for line in lines)
+
+
+def test_the_command_line_prints_one_line_and_no_traceback(workdir):
+    """Real processes (the table runs in this one; each process takes ~10 s to import torch here): a script with
+    a --config file and a bad flag, and evals.run."""
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    commands = {
+        "ctpo.py --config (a list)": [os.path.join(REPO, "ctpo.py"), *SMALL, "--config", "bad/list_target.yaml"],
+        "evals.run --n 0": ["-m", "evals.run", "--model", "runs/toy/model", "--benchmarks", "toy", "--n", "0"],
+    }
+    running = {name: subprocess.Popen([sys.executable, *cmd], cwd=workdir, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True) for name, cmd in commands.items()}
+    for name, process in running.items():
+        out, err = process.communicate(timeout=300)
+        assert process.returncode == 1, (name, err[-2000:])
+        assert "Traceback" not in out + err, (name, err[-2000:])
+        errors = [line for line in err.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1, (name, err[-2000:])
+    assert "--n 0 must be at least 1" in errors[0]
+
+
+def test_ignored_settings_warn(workdir, capsys):
+    """A setting that would change nothing says so (and the run goes on)."""
+    args = parse_args(importlib.import_module("grpo").Args, SMALL + [
+        "--warmup_steps", "100", "--use_chat_template", "false", "--system_prompt", "Be brief.",
+        "--eval_benchmarks", "toy", "--lora_alpha", "8", "--vllm_tensor_parallel_size", "2", "--rollout_engine", "hf"])
+    notes = checks.ignored_settings(args)
+    assert any("--warmup_steps 100 is ignored by --lr_scheduler_type constant" in n for n in notes)
+    assert any("--system_prompt is ignored without the chat template" in n for n in notes)
+    assert any("--eval_benchmarks is ignored with --eval_steps 0" in n for n in notes)
+    assert any("--lora_alpha is ignored with --lora_r 0" in n for n in notes)
+    assert any("--vllm_tensor_parallel_size is ignored with --rollout_engine hf" in n for n in notes)
+    assert len(notes) == 5, notes
+    # the preset's own values are not the user's: the toy preset alone warns about nothing
+    assert checks.ignored_settings(parse_args(importlib.import_module("grpo").Args, SMALL)) == []
+    one_file = parse_args(importlib.import_module("grpo").Args, SMALL + ["--eval_steps", "5", "--eval_dataset", ""])
+    assert any("eval/accuracy is measured on its first --eval_num_prompts training prompts" in n
+               for n in checks.ignored_settings(one_file))
+
+
+def test_dropped_prompts_are_counted(workdir, capsys):
+    from common.data import load_prompts
+
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "12+34=", "answer": "46"}, {"prompt": "99+99=", "answer": "198"}]
+    (workdir / "bad" / "three.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    kept = load_prompts(build_tokenizer(), "bad/three.jsonl", None, "train", "prompt", "answer", max_prompt_length=4)
+    assert kept["prompt"] == ["1+1="]  # "12+34=" and "99+99=" are 6 tokens
+    assert "2 of the 3 prompts of bad/three.jsonl (66.7%) are longer than --max_prompt_length 4" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="All 3 prompts .* are longer than --max_prompt_length 3"):
+        load_prompts(build_tokenizer(), "bad/three.jsonl", None, "train", "prompt", "answer", max_prompt_length=3)
+
+
+# --- runs that break, folders that are taken, resumes that change settings ---------------------------------------
+
+
+def test_a_nan_loss_stops_the_run_without_saving(workdir, monkeypatch, capsys):
+    import grpo
+
+    calls, original = {"n": 0}, grpo.compute_loss
+
+    def nan_on_second_step(*args, **kwargs):
+        calls["n"] += 1
+        loss, metrics = original(*args, **kwargs)
+        if calls["n"] > 4:  # 4 micro-batches a step: from step 2 on, the loss is NaN (and reported as NaN)
+            loss = loss * float("nan")
+            metrics["loss/policy"] = loss.detach()
+        return loss, metrics
+
+    monkeypatch.setattr(grpo, "compute_loss", nan_on_second_step)
+    with pytest.raises(SystemExit) as exit_info:
+        run_script(grpo, SMALL + ["--total_steps", "3", "--save_steps", "1", "--run_name", "nan"])
+    message = exit_info.value.code
+    assert message.startswith("error: step 2: loss/policy is nan") and "\n" not in message
+    assert "the last good checkpoint is runs/nan/checkpoints/step_1 (--resume_from runs/nan" in message
+    assert sorted(os.listdir("runs/nan/checkpoints")) == ["step_1"]  # nothing non-finite written
+    weights = load_file("runs/nan/checkpoints/step_1/model/model.safetensors")
+    assert all(torch.isfinite(w).all() for w in weights.values())
+    assert [m["step"] for m in read_metrics("runs/nan")] == [1, 2]  # the broken step's metrics are kept to read
+
+
+def test_non_finite_weights_are_never_saved(workdir, tmp_path):
+    from accelerate import Accelerator
+
+    from common.utils import save_checkpoint
+
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, seed=0)
+    accelerator = Accelerator(cpu=True)
+    save_checkpoint(accelerator, model, tokenizer, str(tmp_path), 1)
+    with torch.no_grad():
+        next(model.parameters())[0, 0] = float("inf")
+    with pytest.raises(SystemExit, match=r"step 2: 1 weights are not finite; refusing to save them; the last good "
+                                         r"checkpoint is .*step_1"):
+        save_checkpoint(accelerator, model, tokenizer, str(tmp_path), 2)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_1"]
+
+
+def test_a_run_name_is_never_reused(workdir, no_weights_after_first_run, capsys):
+    import grpo
+
+    first = no_weights_after_first_run(lambda: run_script(grpo, SMALL + ["--run_name", "taken", "--save_steps", "1"]))
+    before = {name: open(os.path.join(first, name)).read() for name in ("metrics.jsonl", "args.json")}
+    message = refusal(lambda: run_script(grpo, SMALL + ["--run_name", "taken", "--seed", "2"]), capsys)
+    assert message == ("error: the run folder runs/taken is in use (args.json, args_history.jsonl, checkpoints, "
+                       "metrics.jsonl); pass another --run_name, continue it with --resume_from runs/taken, or delete "
+                       "the folder")
+    assert before == {name: open(os.path.join(first, name)).read() for name in ("metrics.jsonl", "args.json")}
+    message = refusal(lambda: run_script(grpo, SMALL + ["--run_name", "toy"]), capsys)  # the toy's own folder
+    assert "runs/toy is in use" in message and "--resume_from" not in message
+
+
+@pytest.fixture
+def no_weights_after_first_run(monkeypatch):
+    """Run `first` normally, then make any later weight loading fail the test."""
+    def run(first):
+        result = first()
+        def refuse(*args, **kwargs):
+            raise AssertionError("weights were loaded before the bad input was refused")
+        monkeypatch.setattr(transformers.modeling_utils.PreTrainedModel, "from_pretrained", refuse)
+        monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+        return result
+    return run
+
+
+def test_a_run_folder_in_use_is_locked(workdir, capsys):
+    """Another process holds the lock (a run in progress): refused. Once it exits, the lock is gone with it."""
+    import gspo
+
+    os.makedirs("runs/busy", exist_ok=True)
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
+                               "fd = os.open('runs/busy/.lock', os.O_RDWR | os.O_CREAT)\n"
+                               "fcntl.flock(fd, fcntl.LOCK_EX); os.write(fd, b'pid %d' % os.getpid())\n"
+                               "print('locked', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        message = refusal(lambda: run_script(gspo, SMALL + ["--run_name", "busy"]), capsys)
+        assert message.startswith("error: the run folder runs/busy is locked by a run in progress (pid ")
+    finally:
+        holder.kill()
+        holder.wait()
+    run = run_script(gspo, SMALL + ["--run_name", "busy"])  # a stale .lock file (its holder died) is no obstacle
+    assert [m["step"] for m in read_metrics(run)] == [1]
+
+
+@pytest.mark.slow
+def test_two_runs_at_once_cannot_share_a_folder(workdir):
+    """Two real processes started together on one run name: exactly one runs, the other is refused."""
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, os.path.join(REPO, "snib.py"), *SMALL, "--run_name", "twins"]
+    runs = [subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for _ in range(2)]
+    outcomes = sorted((p.communicate(timeout=600)[1], p.returncode) for p in runs)
+    codes = sorted(code for _, code in outcomes)
+    assert codes == [0, 1], outcomes
+    refused = next(err for err, code in outcomes if code == 1)
+    assert "Traceback" not in refused
+    assert ("runs/twins is locked by a run in progress" in refused) or ("runs/twins is in use" in refused), refused
+    assert [m["step"] for m in read_metrics(os.path.join(workdir, "runs", "twins"))] == [1]
+
+
+def test_resume_refuses_changed_settings_unless_overridden(workdir, capsys, monkeypatch):
+    import ctpo
+
+    argv = SMALL + ["--total_steps", "2", "--save_steps", "1", "--run_name", "resumable"]
+    run = run_script(ctpo, argv)
+    original = open(os.path.join(run, "args.json")).read()
+    loads = {"n": 0}
+    real = transformers.AutoModelForCausalLM.from_pretrained.__func__
+
+    def counting(cls, *args, **kwargs):
+        loads["n"] += 1
+        return real(cls, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", classmethod(counting))
+    resume = SMALL + ["--total_steps", "3", "--resume_from", run]
+    message = refusal(lambda: run_script(ctpo, resume + ["--batch_size", "32", "--clip_power", "0"]), capsys)
+    assert message == (f"error: --resume_from {run}: --batch_size 16 -> 32, --clip_power 0.5 -> 0.0 changed since the run "
+                       f"started; a resume continues the same run: pass the run's values, or --resume_overrides "
+                       f"batch_size,clip_power to change them anyway, or start a new run")
+    assert loads["n"] == 0
+    # what may change: more steps of a constant schedule, micro-batching, checkpoint cadence
+    run_script(ctpo, resume + ["--micro_batch_size", "8", "--save_steps", "3"])
+    assert [m["step"] for m in read_metrics(run)] == [1, 2, 3]
+    run_script(ctpo, SMALL + ["--total_steps", "4", "--resume_from", run, "--clip_power", "0",
+                              "--resume_overrides", "clip_power"])
+    assert "resuming runs/resumable with changed --clip_power 0.5 -> 0.0" in capsys.readouterr().err
+    assert [m["step"] for m in read_metrics(run)] == [1, 2, 3, 4]
+    assert open(os.path.join(run, "args.json")).read() == original  # never rewritten
+    with open(os.path.join(run, "args_history.jsonl")) as f:
+        history = [json.loads(line) for line in f]
+    assert [(h["step"], h["args"]["total_steps"], h["args"]["clip_power"]) for h in history] == [
+        (0, 2, 0.5), (2, 3, 0.5), (3, 4, 0.0)]
+    # the next resume compares with the latest start: clip_power 0 is now the run's value
+    message = refusal(lambda: run_script(ctpo, SMALL + ["--total_steps", "5", "--resume_from", run]), capsys)
+    assert "--clip_power 0.0 -> 0.5 changed" in message
+
+
+def test_total_steps_of_a_decaying_schedule_is_a_change(workdir, capsys):
+    import p3o
+
+    argv = SMALL + ["--lr_scheduler_type", "linear", "--save_steps", "1", "--run_name", "decaying"]
+    run = run_script(p3o, argv)
+    message = refusal(lambda: run_script(p3o, argv + ["--total_steps", "2", "--resume_from", run]), capsys)
+    assert "--total_steps 1 -> 2 changed" in message
+
+
+def test_save_total_limit_keeps_the_last_checkpoints(workdir):
+    import snib
+
+    run = run_script(snib, SMALL + ["--total_steps", "4", "--save_steps", "1", "--save_total_limit", "2",
+                                    "--run_name", "limited"])
+    assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == ["step_3", "step_4"]
+    all_kept = run_script(snib, SMALL + ["--total_steps", "3", "--save_steps", "1", "--run_name", "unlimited"])
+    assert sorted(os.listdir(os.path.join(all_kept, "checkpoints"))) == ["step_1", "step_2", "step_3"]
+
+
+@pytest.mark.slow
+def test_two_processes_stop_together_on_bad_input(workdir):
+    """Under accelerate launch, the main process checks and every process gets its verdict: none hangs."""
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    launch = [*launch_processes(2), os.path.join(REPO, "grpo.py"), *SMALL]
+    for flags, message in [(["--dataset", "bad/ints.jsonl"], "prompts must be text"),
+                           (["--run_name", "toy"], "runs/toy is in use")]:
+        done = subprocess.run(launch + flags, cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode != 0 and message in done.stderr, done.stderr[-3000:]
