@@ -321,6 +321,18 @@ def results_markdown(results: dict) -> str:
     return text
 
 
+def checkpoint_dtype(args: EvalArgs, weights: str) -> str:
+    """The dtype vLLM runs: --dtype, or with auto the checkpoint's own, as transformers reads it. vLLM's own "auto"
+    runs an fp32 checkpoint in half precision, so the two engines would score different models (seen on the toy:
+    17 of 500 greedy answers differed, 39.8% against 41.0%)."""
+    if args.dtype != "auto":
+        return args.dtype
+    from transformers import AutoConfig
+
+    dtype = getattr(AutoConfig.from_pretrained(weights), "dtype", None) or torch.float32
+    return str(dtype).removeprefix("torch.") if not isinstance(dtype, str) else dtype
+
+
 def main(args: EvalArgs) -> dict:
     from accelerate import Accelerator
     from accelerate.utils import gather_object
@@ -348,7 +360,7 @@ def main(args: EvalArgs) -> dict:
     if use_vllm:
         longest = max(len(e["prompt_ids"]) for s in eval_sets for e in s.examples)
         engine = VLLMEngine(weights, accelerator=accelerator, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                            max_model_len=longest + args.max_tokens, seed=args.seed, dtype=args.dtype,
+                            max_model_len=longest + args.max_tokens, seed=args.seed, dtype=checkpoint_dtype(args, weights),
                             enable_sleep_mode=False)
         if model is not None:  # a merged LoRA adapter: its weights are not on disk
             engine.push_weights(model.to(accelerator.device))

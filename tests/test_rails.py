@@ -162,7 +162,7 @@ TRAIN_CASES = [
     ("p3o", ["--lr_scheduler_type", "linar"], "--lr_scheduler_type 'linar' is not a transformers scheduler"),
 ]
 if not vllm_available():
-    TRAIN_CASES.append(("grpo", ["--rollout_engine", "vllm"], "--rollout_engine vllm needs vllm installed"))
+    TRAIN_CASES.append(("grpo", ["--rollout_engine", "vllm"], "--rollout_engine vllm needs vLLM: pip install"))
 if importlib.util.find_spec("wandb") is None:
     TRAIN_CASES.append(("grpo", ["--report_to", "wandb"], "the package 'wandb' is not installed; pip install it or "
                                                           "pass --report_to none"))

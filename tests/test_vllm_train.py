@@ -50,7 +50,8 @@ def test_two_processes_with_vllm_take_the_same_step_as_one(toy_workdir):
 
 
 def test_evals_run_with_vllm_matches_the_hf_engine(toy_workdir):
-    """Greedy evaluation of the toy model with both engines: the same completions, so the same scores."""
+    """Greedy evaluation of the toy model with both engines: the same completions, so the same scores. (With vLLM's
+    own dtype "auto", the fp32 toy ran in half precision and 17 of 500 answers differed: evals.checkpoint_dtype.)"""
     results = {}
     for engine in ("vllm", "hf"):
         out = os.path.join(toy_workdir, "runs", f"eval_{engine}")
@@ -60,6 +61,6 @@ def test_evals_run_with_vllm_matches_the_hf_engine(toy_workdir):
             results[engine] = [json.loads(line) for line in f]
     assert len(results["vllm"]) == 500
     same = sum(a["completions"] == b["completions"] for a, b in zip(results["vllm"], results["hf"]))
-    assert same >= 0.99 * len(results["hf"]), same  # greedy ties may break differently in a rare row
+    assert same >= len(results["hf"]) - 1, same  # fp32 on both sides: at most an exact tie breaks differently
     scores = {e: torch.tensor([r["scores"][0] for r in rs]).mean().item() for e, rs in results.items()}
-    assert abs(scores["vllm"] - scores["hf"]) <= 0.01, scores
+    assert abs(scores["vllm"] - scores["hf"]) <= 0.002, scores
