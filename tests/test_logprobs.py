@@ -290,3 +290,34 @@ def test_length_buckets_give_the_padded_form_gradient(path, entropy_grad):
     torch.testing.assert_close(bucketed[0][m], padded[0][m], **TOL)
     for name, grad in padded[1].items():
         torch.testing.assert_close(bucketed[1][name], grad, **TOL, msg=lambda msg, name=name: f"{name}: {msg}")
+
+
+def _ddp_worker(rank: int, world: int, init_file: str, out_dir: str):
+    """One of `world` processes: DDP over the tiny model, this process's rows, the head path; saves its gradients."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    model = torch.nn.parallel.DistributedDataParallel(tiny_model(2_000, torch.float64))
+    assert fused_head(model) is model.module.lm_head
+    input_ids, attention_mask, mask = varied_batch(2_000, 4 * world, 4, 9)
+    rows = slice(4 * rank, 4 * rank + 4)
+    logp, entropy = completion_logprobs(model, input_ids[rows], attention_mask[rows], 9, 0.8, entropy_grad=True)
+    ((logp + 0.1 * entropy) * mask[rows]).sum().backward()  # DDP averages over processes
+    torch.save({n: p.grad for n, p in model.module.named_parameters()}, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_head_gradient_is_reduced_by_ddp(tmp_path):
+    """Under DDP the head's weight gradient goes through DDP's reducer (the head runs inside DDP's forward): every
+    process ends with the mean over processes of the single-process gradients, lm_head included."""
+    world = 2
+    torch.multiprocessing.spawn(_ddp_worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world)
+    model = tiny_model(2_000, torch.float64)
+    input_ids, attention_mask, mask = varied_batch(2_000, 4 * world, 4, 9)
+    logp, entropy = naive_completion_logprobs(model, input_ids, attention_mask, 9, 0.8, entropy_grad=True)
+    ((logp + 0.1 * entropy) * mask).sum().div(world).backward()
+    for rank in range(world):
+        grads = torch.load(tmp_path / f"rank{rank}.pt")
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m, name=name: f"rank {rank} {name}: {m}")
