@@ -55,8 +55,10 @@ Where the two do different work by design (the ratio includes it):
   forwards.
 - grpo.py samples with a seeded Gumbel-max processor (reproducible per completion), TRL with transformers'
   multinomial sampling, so completion lengths differ a little: compare tokens/s as well as step time.
-- TRL's update computes the entropy through its fused LM head and logs per micro-batch; grpo.py computes it
-  from the logits (common.utils.completion_logprobs).
+- TRL's update makes the (B, T, V) logits of every micro-batch (no Liger kernel); grpo.py's log-probs and entropy
+  come from the last hidden states through the head's weight in chunks of positions, at completion tokens only,
+  and its micro-batches hold rows of similar length, each forward as wide as its longest row
+  (common.utils.completion_logprobs, length_buckets).
 Both take the update's own log-probs, detached, as the old log-probs when the update is on-policy.
 
 On a shared CPU, compare cpu/step, use --repeat 3 (interleaved runs, medians) and read the load average
