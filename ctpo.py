@@ -31,8 +31,9 @@ from common.data import load_prompts, resolve_dataset
 from common.rewards import compute_rewards, get_reward_function
 from common.rollout import HFEngine, sample_seed
 from common.toy import TOY_DIR, prepare_toy
-from common.utils import (MetricsLog, TrainState, check_weight_sync, completion_logprobs, find_checkpoint, on_cpu,
-                          pad_rows, parse_args, peak_memory_gib, save_checkpoint, sharded_parameters, step_prompts)
+from common.utils import (MetricsLog, TrainState, check_weight_sync, completion_logprobs, find_checkpoint,
+                          length_buckets, on_cpu, pad_rows, parse_args, peak_memory_gib, save_checkpoint,
+                          sharded_parameters, step_prompts)
 from common.vllm_engine import VLLMEngine, vllm_available
 from evals.run import evaluate_benchmarks, load_eval_sets
 
@@ -338,16 +339,17 @@ def main(args: Args):
         sampler_logp_t, T = sampler_logp_t.to(accelerator.device), completions_t.shape[1]
 
         # 4. Behaviour (old) and reference log-probs at the weights that sampled, without gradient
-        def micro_batches(rows: slice, size: int = args.micro_batch_size) -> list[slice]:
-            return [slice(i, min(i + size, rows.stop)) for i in range(rows.start, rows.stop, size)]
+        def micro_batches(rows: slice, size: int = args.micro_batch_size) -> list[torch.Tensor]:
+            return length_buckets(mask[rows], size, offset=rows.start)  # row indices, similar lengths: little padding
 
         def logprobs_of(net, rows: slice = slice(0, local_rows)) -> torch.Tensor:
             """No gradient: --logprob_batch_size rows per forward; the rows of a prompt share one forward of it."""
             share, size = not sharded_parameters(accelerator), args.logprob_batch_size or args.micro_batch_size
             with torch.no_grad():
-                return torch.cat([completion_logprobs(net, input_ids[s], attention_mask[s], T, args.temperature,
-                                                      share_prompts=share)[0]
-                                  for s in micro_batches(rows, size)])  # (rows, T)
+                buckets = micro_batches(rows, size)
+                logp = torch.cat([completion_logprobs(net, input_ids[s], attention_mask[s], T, args.temperature,
+                                                      share_prompts=share)[0] for s in buckets])  # (rows, T) by bucket
+                return logp[torch.cat(buckets).argsort()]  # (rows, T) in row order
 
         logprobs_start = time.time()
         # On-policy (one optimizer step per batch, no TIS, the trainer's old_logp), old_logp is the update's own
@@ -383,7 +385,7 @@ def main(args: Args):
                 if dumping:
                     dumps.append({k: v.cpu() for k, v in stats.items() if v.dim() == 1})
                 for s in micro_batches(mb):
-                    rows = slice(s.start - mb_start, s.stop - mb_start)  # the micro-batch within the mini-batch
+                    rows = s - mb_start  # the micro-batch's rows within the mini-batch
                     with accelerator.accumulate(model):
                         logp, entropy = completion_logprobs(model, input_ids[s], attention_mask[s], T, args.temperature)
                         if on_policy:  # the weights that sampled the batch are these ones

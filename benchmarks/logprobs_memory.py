@@ -11,12 +11,11 @@ process's peak resident set (resource.getrusage ru_maxrss) over its level just b
 Variants:
     naive   log_softmax(logits.float() / T) over the whole (B, T, V) at once, then gather
     rowwise the implementation before issue 6: the same, one row (T, V) at a time
-    lean    common.utils.completion_logprobs: chunks of positions, logsumexp + gather, custom backward
-            that writes the gradient into the logits (so the head costs one (B, T + 1, V) buffer)
+    lean    common.utils.completion_logprobs: for this Qwen3, the chunked LM head (common/logprobs.py
+            HeadLogprobs): no (B, T + 1, V) logits at all; for heads it cannot replace, TokenLogprobs on the
+            model's logits (chunks of positions, custom backward writing the gradient into the logits)
 
-The logits tensor itself, (B, T + 1, V) in the model's dtype, is made by the model's forward in every
-variant (the table prints its size): avoiding it needs a chunked LM head run inside the model's forward
-(what TRL's add_fused_lm_head does), which common/ does not do (see common/utils.py TokenLogprobs).
+The naive and rowwise variants make the (B, T + 1, V) logits in the model's dtype (the table prints their size).
 
     python benchmarks/logprobs_memory.py                        # B=2, T=1024, fp32 and bf16 -> JSON + table
     python benchmarks/logprobs_memory.py --batch 4 --length 2048 --dtypes bfloat16
@@ -46,7 +45,8 @@ def naive_completion_logprobs(model, input_ids, attention_mask, num_completion_t
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                    logits_to_keep=T + 1).logits[:, :-1]  # (B, T, V)
-    all_logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # (B, T, V) fp32
+    all_logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature,
+                                 dim=-1)  # (B, T, V) fp32 (fp64 stays fp64)
     logp = all_logp.gather(-1, input_ids[:, -T:, None])[..., 0]  # (B, T)
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = -(all_logp.exp() * all_logp).sum(-1)  # (B, T)

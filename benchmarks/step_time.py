@@ -12,6 +12,11 @@ peak memory is the maximum. Results go to --out as JSON and to stdout as a table
     python benchmarks/step_time.py --algo grpo --steps 6 --trl                    # + TRL, ratio of step times
     python benchmarks/step_time.py --algo grpo --steps 4 -- --batch_size 64 --max_completion_length 16
                                                           # anything after -- goes to the scripts (and to TRL)
+    python benchmarks/step_time.py --shape qwen3 --algo grpo --trl --steps 3 --repeat 2
+                                                          # Qwen3's vocabulary, lengths ~10-256 (qwen3_shape.py)
+
+--shape qwen3 runs benchmarks/qwen3_shape.py's task (built under runs/qwen3_shape on first use) with its flags
+(SHAPE_ARGS) instead of the toy preset, for the scripts and for TRL alike.
 
 --trl also runs TRL's GRPOTrainer (not a dependency of this project: `pip install trl`; measured with
 trl==1.16.0 and transformers 5.19) on the same work, every setting taken from the parsed grpo.py Args:
@@ -50,8 +55,10 @@ Where the two do different work by design (the ratio includes it):
   forwards.
 - grpo.py samples with a seeded Gumbel-max processor (reproducible per completion), TRL with transformers'
   multinomial sampling, so completion lengths differ a little: compare tokens/s as well as step time.
-- TRL's update computes the entropy through its fused LM head and logs per micro-batch; grpo.py computes it
-  from the logits (common.utils.completion_logprobs).
+- TRL's update makes the (B, T, V) logits of every micro-batch (no Liger kernel); grpo.py's log-probs and entropy
+  come from the last hidden states through the head's weight in chunks of positions, at completion tokens only,
+  and its micro-batches hold rows of similar length, each forward as wide as its longest row
+  (common.utils.completion_logprobs, length_buckets).
 Both take the update's own log-probs, detached, as the old log-probs when the update is on-policy.
 
 On a shared CPU, compare cpu/step, use --repeat 3 (interleaved runs, medians) and read the load average
@@ -263,6 +270,8 @@ def main():
                    help="run everything this many times, interleaved; report the median of the runs' means "
                         "(a shared CPU's noise)")
     p.add_argument("--preset", default="toy", help="the scripts' --preset ('' for none: give --model etc. after --)")
+    p.add_argument("--shape", choices=["toy", "qwen3"], default="toy",
+                   help="qwen3: benchmarks/qwen3_shape.py's task (Qwen3's vocabulary, varied lengths), no preset")
     p.add_argument("--trl", action="store_true", help="also run TRL's GRPOTrainer on grpo.py's work")
     p.add_argument("--threads", type=int, default=1, help="torch threads in every run")
     p.add_argument("--output_dir", default="runs/benchmarks")
@@ -284,12 +293,17 @@ def main():
     if a.trl and importlib.util.find_spec("trl") is None:
         raise SystemExit("--trl needs TRL, which this project does not depend on: pip install trl "
                          "(measured with trl==1.16.0)")
+    if a.shape == "qwen3":
+        from benchmarks.qwen3_shape import SHAPE_ARGS, prepare
+
+        prepare(os.path.join(REPO, "runs", "qwen3_shape"))
+        a.preset, extra = "", SHAPE_ARGS + extra
     algos = a.algo.split(",")
     unknown = sorted(set(algos) - set(ALGOS))
     if unknown:
         raise SystemExit(f"--algo: unknown {unknown}; choose among {ALGOS}")
     os.makedirs(os.path.join(REPO, a.output_dir), exist_ok=True)
-    report = {"settings": {"steps": a.steps, "warmup": a.warmup, "repeat": a.repeat, "preset": a.preset,
+    report = {"settings": {"steps": a.steps, "warmup": a.warmup, "repeat": a.repeat, "preset": a.preset, "shape": a.shape,
                            "threads": a.threads,
                            "extra": extra, "cpu_count": os.cpu_count(),
                            "load_average_at_start": os.getloadavg()}, "runs": {}}
@@ -329,7 +343,8 @@ def main():
             "completion/length_mean", "memory/peak_gib"]
     print(f"\nmeans over steps {a.warmup + 1}..{a.steps}, median of {a.repeat} run(s) (seconds unless said), "
           f"{a.threads} torch thread(s), "
-          f"load average {report['settings']['load_average_at_start'][0]:.1f} at start")
+          f"load average {report['settings']['load_average_at_start'][0]:.1f} at start, "
+          f"{report['settings']['load_average_at_end'][0]:.1f} at end")
     print("| run | " + " | ".join(cols) + " |")
     print("|---" * (len(cols) + 1) + "|")
     for name, s in summaries.items():

@@ -22,6 +22,7 @@ import yaml
 from transformers import HfArgumentParser
 from transformers.cache_utils import DynamicLayer
 
+from common.logprobs import TokenLogprobs, fused_head, head_logprobs
 from common.toy import TOY_PRESET
 
 PRESETS = {"toy": TOY_PRESET}
@@ -181,31 +182,53 @@ def step_prompts(step: int, batch_size: int, num_generations: int, mini_batch_si
     return positions.tolist(), rows
 
 
-LOGPROB_CHUNK_ELEMENTS = 2**24  # fp32 scratch of one chunk of positions x vocabulary (64 MiB per buffer)
-
-
 def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int,
                         temperature: float, entropy_grad: bool = False,
                         share_prompts: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of each completion token under softmax(logits / T), and the entropy there (with its
     gradient only if `entropy_grad`: an entropy bonus needs it, logging does not).
 
-    input_ids = [left-padded prompt | right-padded completion], (B, P + T). Returns two (B, T) in fp32.
-    The logits stay in the model's dtype; no fp32 (B, T, V) tensor is ever made (see TokenLogprobs).
+    input_ids = [left-padded prompt | right-padded completion], (B, P + T). Returns two (B, T) in fp32, 0 at padding.
+    The forward runs on the columns these rows use (the longest prompt and completion among them: rows of similar
+    length together waste little, see length_buckets). Where the model's head is a plain linear map (fused_head),
+    the log-probs come from the last hidden states through the head's weight, a chunk of positions at a time, and
+    only at completion tokens: no (B, T, V) logits (common.logprobs.HeadLogprobs); otherwise from the logits, with
+    no fp32 (B, T, V) tensor (TokenLogprobs).
     `share_prompts` (no-grad passes only): rows with the same prompt share one forward of it (shared_prompt_cache).
     """
     T, P = num_completion_tokens, input_ids.shape[1] - num_completion_tokens
+    mask = attention_mask[:, P:]  # (B, T)
+    T_b, P_b = max(int(mask.sum(-1).max()), 1), int(attention_mask[:, :P].sum(-1).max())  # columns in use
+    input_ids, attention_mask, mask = input_ids[:, P - P_b:P + T_b], attention_mask[:, P - P_b:P + T_b], mask[:, :T_b]
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding must not shift positions
     cache = None
     if share_prompts and not torch.is_grad_enabled():
-        cache = shared_prompt_cache(model, input_ids, attention_mask, P - 1)
-    start = 0 if cache is None else P - 1  # with the prompts' cache, run from each prompt's last token on
-    logits = model(input_ids=input_ids[:, start:], attention_mask=attention_mask, position_ids=position_ids[:, start:],
-                   past_key_values=cache, use_cache=cache is not None,
-                   logits_to_keep=T + 1).logits  # (B, T + 1, V): position t < T predicts completion token t
-    # nothing else holds these logits: the backward may overwrite them with their gradient (a second backward
-    # through a retained graph then fails with autograd's in-place error instead of a wrong gradient)
-    return TokenLogprobs.apply(logits, input_ids[:, -T:], temperature, entropy_grad and torch.is_grad_enabled(), True)
+        cache = shared_prompt_cache(model, input_ids, attention_mask, P_b - 1)
+    start = 0 if cache is None else P_b - 1  # with the prompts' cache, run from each prompt's last token on
+    targets, head = input_ids[:, -T_b:], fused_head(model)  # (B, T_b)
+    entropy_grad = entropy_grad and torch.is_grad_enabled()
+    with contextlib.nullcontext() if head is None else head_logprobs(head, targets, mask, temperature, entropy_grad):
+        out = model(input_ids=input_ids[:, start:], attention_mask=attention_mask, position_ids=position_ids[:, start:],
+                    past_key_values=cache, use_cache=cache is not None,
+                    logits_to_keep=T_b + 1).logits  # head: (B, T_b, 2); else (B, T_b + 1, V), t < T_b predicts token t
+    if head is not None:
+        logp, entropy = out.unbind(-1)  # (B, T_b) each
+        entropy = entropy if entropy_grad else entropy.detach()  # its gradient is 0 anyway (HeadLogprobs)
+    else:  # nothing else holds these logits: the backward may overwrite them with their gradient (a second
+        # backward through a retained graph then fails with autograd's in-place error instead of a wrong gradient)
+        logp, entropy = TokenLogprobs.apply(out, targets, temperature, entropy_grad, True)
+        logp, entropy = logp * mask, entropy * mask  # (B, T_b) 0 at padding, as the head's path gives
+    pad = (0, T - T_b)  # back to the batch's T columns
+    return torch.nn.functional.pad(logp, pad), torch.nn.functional.pad(entropy, pad)
+
+
+def length_buckets(mask: torch.Tensor, size: int, offset: int = 0) -> list[torch.Tensor]:
+    """Rows offset + i of `mask` (rows, T) in groups of `size`, longest completions first: each group's forward
+    runs on its own longest row's columns (completion_logprobs), so rows of similar length together waste little
+    padding. A micro-batch's gradient adds up the same whatever rows it holds (the loss normalisers are the
+    optimizer batch's), so only the order of floating-point sums changes."""
+    order = torch.argsort(mask.sum(-1), descending=True, stable=True) + offset  # (rows,)
+    return list(order.split(size))
 
 
 def shared_prompt_cache(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, length: int):
@@ -228,71 +251,6 @@ def shared_prompt_cache(model, input_ids: torch.Tensor, attention_mask: torch.Te
         return None
     cache.batch_select_indices(row_of)  # (B,) rows
     return cache
-
-
-class TokenLogprobs(torch.autograd.Function):
-    """logp_t = z_y - logsumexp(z) and H_t = -sum_v p_v log p_v, z = logits_t / T in fp32, a chunk of positions
-    at a time (LOGPROB_CHUNK_ELEMENTS). Saves only the logits (model dtype) and logsumexp (B, T); the backward
-    recomputes p per chunk and writes the gradient in the logits' dtype, into the logits themselves when
-    `overwrite_logits` (the caller owns them: then the head costs one (B, T, V) buffer, not two):
-
-        d logp_t / dz = onehot(y) - p,    d H_t / dz = -p * (log p + H_t),    d/dlogits = d/dz / T
-
-    Against log_softmax over (B, T, V) in fp32 (the naive form), this keeps no fp32 copy of the logits for the
-    backward and no full-size fp32 gradient. The logits themselves are still made by the model's forward: a
-    chunked LM head would avoid them too, but has to run inside the model's forward (DDP, FSDP2 and ZeRO-3 hooks)
-    and redo each architecture's logit scaling and soft-capping (TRL 1.16's add_fused_lm_head and its kernel:
-    ~650 lines).
-    """
-
-    @staticmethod
-    def forward(ctx, logits, targets, temperature, entropy_grad, overwrite_logits=False):
-        B, T = targets.shape  # logits (B, >= T, V): position t < T predicts targets[:, t]
-        ctx.dtype = torch.promote_types(logits.dtype, torch.float32)  # fp32 (fp64 stays fp64: gradcheck)
-        logp = torch.empty(B, T, device=logits.device, dtype=ctx.dtype)  # (B, T)
-        entropy, lse = torch.empty_like(logp), torch.empty_like(logp)  # (B, T)
-        for rows, pos in _position_chunks(B, T, logits.shape[-1]):
-            log_p = logits[rows, pos].to(ctx.dtype, copy=True).div_(temperature)  # (b, t, V) z
-            lse[rows, pos] = torch.logsumexp(log_p, dim=-1)  # (b, t)
-            log_p.sub_(lse[rows, pos, None])  # (b, t, V) log p = z - logsumexp(z)
-            logp[rows, pos] = log_p.gather(-1, targets[rows, pos, None])[..., 0]
-            entropy[rows, pos] = -(log_p.exp().mul_(log_p)).sum(-1)
-        ctx.save_for_backward(logits, targets, lse, entropy)
-        ctx.temperature, ctx.overwrite_logits = temperature, overwrite_logits
-        ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None: skip its term
-        if not entropy_grad:
-            ctx.mark_non_differentiable(entropy)
-        return logp, entropy
-
-    @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):
-        logits, targets, lse, entropy = ctx.saved_tensors
-        B, T = targets.shape
-        grad = logits if ctx.overwrite_logits else torch.empty_like(logits)  # (B, T + 1, V) model dtype
-        grad[:, T:] = 0  # the unused last position; a chunk's logits are read before its gradient is written
-        for rows, pos in _position_chunks(B, T, logits.shape[-1]):
-            log_p = logits[rows, pos].to(ctx.dtype, copy=True).div_(ctx.temperature)  # (b, t, V) z
-            log_p.sub_(lse[rows, pos, None])  # (b, t, V) log p
-            p = log_p.exp()  # (b, t, V)
-            if grad_logp is not None:
-                g = p.mul(grad_logp[rows, pos, None]).neg_()  # (b, t, V) d/dz
-                g.scatter_add_(-1, targets[rows, pos, None], grad_logp[rows, pos, None])
-            else:
-                g = torch.zeros_like(p)
-            if grad_entropy is not None:
-                g.sub_(log_p.add_(entropy[rows, pos, None]).mul_(p).mul_(grad_entropy[rows, pos, None]))
-            grad[rows, pos] = g.div_(ctx.temperature)
-        return grad, None, None, None, None
-
-
-def _position_chunks(B: int, T: int, V: int):
-    """(rows, positions) slices covering (B, T), each at most LOGPROB_CHUNK_ELEMENTS // V positions: whole rows
-    together when they fit (small vocabularies), else a stretch of positions of one row."""
-    t = max(1, min(T, LOGPROB_CHUNK_ELEMENTS // V))
-    b = max(1, LOGPROB_CHUNK_ELEMENTS // (t * V)) if t == T else 1
-    for i in range(0, B, b):
-        for j in range(0, T, t):
-            yield slice(i, i + b), slice(j, min(j + t, T))  # logits have T + 1 positions: stop at T
 
 
 def peak_memory_gib(device: torch.device) -> float:

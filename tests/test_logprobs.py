@@ -1,6 +1,9 @@
-"""common.utils.completion_logprobs (chunked logsumexp + gather, custom backward) against the naive fp32
-log-softmax over (B, T, V): same values and same gradients, with padding, temperature, entropy_grad on/off,
-several chunkings, on the toy model, a random model with a large vocabulary and a LoRA-wrapped model."""
+"""common.utils.completion_logprobs against the naive fp32 log-softmax over (B, T, V): same values (at completion
+tokens; 0 at padding) and same gradients, with padding, temperature, entropy_grad on/off, several chunkings, on the
+toy model (tied embeddings), a random model with a large vocabulary and a LoRA-wrapped model (LoRA on the head), by
+both paths: "head" (hidden states x head weight, common.logprobs.HeadLogprobs) and "logits" (TokenLogprobs, the
+path for heads fused_head turns down). Then float64 gradchecks, no (B, T, V) tensor on the head path, and rows
+bucketed by length (length_buckets) against the padded form."""
 
 import os
 
@@ -8,12 +11,21 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import common.utils
+import common.logprobs
 from benchmarks.logprobs_memory import make_batch, naive_completion_logprobs, tiny_model
+from common.logprobs import HeadLogprobs, TokenLogprobs, fused_head
 from common.toy import TOY_DIR
-from common.utils import TokenLogprobs, completion_logprobs
+from common.utils import completion_logprobs, length_buckets, pad_rows
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
+
+
+@pytest.fixture(params=["head", "logits"])
+def path(request, monkeypatch):
+    """Every comparison runs on both paths: "logits" is what a model without a plain head gets."""
+    if request.param == "logits":
+        monkeypatch.setattr(common.logprobs, "PLAIN_HEAD_MODELS", set())
+    return request.param
 
 
 def run(fn, model, batch, T, temperature, entropy_grad, weights):
@@ -35,15 +47,17 @@ def assert_same_as_naive(model, batch, T, temperature, entropy_grad, tol=TOL):
     weights = torch.randn(2, *batch[2].shape, generator=g)  # (2, B, T): arbitrary upstream gradients
     want = run(naive_completion_logprobs, model, batch, T, temperature, entropy_grad, weights)
     got = run(completion_logprobs, model, batch, T, temperature, entropy_grad, weights)
-    torch.testing.assert_close(got[0], want[0], **tol)
-    torch.testing.assert_close(got[1], want[1], **tol)
+    m = batch[2].bool()  # completion tokens: padding is 0 in completion_logprobs, whatever it is in the naive form
+    torch.testing.assert_close(got[0][m], want[0][m], **tol)
+    torch.testing.assert_close(got[1][m], want[1][m], **tol)
+    assert not got[0][~m].any() and not got[1][~m].any()
     assert got[2].keys() == want[2].keys() and len(got[2]) > 0
     for name in want[2]:
         torch.testing.assert_close(got[2][name], want[2][name], **tol, msg=lambda m, name=name: f"{name}: {m}")
     with torch.no_grad():  # the old / reference passes
         lp, ent = completion_logprobs(model, batch[0], batch[1], T, temperature)
-    torch.testing.assert_close(lp, want[0], **tol)
-    torch.testing.assert_close(ent, want[1], **tol)
+    torch.testing.assert_close(lp[m], want[0][m], **tol)
+    torch.testing.assert_close(ent[m], want[1][m], **tol)
 
 
 @pytest.fixture(scope="module")
@@ -53,37 +67,43 @@ def toy_model(toy_workdir):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("entropy_grad", [False, True])
-def test_toy_model_matches_naive(toy_model, temperature, entropy_grad):
+def test_toy_model_matches_naive(toy_model, temperature, entropy_grad, path):
+    assert toy_model.lm_head.weight is toy_model.model.embed_tokens.weight  # tied: both gradients land in one tensor
+    assert (fused_head(toy_model) is toy_model.lm_head) == (path == "head")
     V = toy_model.config.vocab_size
     assert_same_as_naive(toy_model, make_batch(V, 6, 5, 7), 7, temperature, entropy_grad)
 
 
 @pytest.mark.parametrize("chunk", ["default", "rows", "positions"])
 @pytest.mark.parametrize("temperature, entropy_grad", [(1.0, False), (1.3, True), (0.6, True)])
-def test_large_vocabulary_matches_naive(monkeypatch, chunk, temperature, entropy_grad):
+def test_large_vocabulary_matches_naive(monkeypatch, chunk, temperature, entropy_grad, path):
     V, T = 32_000, 9
     if chunk == "rows":  # two whole rows per chunk, the last chunk one row
-        monkeypatch.setattr(common.utils, "LOGPROB_CHUNK_ELEMENTS", 2 * T * V)
+        monkeypatch.setattr(common.logprobs, "LOGPROB_CHUNK_ELEMENTS", 2 * T * V)
     elif chunk == "positions":  # 4 positions per chunk: chunks never line up with rows
-        monkeypatch.setattr(common.utils, "LOGPROB_CHUNK_ELEMENTS", 4 * V + 7)
-    model = tiny_model(V, torch.float32)
+        monkeypatch.setattr(common.logprobs, "LOGPROB_CHUNK_ELEMENTS", 4 * V + 7)
+    model = tiny_model(V, torch.float64)  # fp64: the two sum in different orders, and fp32 rounding (~3e-5 here,
+    # amplified by T = 0.6 through the layers) would hide a wrong term as well as it hides the order
     assert_same_as_naive(model, make_batch(V, 5, 4, T), T, temperature, entropy_grad)
 
 
-def test_lora_model_matches_naive():
+def test_lora_model_matches_naive(path):
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(tiny_model(5_000, torch.float32), peft.LoraConfig(
         r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "lm_head"], init_lora_weights=False))
+    head = fused_head(model)  # the LoRA Linear over lm_head: the adapter's low-rank term is a second (h, W) pair
+    assert (head is not None and type(head).__name__ == "Linear" and hasattr(head, "lora_A")) == (path == "head")
     assert_same_as_naive(model, make_batch(5_000, 3, 4, 6), 6, 0.8, True)
     with model.disable_adapter(), torch.no_grad():  # the LoRA reference policy
         want, _ = naive_completion_logprobs(model, *make_batch(5_000, 3, 4, 6)[:2], 6, 0.8)
         got, _ = completion_logprobs(model, *make_batch(5_000, 3, 4, 6)[:2], 6, 0.8)
-    torch.testing.assert_close(got, want, **TOL)
+    m = make_batch(5_000, 3, 4, 6)[2].bool()
+    torch.testing.assert_close(got[m], want[m], **TOL)
 
 
 @pytest.mark.parametrize("which", ["logp", "entropy", "both"])
 def test_gradcheck_in_double_precision(monkeypatch, which):
-    monkeypatch.setattr(common.utils, "LOGPROB_CHUNK_ELEMENTS", 3 * 11)  # chunks of 3 positions
+    monkeypatch.setattr(common.logprobs, "LOGPROB_CHUNK_ELEMENTS", 3 * 11)  # chunks of 3 positions
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 5, 11, dtype=torch.float64, generator=g).requires_grad_()  # (B, T + 1, V)
     targets = torch.randint(0, 11, (2, 4), generator=g)
@@ -95,7 +115,7 @@ def test_gradcheck_in_double_precision(monkeypatch, which):
     assert torch.autograd.gradcheck(f, (logits,))
 
 
-def test_bf16_logits_same_as_naive_and_no_fp32_vocabulary_tensor_is_kept():
+def test_bf16_logits_same_as_naive_and_no_fp32_vocabulary_tensor_is_kept(path):
     V, T = 20_000, 6
     model = tiny_model(V, torch.bfloat16)
     input_ids, attention_mask, mask = make_batch(V, 3, 4, T)
@@ -113,13 +133,15 @@ def test_bf16_logits_same_as_naive_and_no_fp32_vocabulary_tensor_is_kept():
     model.zero_grad()
     logp_n, entropy_n = naive_completion_logprobs(model, input_ids, attention_mask, T, 0.9, entropy_grad=True)
     (logp_n * mask).sum().add((entropy_n * mask).sum()).backward()
-    torch.testing.assert_close(logp, logp_n, **TOL)  # fp32 math on the same bf16 logits
-    torch.testing.assert_close(entropy, entropy_n, **TOL)
+    m = mask.bool()
+    torch.testing.assert_close(logp[m], logp_n[m], **TOL)  # fp32 math on the same bf16 logits
+    torch.testing.assert_close(entropy[m], entropy_n[m], **TOL)
     for n, p in model.named_parameters():  # both cast the fp32 gradient of the logits to bf16 once
         torch.testing.assert_close(lean_grad[n], p.grad, atol=1e-2, rtol=1e-2)
 
 
-def test_backward_overwrites_the_logits_so_a_second_backward_fails_loudly():
+def test_backward_overwrites_the_logits_so_a_second_backward_fails_loudly(monkeypatch):
+    monkeypatch.setattr(common.logprobs, "PLAIN_HEAD_MODELS", set())  # the logits path
     model = tiny_model(1_000, torch.float32)
     input_ids, attention_mask, _ = make_batch(1_000, 2, 3, 5)
     logp, _ = completion_logprobs(model, input_ids, attention_mask, 5, 1.0)
@@ -128,7 +150,7 @@ def test_backward_overwrites_the_logits_so_a_second_backward_fails_loudly():
         logp.sum().backward()
 
 
-def test_rows_of_one_prompt_share_its_forward_in_no_grad_passes(toy_model):
+def test_rows_of_one_prompt_share_its_forward_in_no_grad_passes(toy_model, path):
     """share_prompts: each distinct prompt (left padding included) runs once, its cache goes to all its rows, and the
     log-probs and entropies are the plain forward's; with gradients, or without repeats, it is the plain forward."""
     ids, attention, mask = make_batch(toy_model.config.vocab_size, 4, 5, 6)  # prompts of 5, 2, 1 and 1 tokens
@@ -161,3 +183,141 @@ def test_rows_of_one_prompt_share_its_forward_in_no_grad_passes(toy_model):
         torch.testing.assert_close(got[m], want[m], **TOL)
     for got, want in zip(distinct, plain):
         torch.testing.assert_close(got[m[[0, 2]]], want[[0, 2]][m[[0, 2]]], **TOL)
+
+
+@pytest.mark.parametrize("which", ["logp", "entropy", "both"])
+@pytest.mark.parametrize("pairs", [1, 2])
+def test_head_gradcheck_in_double_precision(monkeypatch, which, pairs):
+    """HeadLogprobs' backward (recomputed chunk logits) against finite differences, for the hidden states and the
+    weights of a plain head (1 pair) and of a LoRA-shaped head (2 pairs: x W^T + (x A^T) B^T), chunks of 3 positions."""
+    monkeypatch.setattr(common.logprobs, "LOGPROB_CHUNK_ELEMENTS", 3 * 11)
+    g = torch.Generator().manual_seed(0)
+    N, V, D, r = 7, 11, 5, 2
+    targets = torch.randint(0, V, (N,), generator=g)
+    inputs = [torch.randn(N, D, dtype=torch.float64, generator=g), torch.randn(V, D, dtype=torch.float64, generator=g),
+              torch.randn(N, r, dtype=torch.float64, generator=g), torch.randn(V, r, dtype=torch.float64, generator=g)]
+    inputs = [t.requires_grad_() for t in inputs[:2 * pairs]]
+
+    def f(*tensors):
+        logp, entropy = HeadLogprobs.apply(targets, 0.7, which != "logp", *tensors)
+        return {"logp": (logp,), "entropy": (entropy,), "both": (logp, entropy)}[which]
+
+    assert torch.autograd.gradcheck(f, tuple(inputs))
+
+
+def largest_vocabulary_tensor(fn) -> int:
+    """The most elements of any tensor made while `fn` runs whose last dimension is the vocabulary (32,000)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    sizes = [0]
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] == 32_000:
+                    sizes.append(t.numel())
+            return out
+
+    with Record():
+        fn()
+    return max(sizes)
+
+
+def test_head_path_makes_no_logits_of_the_whole_batch(monkeypatch, path):
+    """With the head path, no tensor over the vocabulary is larger than a chunk of positions or the head's weight
+    (and its gradient); the logits path makes the (B, T + 1, V) logits. The batch has more positions (B * T = 96)
+    than the hidden size (64), so the bound tells them apart."""
+    monkeypatch.setattr(common.logprobs, "LOGPROB_CHUNK_ELEMENTS", 4 * 32_000)
+    V, B, T = 32_000, 4, 24
+    model = tiny_model(V, torch.float32)
+    input_ids, attention_mask, mask = make_batch(V, B, 3, T)
+
+    def step():
+        logp, entropy = completion_logprobs(model, input_ids, attention_mask, T, 1.0, entropy_grad=True)
+        ((logp + entropy) * mask).sum().backward()
+
+    largest = largest_vocabulary_tensor(step)
+    bound = V * model.config.hidden_size  # lm_head.weight and its gradient
+    assert (largest <= bound) == (path == "head"), (largest, bound)
+    if path == "logits":
+        assert largest >= B * (T + 1) * V
+
+
+def test_length_buckets_sort_rows_longest_first():
+    mask = pad_rows([[1] * n for n in [3, 7, 1, 7, 5, 2]], 0)  # (6, 7)
+    buckets = length_buckets(mask, 4, offset=10)
+    assert [b.tolist() for b in buckets] == [[11, 13, 14, 10], [15, 12]]  # ties keep their order
+
+
+def varied_batch(V: int, B: int, P: int, T: int, seed: int = 0):
+    """[left-padded prompt | right-padded completion], prompt lengths 1..P and completion lengths 1..T at random."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(2, V, (int(n),), generator=g).tolist() for n in torch.randint(1, P + 1, (B,), generator=g)]
+    completions = [torch.randint(2, V, (int(n),), generator=g).tolist() for n in torch.randint(1, T + 1, (B,), generator=g)]
+    completions[0] = completions[0][:1] + [5] * (T - 1)  # one row of full length: the batch is T wide
+    prompts_t, completions_t = pad_rows(prompts, 0, left=True), pad_rows(completions, 0)
+    mask = pad_rows([[1] * len(c) for c in completions], 0)
+    attention_mask = torch.cat([(prompts_t != 0).long(), mask], dim=1)
+    return torch.cat([prompts_t, completions_t], dim=1), attention_mask, mask
+
+
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_length_buckets_give_the_padded_form_gradient(path, entropy_grad):
+    """The update as the loop runs it (micro-batches of rows sorted by length, each forward on its own columns)
+    against the padded form (micro-batches in row order, every row T wide, the naive log-softmax): the same
+    accumulated gradient, and the same log-probs at completion tokens."""
+    V, B, P, T, size = 3_000, 10, 6, 20, 3
+    model = tiny_model(V, torch.float32)
+    input_ids, attention_mask, mask = varied_batch(V, B, P, T)
+    w = torch.randn(2, B, T, generator=torch.Generator().manual_seed(2))  # (2, B, T) upstream gradients
+
+    def accumulate(fn, groups):
+        model.zero_grad()
+        logp = torch.zeros(B, T)
+        for s in groups:
+            lp, ent = fn(model, input_ids[s], attention_mask[s], T, 0.9, entropy_grad=entropy_grad)
+            loss = (w[0][s] * lp * mask[s]).sum() + ((w[1][s] * ent * mask[s]).sum() if entropy_grad else 0)
+            loss.backward()
+            logp[s] = lp.detach()
+        return logp, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    padded = accumulate(naive_completion_logprobs, [slice(i, i + size) for i in range(0, B, size)])
+    buckets = length_buckets(mask, size)
+    assert [int(mask[b].sum(-1).max()) for b in buckets] != [T] * len(buckets)  # some forwards are narrower
+    bucketed = accumulate(completion_logprobs, buckets)
+    m = mask.bool()
+    torch.testing.assert_close(bucketed[0][m], padded[0][m], **TOL)
+    for name, grad in padded[1].items():
+        torch.testing.assert_close(bucketed[1][name], grad, **TOL, msg=lambda msg, name=name: f"{name}: {msg}")
+
+
+def _ddp_worker(rank: int, world: int, init_file: str, out_dir: str):
+    """One of `world` processes: DDP over the tiny model, this process's rows, the head path; saves its gradients."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    model = torch.nn.parallel.DistributedDataParallel(tiny_model(2_000, torch.float64))
+    assert fused_head(model) is model.module.lm_head
+    input_ids, attention_mask, mask = varied_batch(2_000, 4 * world, 4, 9)
+    rows = slice(4 * rank, 4 * rank + 4)
+    logp, entropy = completion_logprobs(model, input_ids[rows], attention_mask[rows], 9, 0.8, entropy_grad=True)
+    ((logp + 0.1 * entropy) * mask[rows]).sum().backward()  # DDP averages over processes
+    torch.save({n: p.grad for n, p in model.module.named_parameters()}, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_head_gradient_is_reduced_by_ddp(tmp_path):
+    """Under DDP the head's weight gradient goes through DDP's reducer (the head runs inside DDP's forward): every
+    process ends with the mean over processes of the single-process gradients, lm_head included."""
+    world = 2
+    torch.multiprocessing.spawn(_ddp_worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world)
+    model = tiny_model(2_000, torch.float64)
+    input_ids, attention_mask, mask = varied_batch(2_000, 4 * world, 4, 9)
+    logp, entropy = naive_completion_logprobs(model, input_ids, attention_mask, 9, 0.8, entropy_grad=True)
+    ((logp + 0.1 * entropy) * mask).sum().div(world).backward()
+    for rank in range(world):
+        grads = torch.load(tmp_path / f"rank{rank}.pt")
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m, name=name: f"rank {rank} {name}: {m}")

@@ -1,0 +1,225 @@
+"""Log-probs and entropies of completion tokens, a chunk of positions at a time: never a (B, T, V) fp32 tensor,
+and, where the model's head allows it, no (B, T, V) logits at all.
+
+    HeadLogprobs   from the last hidden states and the LM head's weight: the model's forward runs as usual up to
+                   its head, whose forward head_logprobs swaps for this function for one call, so every hook that
+                   DDP, FSDP2 or ZeRO-3 put on the model or the head still fires around it. The logits of one chunk
+                   of positions exist at a time, in the forward and again in the backward.
+    TokenLogprobs  from logits the model made, for heads HeadLogprobs cannot stand in for (fused_head says which).
+
+common.utils.completion_logprobs picks between them.
+"""
+
+import contextlib
+
+import torch
+
+LOGPROB_CHUNK_ELEMENTS = 2**24  # fp32 scratch of one chunk of positions x vocabulary (64 MiB per buffer)
+# Causal LMs whose forward ends in `logits = self.lm_head(hidden_states[:, slice_indices, :])` and returns them as
+# they are (no soft-capping, no logit scale): the head's output is the policy's logits.
+PLAIN_HEAD_MODELS = {"qwen2", "qwen3", "qwen3_moe", "llama", "mistral"}
+
+
+def fused_head(model):
+    """The LM head module whose forward head_logprobs may replace, or None (then the logits path is used).
+
+    A bias-free nn.Linear (tied to the embeddings or not), or a peft LoRA Linear over one; not under ZeRO-3 with a
+    LoRA head, where the base weight and lora_B are gathered only when their own modules run, which they would not.
+    """
+    inner = model
+    while hasattr(inner, "module") and isinstance(inner.module, torch.nn.Module):  # DDP, DeepSpeed engine
+        inner = inner.module
+    config = getattr(inner, "config", None)
+    if getattr(config, "model_type", None) not in PLAIN_HEAD_MODELS or not hasattr(inner, "get_output_embeddings"):
+        return None
+    head = inner.get_output_embeddings()
+    if type(head) is torch.nn.Linear and head.bias is None:  # not a subclass: quantized layers are Linear too
+        return head
+    try:
+        from peft.tuners.lora import Linear as LoraLinear
+    except ImportError:
+        return None
+    if not isinstance(head, LoraLinear) or type(head.get_base_layer()) is not torch.nn.Linear:
+        return None
+    base = head.get_base_layer()
+    plain_adapters = all(not head.use_dora.get(a, False) and head.lora_B[a].bias is None for a in head.lora_A)
+    zero3 = any(hasattr(p, "ds_id") for p in head.parameters())
+    return head if base.bias is None and plain_adapters and not zero3 else None
+
+
+def head_pairs(head, x: torch.Tensor) -> list[torch.Tensor]:
+    """[h_1, W_1, h_2, W_2, ...] with head(x) = sum_k h_k W_k^T: (x, W) for a linear head; LoRA adds, per active
+    adapter, (scaling * lora_A(dropout(x)), lora_B.weight), as peft's forward computes it."""
+    if type(head) is torch.nn.Linear:
+        return [x, head.weight]
+    pairs = [x, head.get_base_layer().weight]
+    if head.merged or head.disable_adapters:
+        return pairs
+    for name in head.active_adapters:
+        if name in head.lora_A:
+            A, B = head.lora_A[name], head.lora_B[name]
+            pairs += [A(head.lora_dropout[name](x.to(A.weight.dtype))) * head.scaling[name], B.weight]  # (N, r), (V, r)
+    return pairs
+
+
+@contextlib.contextmanager
+def head_logprobs(head, targets: torch.Tensor, mask: torch.Tensor, temperature: float, entropy_grad: bool):
+    """For one forward of the model: its head, given the hidden states of the last T + 1 positions (logits_to_keep),
+    returns (B, T, 2) [logp, entropy] of `targets` (B, T) where `mask` (B, T) is set, and 0 elsewhere, in place of
+    the (B, T + 1, V) logits. The result is the head's output, so hooks on the head's outputs (ZeRO-3's gather
+    before the head's backward, FSDP2's) see it as they would see the logits."""
+    T = targets.shape[1]
+
+    def forward(hidden):  # (B, T + 1, D)
+        keep = mask.bool()  # (B, T)
+        x = hidden[:, :T][keep]  # (N, D) only completion tokens: padding costs nothing in the head
+        logp, entropy = HeadLogprobs.apply(targets[keep], temperature, entropy_grad, *head_pairs(head, x))  # (N,)
+        out = logp.new_zeros(*targets.shape, 2)  # (B, T, 2)
+        return out.index_put((keep,), torch.stack([logp, entropy], dim=-1))  # (B, T, 2)
+
+    head.forward = forward  # an instance attribute: nn.Module.__call__ and its hooks run as before
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+class HeadLogprobs(torch.autograd.Function):
+    """logp_n = z_y - logsumexp(z), H_n = -sum_v p_v log p_v with z = (sum_k h_k W_k^T) / T, one chunk of positions at
+    a time (LOGPROB_CHUNK_ELEMENTS), in fp32 (fp64 stays fp64: gradcheck). Saves the inputs, logsumexp and the
+    entropy, (N,) each; the backward recomputes each chunk's logits (the Liger / chunked-LM-head idea):
+
+        g = (d logp / dz * grad_logp + d H / dz * grad_H) / T,   d logp / dz = onehot(y) - p,   d H / dz = -p (log p + H)
+        dh_k = g W_k,   dW_k = sum over chunks of g^T h_k   (accumulated in fp32 at least, cast once at the end)
+
+    g is cast to each weight's dtype before its matmuls, as nn.Linear's backward receives the logits' gradient in
+    the logits' dtype. Inputs: targets (N,), temperature, entropy_grad, then h_1 (N, D_1), W_1 (V, D_1), h_2, W_2, ...
+    """
+
+    @staticmethod
+    def forward(ctx, targets, temperature, entropy_grad, *pairs):
+        hiddens, weights = pairs[0::2], pairs[1::2]
+        N, V = targets.shape[0], weights[0].shape[0]
+        ctx.dtype = torch.promote_types(weights[0].dtype, torch.float32)
+        logp = torch.empty(N, device=targets.device, dtype=ctx.dtype)  # (N,)
+        entropy, lse = torch.empty_like(logp), torch.empty_like(logp)  # (N,)
+        for c in _chunks(N, V):
+            log_p = _chunk_logits(hiddens, weights, c, ctx.dtype).div_(temperature)  # (n, V) z
+            lse[c] = torch.logsumexp(log_p, dim=-1)  # (n,)
+            log_p.sub_(lse[c, None])  # (n, V) log p
+            logp[c] = log_p.gather(-1, targets[c, None])[:, 0]
+            entropy[c] = -(log_p.exp().mul_(log_p)).sum(-1)
+        ctx.save_for_backward(targets, lse, entropy, *pairs)
+        ctx.temperature = temperature
+        ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None: skip its term
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        targets, lse, entropy, *pairs = ctx.saved_tensors
+        hiddens, weights = pairs[0::2], pairs[1::2]
+        needs = ctx.needs_input_grad[3:]  # per entry of pairs
+        N, V = targets.shape[0], weights[0].shape[0]
+        grad_h = [torch.empty_like(h) if needs[2 * k] else None for k, h in enumerate(hiddens)]  # (N, D_k)
+        grad_w = [torch.zeros(w.shape, device=w.device, dtype=torch.promote_types(w.dtype, torch.float32))
+                  if needs[2 * k + 1] else None for k, w in enumerate(weights)]  # (V, D_k)
+        for c in _chunks(N, V):
+            log_p = _chunk_logits(hiddens, weights, c, ctx.dtype).div_(ctx.temperature).sub_(lse[c, None])  # (n, V)
+            p = log_p.exp()  # (n, V)
+            if grad_logp is not None:
+                g = p.mul(grad_logp[c, None]).neg_()  # (n, V) d/dz
+                g.scatter_add_(-1, targets[c, None], grad_logp[c, None])
+            else:
+                g = torch.zeros_like(p)
+            if grad_entropy is not None:
+                g.sub_(log_p.add_(entropy[c, None]).mul_(p).mul_(grad_entropy[c, None]))
+            g.div_(ctx.temperature)  # (n, V) d/d(logits)
+            for k, (h, w) in enumerate(zip(hiddens, weights)):
+                g_k = g.to(w.dtype)  # (n, V)
+                if grad_h[k] is not None:
+                    grad_h[k][c] = (g_k @ w).to(h.dtype)  # (n, D_k)
+                if grad_w[k] is not None:
+                    grad_w[k].addmm_(g_k.t().to(grad_w[k].dtype), h[c].to(grad_w[k].dtype))  # (V, D_k)
+        grads = [x for k in range(len(hiddens)) for x in (grad_h[k], None if grad_w[k] is None
+                                                          else grad_w[k].to(weights[k].dtype))]
+        return None, None, None, *grads
+
+
+def _chunk_logits(hiddens, weights, c: slice, dtype: torch.dtype) -> torch.Tensor:
+    """sum_k h_k[c] W_k^T, (n, V): each product in its operands' dtype (bf16 logits as the model's head makes them),
+    summed in `dtype` (fp32: a LoRA adapter kept in fp32 over a bf16 base, as peft does, adds as peft adds it)."""
+    z = (hiddens[0][c] @ weights[0].t()).to(dtype)  # (n, V)
+    for h, w in zip(hiddens[1:], weights[1:]):
+        z += (h[c].to(w.dtype) @ w.t()).to(dtype)
+    return z
+
+
+def _chunks(N: int, V: int):
+    n = max(1, LOGPROB_CHUNK_ELEMENTS // V)
+    for i in range(0, N, n):
+        yield slice(i, min(i + n, N))
+
+
+class TokenLogprobs(torch.autograd.Function):
+    """logp_t = z_y - logsumexp(z) and H_t = -sum_v p_v log p_v, z = logits_t / T in fp32, a chunk of positions
+    at a time (LOGPROB_CHUNK_ELEMENTS). Saves only the logits (model dtype) and logsumexp (B, T); the backward
+    recomputes p per chunk and writes the gradient in the logits' dtype, into the logits themselves when
+    `overwrite_logits` (the caller owns them: then the head costs one (B, T, V) buffer, not two):
+
+        d logp_t / dz = onehot(y) - p,    d H_t / dz = -p * (log p + H_t),    d/dlogits = d/dz / T
+
+    Against log_softmax over (B, T, V) in fp32 (the naive form), this keeps no fp32 copy of the logits for the
+    backward and no full-size fp32 gradient. The logits themselves are made by the model's forward: the path for
+    heads that HeadLogprobs cannot replace (fused_head).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature, entropy_grad, overwrite_logits=False):
+        B, T = targets.shape  # logits (B, >= T, V): position t < T predicts targets[:, t]
+        ctx.dtype = torch.promote_types(logits.dtype, torch.float32)  # fp32 (fp64 stays fp64: gradcheck)
+        logp = torch.empty(B, T, device=logits.device, dtype=ctx.dtype)  # (B, T)
+        entropy, lse = torch.empty_like(logp), torch.empty_like(logp)  # (B, T)
+        for rows, pos in _position_chunks(B, T, logits.shape[-1]):
+            log_p = logits[rows, pos].to(ctx.dtype, copy=True).div_(temperature)  # (b, t, V) z
+            lse[rows, pos] = torch.logsumexp(log_p, dim=-1)  # (b, t)
+            log_p.sub_(lse[rows, pos, None])  # (b, t, V) log p = z - logsumexp(z)
+            logp[rows, pos] = log_p.gather(-1, targets[rows, pos, None])[..., 0]
+            entropy[rows, pos] = -(log_p.exp().mul_(log_p)).sum(-1)
+        ctx.save_for_backward(logits, targets, lse, entropy)
+        ctx.temperature, ctx.overwrite_logits = temperature, overwrite_logits
+        ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None: skip its term
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        logits, targets, lse, entropy = ctx.saved_tensors
+        B, T = targets.shape
+        grad = logits if ctx.overwrite_logits else torch.empty_like(logits)  # (B, T + 1, V) model dtype
+        grad[:, T:] = 0  # the unused last position; a chunk's logits are read before its gradient is written
+        for rows, pos in _position_chunks(B, T, logits.shape[-1]):
+            log_p = logits[rows, pos].to(ctx.dtype, copy=True).div_(ctx.temperature)  # (b, t, V) z
+            log_p.sub_(lse[rows, pos, None])  # (b, t, V) log p
+            p = log_p.exp()  # (b, t, V)
+            if grad_logp is not None:
+                g = p.mul(grad_logp[rows, pos, None]).neg_()  # (b, t, V) d/dz
+                g.scatter_add_(-1, targets[rows, pos, None], grad_logp[rows, pos, None])
+            else:
+                g = torch.zeros_like(p)
+            if grad_entropy is not None:
+                g.sub_(log_p.add_(entropy[rows, pos, None]).mul_(p).mul_(grad_entropy[rows, pos, None]))
+            grad[rows, pos] = g.div_(ctx.temperature)
+        return grad, None, None, None, None
+
+
+def _position_chunks(B: int, T: int, V: int):
+    """(rows, positions) slices covering (B, T), each at most LOGPROB_CHUNK_ELEMENTS // V positions: whole rows
+    together when they fit (small vocabularies), else a stretch of positions of one row."""
+    t = max(1, min(T, LOGPROB_CHUNK_ELEMENTS // V))
+    b = max(1, LOGPROB_CHUNK_ELEMENTS // (t * V)) if t == T else 1
+    for i in range(0, B, b):
+        for j in range(0, T, t):
+            yield slice(i, i + b), slice(j, min(j + t, T))  # logits have T + 1 positions: stop at T
