@@ -36,7 +36,7 @@ from common.rewards import compute_rewards, get_reward_function
 from common.rollout import HFEngine, sample_seed
 from common.toy import TOY_DIR, prepare_toy
 from common.utils import (MetricsLog, TrainState, check_args, check_weight_sync, completion_logprobs, find_checkpoint,
-                          pad_rows, parse_args, peak_memory_gib, save_checkpoint, sharded_parameters, step_prompts)
+                          pad_rows, parse_args, peak_memory_gib, prepare_reference, save_checkpoint, sharded_parameters, step_prompts)
 from common.vllm_engine import VLLMEngine, vllm_available
 from evals.run import evaluate_benchmarks, load_eval_sets
 
@@ -246,7 +246,7 @@ def main(args: Args):
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, optimizer_steps)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     if ref_model is not None:
-        ref_model = accelerator.prepare_model(ref_model, evaluation_mode=True)
+        ref_model = prepare_reference(accelerator, ref_model)
     train_state = TrainState()
     accelerator.register_for_checkpointing(train_state)
     if resume:

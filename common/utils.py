@@ -113,6 +113,19 @@ def sharded_parameters(accelerator) -> bool:
                                             and accelerator.state.deepspeed_plugin.zero_stage == 3)
 
 
+def prepare_reference(accelerator, ref_model):
+    """The frozen reference model, placed as the policy is. Under FSDP2 it is sharded like the policy (accelerate's
+    own fsdp2_prepare_model): `prepare_model(evaluation_mode=True)` would leave it whole on every process, and with
+    fsdp_cpu_ram_efficient_loading (configs/accelerate/fsdp2.yaml) only process 0 has loaded its weights, the others
+    holding `torch.empty` (fsdp_utils.py), so every other process would take its KL against garbage. Sharding it
+    broadcasts process 0's weights, and its memory is divided like the policy's."""
+    if getattr(accelerator, "is_fsdp2", False):
+        from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+        return fsdp2_prepare_model(accelerator, ref_model).eval()
+    return accelerator.prepare_model(ref_model, evaluation_mode=True)
+
+
 def step_prompts(step: int, batch_size: int, num_generations: int, mini_batch_size: int, num_processes: int,
                  process_index: int, dataset_size: int, seed: int) -> tuple[list[int], list[int]]:
     """This process's prompts at `step`: (their indices within the step's global batch, their dataset rows).

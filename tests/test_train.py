@@ -2,12 +2,10 @@
 
 import importlib.util
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import read_metrics, run_script
+from conftest import launch, read_metrics, run_script
 from safetensors.torch import load_file
 
 import grpo
@@ -29,15 +27,12 @@ def assert_same_weights(a: dict, b: dict, atol: float = 1e-6):
 
 
 def sgd_gradient(cwd, run_name: str, argv: list[str], num_processes: int = 1, script: str = "grpo.py",
-                 lr: float = 1.0) -> dict[str, torch.Tensor]:
+                 lr: float = 1.0, config: str | None = None, env: dict | None = None) -> dict[str, torch.Tensor]:
     """Run one step with plain SGD (tests/sgd_runner.py) and read the update back: w0 - w1, the gradient at
-    lr 1 (several optimizer steps with --mini_batch_size / --num_iterations: the sum of their lr * gradients)."""
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", str(num_processes),
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           os.path.join(REPO, "tests", "sgd_runner.py"), os.path.join(REPO, script),
-           *argv, "--learning_rate", str(lr), "--max_grad_norm", "1e9", "--run_name", run_name]
-    subprocess.run(cmd, check=True, env=env, cwd=cwd, timeout=600)
+    lr 1 (several optimizer steps with --mini_batch_size / --num_iterations: the sum of their lr * gradients).
+    `config`: an accelerate config file (conftest.launch)."""
+    launch(cwd, script, [*argv, "--learning_rate", str(lr), "--max_grad_norm", "1e9", "--run_name", run_name],
+           num_processes, config=config, sgd=True, env=env)
     w0 = load_file(os.path.join(cwd, "runs", "toy", "model", "model.safetensors"))
     w1 = final_weights(os.path.join(cwd, "runs", run_name), 1)
     return {name: w0[name] - w1[name] for name in w0}
@@ -72,12 +67,8 @@ def test_two_processes_take_the_same_step_as_one(in_toy_workdir):
 def test_mini_batches_and_iterations_match_across_process_counts(in_toy_workdir):
     """Two optimizer steps per batch, two passes: stale old_logp and per-mini-batch statistics (Adam)."""
     argv = SMALL + ["--micro_batch_size", "2", "--mini_batch_size", "8", "--num_iterations", "2"]
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
     for n in (1, 2):
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", str(n),
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               os.path.join(REPO, "grpo.py"), *argv, "--run_name", f"mini{n}"]
-        subprocess.run(cmd, check=True, env=env, cwd=in_toy_workdir, timeout=600)
+        launch(in_toy_workdir, "grpo.py", [*argv, "--run_name", f"mini{n}"], num_processes=n)
     m1, m2 = (read_metrics(os.path.join("runs", f"mini{n}"))[-1] for n in (1, 2))
     assert m1["optim/grad_norm"] == pytest.approx(m2["optim/grad_norm"], rel=1e-4)
     assert m1["policy/ratio_mean"] == pytest.approx(m2["policy/ratio_mean"], rel=1e-5)
