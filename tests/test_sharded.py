@@ -16,6 +16,7 @@ import sys
 
 import pytest
 import torch
+import yaml
 from conftest import REPO, launch, read_metrics
 from safetensors.torch import load_file
 from test_snib import STALE, STALE_LR, assert_same_update
@@ -82,8 +83,8 @@ def test_fsdp2_takes_the_ddp_steps_with_batch_statistics(in_toy_workdir, script)
     assert_sharded(reports)
     assert_same_update(ddp, fsdp2, f"{name} FSDP2 vs DDP")
     m = read_metrics(os.path.join("runs", f"{name}_stale_fsdp2"))[-1]
-    stat = {"snib": "snib/ess", "p3o": "p3o/ess"}[name]
-    assert m[stat] < 0.995, m  # the statistic is not trivial: the weights differ from 1
+    # the statistics are not trivial: SNIB's weights differ from 1, P3O's ESS cap binds
+    assert m["snib/weight_max"] > 1.01 if name == "snib" else m["p3o/capped_frac"] > 0.05, m
 
 
 def test_fsdp2_resumes_exactly_and_saves_a_full_model_that_evals_run_loads(in_toy_workdir):
@@ -103,7 +104,11 @@ def test_fsdp2_resumes_exactly_and_saves_a_full_model_that_evals_run_loads(in_to
     assert [m["step"] for m in read_metrics(resumed)] == [1, 2, 3, 4]
     assert read_metrics(resumed)[-1]["reward/mean"] == read_metrics(straight)[-1]["reward/mean"]
     base, trained = load_file(os.path.join("runs", "toy", "model", "model.safetensors")), final_weights(straight, 4)
-    assert {k: v.shape for k, v in trained.items()} == {k: v.shape for k, v in base.items()}
+    assert all(trained[k].shape == v.shape for k, v in base.items())  # every tensor whole, none a shard
+    # FSDP2's full state dict holds the tied lm_head as a tensor of its own, which save_pretrained then writes too
+    assert set(trained) - set(base) <= {"lm_head.weight"}
+    assert torch.equal(trained.get("lm_head.weight", trained["model.embed_tokens.weight"]),
+                       trained["model.embed_tokens.weight"])
     assert any(not torch.equal(base[k], trained[k]) for k in base)
 
     out = os.path.join("runs", "fsdp_eval")
@@ -115,3 +120,29 @@ def test_fsdp2_resumes_exactly_and_saves_a_full_model_that_evals_run_loads(in_to
     with open(os.path.join(out, "results.json")) as f:
         toy = json.load(f)["benchmarks"]["toy"]
     assert toy["num_questions"] == 50 and 0.0 < toy["avg@1"] <= 1.0  # the toy warm start answers some sums
+
+
+CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "accelerate", "*.yaml")))
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=os.path.basename)
+def test_every_accelerate_config_launches_two_processes(in_toy_workdir, config):
+    """Each file in configs/accelerate/ as `accelerate launch --config_file` reads it, with conftest.launch's CPU
+    overrides (2 processes, fp32): one RL step with a checkpoint, in the mode the file asks for."""
+    with open(config) as f:
+        kind = yaml.safe_load(f)["distributed_type"]
+    if kind == "DEEPSPEED":
+        pytest.importorskip("deepspeed", reason="DeepSpeed is not in requirements-cpu.txt (README: sharded training)")
+    name = os.path.basename(config)[: -len(".yaml")]
+    report = os.path.join(in_toy_workdir, f"config_{name}.jsonl")
+    if os.path.exists(report):
+        os.remove(report)
+    launch(in_toy_workdir, "grpo.py", SMALL + ["--run_name", f"config_{name}"], num_processes=2, config=config,
+           env={"SHARDING_REPORT": report})
+    reports = sharding_reports(report)
+    expected = {"MULTI_GPU": "MULTI_CPU", "FSDP": "FSDP", "DEEPSPEED": "DEEPSPEED"}[kind]
+    assert {r["rank"] for r in reports} == {0, 1}
+    assert {r["distributed_type"] for r in reports} == {f"DistributedType.{expected}"}
+    if kind == "FSDP":
+        assert_sharded(reports)
+    assert os.path.exists(os.path.join("runs", f"config_{name}", "checkpoints", "step_1", "model", "model.safetensors"))
