@@ -73,6 +73,21 @@ def test_fsdp2_shards_the_policy_and_takes_the_ddp_step(in_toy_workdir):
     assert m_ddp["policy/kl"] == pytest.approx(m_fsdp["policy/kl"], rel=1e-5)
 
 
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_deepspeed_zero_takes_the_ddp_step(in_toy_workdir, stage):
+    """DeepSpeed's CPU accelerator (gloo) runs where deepspeed is installed (not requirements-cpu.txt: README).
+    grpo.py with its reference model: under ZeRO-3 the reference is a DeepSpeed inference engine over partitioned
+    weights; at step 1 it is the policy, so the KL is 0 exactly when both forwards see the same weights."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not in requirements-cpu.txt (README: sharded training)")
+    argv = SMALL + ["--micro_batch_size", "2", "--beta", "0.1"]
+    ddp = sgd_gradient(in_toy_workdir, f"{stage}_ddp", argv, num_processes=2)
+    zero = sgd_gradient(in_toy_workdir, stage, argv, num_processes=2,
+                        config=os.path.join(REPO, "configs", "accelerate", f"{stage}.yaml"))
+    assert_same_gradient(ddp, zero)
+    m_ddp, m_zero = (read_metrics(os.path.join("runs", r))[-1] for r in (f"{stage}_ddp", stage))
+    assert m_ddp["reward/mean"] == m_zero["reward/mean"] and m_zero["policy/kl"] == m_ddp["policy/kl"] == 0.0
+
+
 @pytest.mark.parametrize("script", ["snib.py", "p3o.py"])
 def test_fsdp2_takes_the_ddp_steps_with_batch_statistics(in_toy_workdir, script):
     """Stale data (2 mini-batches, 2 passes): SNIB's and P3O's no-grad pre-pass at the current weights runs on
