@@ -32,8 +32,8 @@ from common.rewards import compute_rewards, get_reward_function
 from common.rollout import HFEngine, sample_seed
 from common.toy import TOY_DIR, prepare_toy
 from common.utils import (MetricsLog, TrainState, check_weight_sync, completion_logprobs, find_checkpoint,
-                          length_buckets, on_cpu, pad_rows, parse_args, peak_memory_gib, save_checkpoint,
-                          sharded_parameters, step_prompts)
+                          length_buckets, mean_grad_norm, on_cpu, pad_rows, parse_args, peak_memory_gib, prepare_policy,
+                          prepare_reference, save_checkpoint, sharded_parameters, step_prompts)
 from common.vllm_engine import VLLMEngine, vllm_available
 from evals.run import evaluate_benchmarks, load_eval_sets
 
@@ -257,9 +257,9 @@ def main(args: Args):
                                   weight_decay=args.weight_decay, fused=True)  # one kernel per step (TRL's default)
     optimizer_steps = args.total_steps * args.num_iterations * (args.batch_size // M)
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, optimizer_steps)
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    model, optimizer, scheduler = prepare_policy(accelerator, args.micro_batch_size, model, optimizer, scheduler)
     if ref_model is not None:
-        ref_model = accelerator.prepare_model(ref_model, evaluation_mode=True)
+        ref_model = prepare_reference(accelerator, ref_model)
     train_state = TrainState()
     accelerator.register_for_checkpointing(train_state)
     if resume:
@@ -439,7 +439,7 @@ def main(args: Args):
             "completion/length_mean": gathered["length"].mean().item(),
             "completion/length_max": gathered["length"].max().item(),
             "completion/truncated_frac": gathered["truncated"].mean().item(),
-            "optim/grad_norm": torch.stack(grad_norms).mean().item(),
+            "optim/grad_norm": mean_grad_norm(grad_norms),
             "optim/lr": scheduler.get_last_lr()[0],
             "time/step": time.time() - step_start,
         })

@@ -164,6 +164,48 @@ def sharded_parameters(accelerator) -> bool:
                                             and accelerator.state.deepspeed_plugin.zero_stage == 3)
 
 
+def mean_grad_norm(grad_norms: list) -> float:
+    """Mean of what accelerator.clip_grad_norm_ returned: tensors, but under DeepSpeed the engine's global norm, a
+    float (None until the engine has computed one: NaN then)."""
+    return torch.tensor([float("nan") if g is None else float(g) for g in grad_norms]).mean().item()
+
+
+def prepare_policy(accelerator, micro_batch_size: int, model, optimizer, scheduler):
+    """accelerator.prepare, after telling DeepSpeed the micro-batch size: without a dataloader to read it from,
+    accelerate refuses a config whose train_micro_batch_size_per_gpu is unset or "auto" (the zero2 / zero3 files)."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is not None and plugin.deepspeed_config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch_size
+    return accelerator.prepare(model, optimizer, scheduler)
+
+
+def prepare_reference(accelerator, ref_model):
+    """The frozen reference model, placed as the policy is. Under FSDP2 it is sharded like the policy (accelerate's
+    own fsdp2_prepare_model): `prepare_model(evaluation_mode=True)` would leave it whole on every process, and with
+    fsdp_cpu_ram_efficient_loading (configs/accelerate/fsdp2.yaml) only process 0 has loaded its weights, the others
+    holding `torch.empty` (fsdp_utils.py), so every other process would take its KL against garbage. Sharding it
+    broadcasts process 0's weights, and its memory is divided like the policy's."""
+    from accelerate.utils import DistributedType
+
+    if getattr(accelerator, "is_fsdp2", False):
+        from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+        return fsdp2_prepare_model(accelerator, ref_model).eval()
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        # Not in accelerator._models: save_state would call DeepSpeed's save_checkpoint on it. ZeRO-3 loaded it
+        # partitioned (zero3_init_flag): an inference engine gathers its layers in the forward (as TRL does).
+        if accelerator.state.deepspeed_plugin.zero_stage != 3:
+            return ref_model.to(accelerator.device).eval()
+        import deepspeed
+
+        config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+                  "bf16": {"enabled": ref_model.dtype == torch.bfloat16}}
+        engine = deepspeed.initialize(model=ref_model, config=config)[0]
+        engine.eval()  # DeepSpeedEngine.eval returns None
+        return engine
+    return accelerator.prepare_model(ref_model, evaluation_mode=True)
+
+
 def step_prompts(step: int, batch_size: int, num_generations: int, mini_batch_size: int, num_processes: int,
                  process_index: int, dataset_size: int, seed: int) -> tuple[list[int], list[int]]:
     """This process's prompts at `step`: (their indices within the step's global batch, their dataset rows).

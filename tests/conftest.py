@@ -2,11 +2,16 @@
 
 import json
 import os
+import socket
+import subprocess
+import sys
 
 import pytest
 from accelerate.state import AcceleratorState, GradientState, PartialState
 
 from common.toy import TOY_DIR, prepare_toy
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="session")
@@ -36,3 +41,33 @@ def run_script(module, argv: list[str]) -> str:
 def read_metrics(run_dir: str) -> list[dict]:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def launch(cwd, script: str, argv: list[str], num_processes: int = 1, config: str | None = None, sgd: bool = False,
+           env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`accelerate launch` of a script (a path under the repository) in `cwd`, on the CPU, in fp32.
+
+    One process: `--cpu`. Several: torchrun's processes through tests/dist_runner.py, which connects them over gloo
+    (`accelerate launch --cpu --num_processes 2` would start only one) and applies an FSDP `config` on the CPU. A
+    `config` file from configs/accelerate/ is read as it is, with what cannot hold on a CPU test machine overridden
+    on the command line: --num_processes, --mixed_precision no (exact comparisons in fp32), a free port.
+    `sgd`: plain SGD instead of AdamW (tests/sgd_runner.py)."""
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", **(env or {})}
+    how = ["--config_file", config] if config else ["--cpu"] if num_processes == 1 else ["--multi_gpu"]
+    runners = ([os.path.join(REPO, "tests", "dist_runner.py")] if num_processes > 1 else []) + (
+        [os.path.join(REPO, "tests", "sgd_runner.py")] if sgd else [])
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *how, "--num_processes", str(num_processes),
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+           str(free_port()), *runners, os.path.join(REPO, script), *argv]
+    proc = subprocess.run(cmd, env=env, cwd=cwd, timeout=timeout, capture_output=True, text=True)
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    if sgd:  # every process reports its rank: the processes formed one group of num_processes
+        ranks = sorted(line for line in proc.stdout.splitlines() if line.startswith("sgd_runner: process"))
+        assert ranks == [f"sgd_runner: process {i} of {num_processes}" for i in range(num_processes)], ranks
+    return proc

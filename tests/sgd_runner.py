@@ -11,7 +11,16 @@ import sys
 import torch
 from accelerate import PartialState
 
-torch.optim.AdamW = lambda params, lr, weight_decay, **kwargs: torch.optim.SGD(params, lr=lr)
+
+
+class SGD(torch.optim.SGD):
+    """AdamW's signature, plain SGD's step; a class, since libraries subclass torch.optim.AdamW (DeepSpeed does)."""
+
+    def __init__(self, params, lr, weight_decay=0.0, **kwargs):
+        super().__init__(params, lr=lr)
+
+
+torch.optim.AdamW = SGD
 script = sys.argv[1]
 sys.argv = sys.argv[1:]
 runpy.run_path(script, run_name="__main__")

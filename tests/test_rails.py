@@ -18,7 +18,6 @@ import pytest
 import torch
 import transformers
 from conftest import read_metrics, run_script
-from test_train import launch as launch_processes
 from safetensors.torch import load_file
 
 from common import checks
@@ -529,7 +528,9 @@ def test_save_total_limit_keeps_the_last_checkpoints(workdir):
 def test_two_processes_stop_together_on_bad_input(workdir):
     """Under accelerate launch, the main process checks and every process gets its verdict: none hangs."""
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
-    launch = [*launch_processes(2), os.path.join(REPO, "grpo.py"), *SMALL]
+    # torchrun starts both processes (accelerate launch --cpu --num_processes 2 would start one: conftest.launch)
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+              os.path.join(REPO, "grpo.py"), *SMALL]
     for flags, message in [(["--dataset", "bad/ints.jsonl"], "prompts must be text"),
                            (["--run_name", "toy"], "runs/toy is in use")]:
         done = subprocess.run(launch + flags, cwd=workdir, env=env, capture_output=True, text=True, timeout=300)

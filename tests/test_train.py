@@ -1,12 +1,10 @@
 """End-to-end runs of grpo.py on the toy task (CPU): invariances, resume, LoRA, learning (bad input: test_rails.py)."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import read_metrics, run_script
+from conftest import launch, read_metrics, run_script
 from safetensors.torch import load_file
 
 import grpo
@@ -27,23 +25,13 @@ def assert_same_weights(a: dict, b: dict, atol: float = 1e-6):
         torch.testing.assert_close(a[name], b[name], atol=atol, rtol=1e-5, msg=name)
 
 
-def launch(num_processes: int) -> list[str]:
-    """N CPU processes in one gloo group. Not `accelerate launch --cpu --num_processes N`: that starts one process
-    (accelerate 1.15 needs mpirun for several CPU processes), so a 2-process test would compare a run with itself."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(num_processes)]
-
-
 def sgd_gradient(cwd, run_name: str, argv: list[str], num_processes: int = 1, script: str = "grpo.py",
-                 lr: float = 1.0) -> dict[str, torch.Tensor]:
+                 lr: float = 1.0, config: str | None = None, env: dict | None = None) -> dict[str, torch.Tensor]:
     """Run one step with plain SGD (tests/sgd_runner.py) and read the update back: w0 - w1, the gradient at
-    lr 1 (several optimizer steps with --mini_batch_size / --num_iterations: the sum of their lr * gradients)."""
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
-    cmd = [*launch(num_processes), os.path.join(REPO, "tests", "sgd_runner.py"), os.path.join(REPO, script),
-           *argv, "--learning_rate", str(lr), "--max_grad_norm", "1e9", "--run_name", run_name]
-    proc = subprocess.run(cmd, env=env, cwd=cwd, timeout=600, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    ranks = sorted(line for line in proc.stdout.splitlines() if line.startswith("sgd_runner: process"))
-    assert ranks == [f"sgd_runner: process {i} of {num_processes}" for i in range(num_processes)], ranks
+    lr 1 (several optimizer steps with --mini_batch_size / --num_iterations: the sum of their lr * gradients).
+    `config`: an accelerate config file (conftest.launch)."""
+    launch(cwd, script, [*argv, "--learning_rate", str(lr), "--max_grad_norm", "1e9", "--run_name", run_name],
+           num_processes, config=config, sgd=True, env=env)
     w0 = load_file(os.path.join(cwd, "runs", "toy", "model", "model.safetensors"))
     w1 = final_weights(os.path.join(cwd, "runs", run_name), 1)
     return {name: w0[name] - w1[name] for name in w0}
@@ -78,10 +66,8 @@ def test_two_processes_take_the_same_step_as_one(in_toy_workdir):
 def test_mini_batches_and_iterations_match_across_process_counts(in_toy_workdir):
     """Two optimizer steps per batch, two passes: stale old_logp and per-mini-batch statistics (Adam)."""
     argv = SMALL + ["--micro_batch_size", "2", "--mini_batch_size", "8", "--num_iterations", "2"]
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
     for n in (1, 2):
-        cmd = [*launch(n), os.path.join(REPO, "grpo.py"), *argv, "--run_name", f"mini{n}"]
-        subprocess.run(cmd, check=True, env=env, cwd=in_toy_workdir, timeout=600)
+        launch(in_toy_workdir, "grpo.py", [*argv, "--run_name", f"mini{n}"], num_processes=n)
     m1, m2 = (read_metrics(os.path.join("runs", f"mini{n}"))[-1] for n in (1, 2))
     assert m1["optim/grad_norm"] == pytest.approx(m2["optim/grad_norm"], rel=1e-4)
     assert m1["policy/ratio_mean"] == pytest.approx(m2["policy/ratio_mean"], rel=1e-5)
