@@ -272,6 +272,10 @@ def argument_problems(args, num_processes: int) -> list[str]:
     if args.lora_r > 0 and args.lora_alpha <= 0:
         problems.append(f"--lora_alpha {args.lora_alpha} must be > 0 with --lora_r {args.lora_r} (the update is "
                         f"scaled by alpha / r)")
+    if args.lora_r > 0 and os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true"):
+        # accelerate's fsdp2_prepare_model: "FSDP requires a single root module" on a peft model (seen on the toy)
+        problems.append(f"--lora_r {args.lora_r} with FSDP is not supported here (accelerate cannot wrap the peft "
+                        f"model); launch LoRA with configs/accelerate/ddp.yaml or zero3.yaml")
     if args.report_to not in ("none", *TRACKER_MODULES):
         problems.append(f"--report_to {args.report_to!r}: choose none or one of {sorted(TRACKER_MODULES)}")
     elif args.report_to != "none" and importlib.util.find_spec(TRACKER_MODULES[args.report_to]) is None:

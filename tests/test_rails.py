@@ -535,3 +535,9 @@ def test_two_processes_stop_together_on_bad_input(workdir):
                            (["--run_name", "toy"], "runs/toy is in use")]:
         done = subprocess.run(launch + flags, cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode != 0 and message in done.stderr, done.stderr[-3000:]
+
+
+def test_lora_under_fsdp_is_refused_before_any_weights_load(workdir, no_weights, capsys, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what accelerate launch --config_file fsdp2.yaml sets
+    message = refusal(lambda: run_script(importlib.import_module("grpo"), SMALL + ["--lora_r", "4"]), capsys)
+    assert "--lora_r 4 with FSDP is not supported" in message and "ddp.yaml" in message
