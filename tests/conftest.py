@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -68,6 +69,7 @@ def launch(cwd, script: str, argv: list[str], num_processes: int = 1, config: st
     proc = subprocess.run(cmd, env=env, cwd=cwd, timeout=timeout, capture_output=True, text=True)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     if sgd:  # every process reports its rank: the processes formed one group of num_processes
-        ranks = sorted(line for line in proc.stdout.splitlines() if line.startswith("sgd_runner: process"))
-        assert ranks == [f"sgd_runner: process {i} of {num_processes}" for i in range(num_processes)], ranks
+        # searched, not matched per line: two processes share the pipe, and a line may follow another's partial one
+        ranks = sorted(re.findall(r"sgd_runner: process \d+ of \d+", proc.stdout))
+        assert ranks == [f"sgd_runner: process {i} of {num_processes}" for i in range(num_processes)], proc.stdout[-3000:]
     return proc
