@@ -50,6 +50,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# torch.distributed's variables: a VLLMEngine in the test process sets them (external_launcher reads them), and a
+# child that inherited them would join, or collide with, the test process's group instead of starting its own.
+DIST_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def subprocess_env() -> dict:
+    """The environment of a script run by a test: this one, less torch.distributed's variables, one thread."""
+    env = {k: v for k, v in os.environ.items() if k not in DIST_VARIABLES}
+    return {**env, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+
+
 def launch(cwd, script: str, argv: list[str], num_processes: int = 1, config: str | None = None, sgd: bool = False,
            env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
     """`accelerate launch` of a script (a path under the repository) in `cwd`, on the CPU, in fp32.
@@ -59,7 +70,7 @@ def launch(cwd, script: str, argv: list[str], num_processes: int = 1, config: st
     `config` file from configs/accelerate/ is read as it is, with what cannot hold on a CPU test machine overridden
     on the command line: --num_processes, --mixed_precision no (exact comparisons in fp32), a free port.
     `sgd`: plain SGD instead of AdamW (tests/sgd_runner.py)."""
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", **(env or {})}
+    env = {**subprocess_env(), **(env or {})}
     how = ["--config_file", config] if config else ["--cpu"] if num_processes == 1 else ["--multi_gpu"]
     runners = ([os.path.join(REPO, "tests", "dist_runner.py")] if num_processes > 1 else []) + (
         [os.path.join(REPO, "tests", "sgd_runner.py")] if sgd else [])

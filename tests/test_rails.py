@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 import transformers
-from conftest import read_metrics, run_script
+from conftest import read_metrics, run_script, subprocess_env
 from safetensors.torch import load_file
 
 from common import checks
@@ -313,7 +313,7 @@ def test_every_problem_gets_its_own_line(workdir, no_weights, capsys):
 def test_the_command_line_prints_one_line_and_no_traceback(workdir):
     """Real processes (the table runs in this one; each process takes ~10 s to import torch here): a script with
     a --config file and a bad flag, and evals.run."""
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    env = subprocess_env()
     commands = {
         "ctpo.py --config (a list)": [os.path.join(REPO, "ctpo.py"), *SMALL, "--config", "bad/list_target.yaml"],
         "evals.run --n 0": ["-m", "evals.run", "--model", "runs/toy/model", "--benchmarks", "toy", "--n", "0"],
@@ -455,7 +455,7 @@ def test_a_run_folder_in_use_is_locked(workdir, capsys):
 @pytest.mark.slow
 def test_two_runs_at_once_cannot_share_a_folder(workdir):
     """Two real processes started together on one run name: exactly one runs, the other is refused."""
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    env = subprocess_env()
     cmd = [sys.executable, os.path.join(REPO, "snib.py"), *SMALL, "--run_name", "twins"]
     runs = [subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for _ in range(2)]
@@ -527,7 +527,7 @@ def test_save_total_limit_keeps_the_last_checkpoints(workdir):
 @pytest.mark.slow
 def test_two_processes_stop_together_on_bad_input(workdir):
     """Under accelerate launch, the main process checks and every process gets its verdict: none hangs."""
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    env = subprocess_env()
     # torchrun starts both processes (accelerate launch --cpu --num_processes 2 would start one: conftest.launch)
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
               os.path.join(REPO, "grpo.py"), *SMALL]

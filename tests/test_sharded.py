@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 import yaml
-from conftest import REPO, launch, read_metrics
+from conftest import REPO, launch, read_metrics, subprocess_env
 from safetensors.torch import load_file
 from test_snib import STALE, STALE_LR, assert_same_update
 from test_train import SMALL, assert_same_gradient, assert_same_weights, final_weights, sgd_gradient
@@ -129,7 +129,7 @@ def test_fsdp2_resumes_exactly_and_saves_a_full_model_that_evals_run_loads(in_to
     out = os.path.join("runs", "fsdp_eval")
     command = [sys.executable, "-m", "evals.run", "--model", os.path.join(straight, "checkpoints", "step_4", "model"),
                "--benchmarks", "toy", "--max_tokens", "6", "--engine", "hf", "--max_questions", "50", "--output", out]
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    env = subprocess_env()
     done = subprocess.run(command, cwd=in_toy_workdir, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     with open(os.path.join(out, "results.json")) as f:

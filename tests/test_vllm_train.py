@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import read_metrics
+from conftest import read_metrics, subprocess_env
 from test_train import SMALL, REPO, assert_same_gradient, sgd_gradient
 
 from common.vllm_engine import vllm_available
@@ -18,7 +18,7 @@ VLLM = ["--rollout_engine", "vllm"]
 
 
 def run(cwd, *cmd: str, timeout: int = 1200) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    env = subprocess_env()
     proc = subprocess.run([sys.executable, *cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
