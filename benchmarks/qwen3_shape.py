@@ -106,7 +106,6 @@ def prepare(path: str = SHAPE_DIR, seed: int = 0) -> str:
 
 
 def main():
-    from common.rollout import HFEngine  # noqa: F401  (the engine the scripts sample with)
     from transformers import AutoModelForCausalLM
 
     path = prepare()
