@@ -1,8 +1,10 @@
 """Rollout engines: one interface, two implementations.
 
-    engine.generate(model, prompt_ids, seeds, max_tokens=, temperature=, top_p=)
+    engine.generate(model, prompt_ids, seeds, max_tokens=, temperature=, top_p=, stop=None)
         -> (completion_ids, sampler_logp)   one completion per prompt, EOS included if generated,
                                             and the sampler's log-prob of each sampled token
+                                            (max_tokens: one budget, or one per prompt; stop: strings
+                                            that end a completion, common.multiturn's code blocks)
     engine.push_weights(model)              after each optimizer step (a no-op for HFEngine)
     engine.wake_up() / engine.sleep()       around generation (free GPU memory while training)
 
@@ -16,7 +18,7 @@ import contextlib
 
 import torch
 from accelerate.utils import DistributedType
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from common.utils import shared_prompt_cache, sharded_parameters
 
@@ -63,6 +65,33 @@ class SeededSampler(LogitsProcessor):
         return logp + gumbel.to(logp.device)
 
 
+class StopRows(StoppingCriteria):
+    """Per row: stop at its own token budget, or after the token that completes one of the `stop` strings in the
+    completion's text (as vLLM's stop strings: the prompt's text is not searched, and a string that ends inside a
+    token keeps that whole token). Records where each row stopped, since `generate` pads a stopped row afterwards.
+
+    Each step decodes only the last len(longest stop string) + STOP_WINDOW_SLACK tokens of each row: a string
+    completed by this step's token lies within them unless that many tokens decode to nothing (special tokens)."""
+
+    STOP_WINDOW_SLACK = 16
+
+    def __init__(self, tokenizer, stop: list[str], budgets: list[int], prompt_width: int):
+        self.tokenizer, self.stop, self.budgets, self.width = tokenizer, stop, budgets, prompt_width
+        self.window = max(map(len, stop), default=0) + self.STOP_WINDOW_SLACK
+        self.lengths: list[int | None] = [None] * len(budgets)  # tokens kept per row, once stopped
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        n = input_ids.shape[1] - self.width  # tokens generated so far
+        for row, tail in enumerate(input_ids[:, -min(n, self.window):].tolist()):
+            if self.lengths[row] is None and (n >= self.budgets[row] or self.completes_stop(tail)):
+                self.lengths[row] = n
+        return torch.tensor([length is not None for length in self.lengths], device=input_ids.device)
+
+    def completes_stop(self, tail: list[int]) -> bool:
+        text = self.tokenizer.decode(tail, skip_special_tokens=True) if self.stop else ""
+        return any(s in text for s in self.stop)
+
+
 class HFEngine:
     """transformers `generate` on the training model itself, so new weights need no push."""
 
@@ -70,11 +99,19 @@ class HFEngine:
         self.tokenizer, self.accelerator = tokenizer, accelerator
 
     @torch.no_grad()
-    def generate(self, model, prompt_ids: list[list[int]], seeds: list[int], *, max_tokens: int, temperature: float,
-                 top_p: float, batch_size: int | None = None) -> tuple[list[list[int]], list[list[float]]]:
-        """`batch_size` rows per `generate` call (default: as many as fit GENERATE_BATCH_TOKENS)."""
+    def generate(self, model, prompt_ids: list[list[int]], seeds: list[int], *, max_tokens: int | list[int],
+                 temperature: float, top_p: float, batch_size: int | None = None,
+                 stop: list[str] | None = None) -> tuple[list[list[int]], list[list[float]]]:
+        """`batch_size` rows per `generate` call (default: as many as fit GENERATE_BATCH_TOKENS). `max_tokens`: one
+        budget, or one per prompt; `stop`: strings that end a completion (StopRows). A row's tokens do not depend on
+        the other rows' budgets or stops: its sampler draws are its own (SeededSampler)."""
         if len(seeds) != len(prompt_ids):
             raise ValueError(f"one seed per prompt: got {len(seeds)} seeds for {len(prompt_ids)} prompts")
+        per_row = not isinstance(max_tokens, int)
+        budgets = list(max_tokens) if per_row else [max_tokens] * len(prompt_ids)
+        if len(budgets) != len(prompt_ids):
+            raise ValueError(f"one max_tokens per prompt: got {len(budgets)} for {len(prompt_ids)} prompts")
+        max_tokens = max(budgets, default=0)
         if batch_size is None:
             width = torch.tensor(max(map(len, prompt_ids), default=0) + max_tokens, device=self.accelerator.device)
             if self.sharded():  # every process must make the same number of generate calls
@@ -96,6 +133,9 @@ class HFEngine:
                 device = self.accelerator.device
                 input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
                 sampler = SeededSampler(seeds[i : i + batch_size], temperature, top_p)
+                processors, criteria = LogitsProcessorList([sampler]), StoppingCriteriaList()
+                if per_row or stop:
+                    criteria.append(StopRows(self.tokenizer, stop or [], budgets[i : i + batch_size], width))
                 # each distinct prompt, but its last token, prefilled once for all its rows (vLLM: prefix caching)
                 cache = None if self.sharded() else shared_prompt_cache(unwrapped, input_ids, attention_mask, width - 1)
                 out = unwrapped.generate(
@@ -103,12 +143,15 @@ class HFEngine:
                     attention_mask=attention_mask,
                     past_key_values=cache,
                     generation_config=config,
-                    logits_processor=LogitsProcessorList([sampler]),
+                    logits_processor=processors,
+                    stopping_criteria=criteria,
                     synced_gpus=self.sharded(),
                 )[:, width:]  # (b, T)
                 sampler.record(out[:, -1])
                 chosen = torch.stack(sampler.chosen_logp, dim=1).cpu()  # (b, T)
-                for row, lp in zip(out.tolist(), chosen.tolist()):
+                stopped = criteria[0].lengths if criteria else [None] * len(chunk)
+                for row, lp, length in zip(out.tolist(), chosen.tolist(), stopped):
+                    row = row[:length]  # a stopped row is padded afterwards (with EOS where pad is EOS)
                     n = row.index(eos) + 1 if eos in row else len(row)  # keep EOS, drop what follows
                     completions.append(row[:n])
                     logps.append(lp[:n])
@@ -117,6 +160,10 @@ class HFEngine:
 
     def sharded(self) -> bool:
         return sharded_parameters(self.accelerator)
+
+    def collective(self) -> bool:
+        """Whether every process must make each generate call, with as many rows (FSDP, ZeRO-3: synced_gpus)."""
+        return self.sharded()
 
     def zero3(self) -> bool:
         return (self.accelerator.distributed_type == DistributedType.DEEPSPEED

@@ -198,17 +198,22 @@ class VLLMEngine:
         if world > 1:
             accelerator.wait_for_everyone()
 
-    def generate(self, model, prompt_ids: list[list[int]], seeds: list[int], *, max_tokens: int,
-                 temperature: float, top_p: float) -> tuple[list[list[int]], list[list[float]]]:
+    def generate(self, model, prompt_ids: list[list[int]], seeds: list[int], *, max_tokens: int | list[int],
+                 temperature: float, top_p: float,
+                 stop: list[str] | None = None) -> tuple[list[list[int]], list[list[float]]]:
         """One completion per entry of prompt_ids, sampled with its own seed. Returns completion ids
         (with EOS if generated, without the prompt) and the sampler's log-prob of each sampled token.
+        `max_tokens`: one budget, or one per prompt. `stop`: strings that end a completion after the token that
+        completes one of them in its text (that token kept whole, as rollout.HFEngine's StopRows).
         `model` is unused (vLLM runs the weights last pushed); it keeps the interface of rollout.HFEngine."""
         from vllm import SamplingParams, TokensPrompt
 
         assert len(prompt_ids) == len(seeds)
         if self._asleep:
             self.wake_up()
-        requests = list(zip(prompt_ids, seeds))
+        budgets = [max_tokens] * len(seeds) if isinstance(max_tokens, int) else list(max_tokens)
+        assert len(budgets) == len(seeds)
+        requests = list(zip(prompt_ids, seeds, budgets))
         if self.tp_group is not None:  # every rank of a TP group must issue identical requests
             gathered = [None] * self.tp
             torch.distributed.all_gather_object(gathered, requests, group=self.tp_group)
@@ -219,9 +224,13 @@ class VLLMEngine:
             start = 0
         # Per-request seed: vLLM's sampler draws from (seed, position) (v1/worker/gpu/sample/gumbel.py),
         # so a completion does not depend on what else is in the batch. logprobs=0: only the sampled token.
-        params = [SamplingParams(n=1, seed=s, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                 logprobs=0, detokenize=False) for _, s in requests]
-        prompts = [TokensPrompt(prompt_token_ids=list(p)) for p, _ in requests]
+        # Stop strings are matched in the detokenized text (sampling_params.py: they need detokenize=True); the
+        # token ids and log-probs then end at the token that completed one (v1/engine/detokenizer.py update).
+        text = dict(detokenize=False) if not stop else dict(stop=list(stop), include_stop_str_in_output=True,
+                                                             detokenize=True)
+        params = [SamplingParams(n=1, seed=s, max_tokens=m, temperature=temperature, top_p=top_p, logprobs=0, **text)
+                  for _, s, m in requests]
+        prompts = [TokensPrompt(prompt_token_ids=list(p)) for p, _, _ in requests]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)[start:start + len(prompt_ids)]
         completions, logprobs = [], []
         for out in outputs:
@@ -231,6 +240,10 @@ class VLLMEngine:
             completions.append(ids)
             logprobs.append([pos[t].logprob for t, pos in zip(ids, c.logprobs)])
         return completions, logprobs
+
+    def collective(self) -> bool:
+        """Whether every process must make each generate call (the ranks of a tensor-parallel group)."""
+        return self.tp_group is not None
 
     @torch.no_grad()
     def push_weights(self, model) -> None:
