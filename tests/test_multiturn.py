@@ -8,6 +8,7 @@ the vLLM engine's.
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections import namedtuple
@@ -21,6 +22,7 @@ from conftest import subprocess_env
 
 from common import multiturn
 from common.multiturn import (
+    FINAL_ANSWER_PREAMBLE,
     TIR_PROMPT_TEMPLATE,
     find_code,
     multi_turn_generate,
@@ -106,12 +108,12 @@ SCRIPT_TOKENIZER = char_tokenizer("".join(chr(c) for c in range(32, 127)) + "\n"
 
 class ScriptedEngine:
     """A policy that writes a script: scripts[prompt] are its model turns, the k-th written after the k-th tool turn
-    (tool turns are "[...]" here), EOS after the last. Tokens are the longest vocabulary entries that fit, so fences
+    (the matches of `tool_turn`), EOS after the last. Tokens are the longest vocabulary entries that fit, so fences
     arrive inside longer tokens. Keeps the engines' contract: a call stops after the token that completes a stop
     string, at the row's budget, or after EOS. Each model token's log-prob is -0.5."""
 
-    def __init__(self, scripts: dict[str, list[str]]):
-        self.scripts, self.calls = scripts, []
+    def __init__(self, scripts: dict[str, list[str]], tool_turn: str = r"\[[^\]]*\]"):
+        self.scripts, self.tool_turn, self.calls = scripts, tool_turn, []
         self.vocab = SCRIPT_TOKENIZER.get_vocab()
 
     def generate(self, model, prompt_ids, seeds, *, max_tokens, temperature, top_p, stop=None):
@@ -122,9 +124,8 @@ class ScriptedEngine:
     def complete(self, prompt_ids, budget, stop):
         context = SCRIPT_TOKENIZER.decode(prompt_ids)
         prompt = next(p for p in self.scripts if context.startswith(p))
-        rest = context[len(prompt):]
-        turn = rest.count("[")
-        written = rest[rest.rfind("]") + 1:]  # this turn's text so far
+        *_, written = turns = re.split(self.tool_turn, context[len(prompt):])  # written: this turn's text so far
+        turn = len(turns) - 1
         script = self.scripts[prompt][turn]
         assert script.startswith(written), (script, written)
         todo, out, text = script[len(written):], [], ""
@@ -142,12 +143,12 @@ def bracket(result) -> str:
     return f"[{result.output}]"
 
 
-def scripted(scripts, prompts, **kw):
-    engine, ran, first = ScriptedEngine(scripts), [], kw.pop("tool_result", None)
+def scripted(scripts, prompts, tool_turn=r"\[[^\]]*\]", run_tool=digit_sum, **kw):
+    engine, ran, first = ScriptedEngine(scripts, tool_turn), [], kw.pop("tool_result", None)
 
     def tool(code):  # `tool_result`, when given, is the first call's result
         ran.append(code)
-        return first if first is not None and len(ran) == 1 else digit_sum(code)
+        return first if first is not None and len(ran) == 1 else run_tool(code)
 
     args = dict(max_turns=5, max_tokens=1000, temperature=1.0, top_p=1.0, run_tool=tool, code_start="```",
                 code_end="```", format_output=bracket)
@@ -228,6 +229,25 @@ def test_a_final_tool_result_ends_the_trajectory():
     rollout, _, _ = scripted(SCRIPTS, ["Q2:"], tool_result=boxed, is_final=simpletir_is_final)
     assert (rollout.turns, rollout.tool_calls, rollout.finish) == ([1], [1], ["final"])
     assert SCRIPT_TOKENIZER.decode(rollout.completion_ids[0]) == TWO_CALLS[0] + "[\\boxed{3}]"
+
+
+def test_simpletir_turns_with_the_sandbox():
+    """common.sandbox.run_python as the tool, in SimpleTIR's format: the output, an error's last line, and
+    final_answer() ending the trajectory."""
+    from common.sandbox import run_python
+
+    scripts = {"Q:": ["Add.\n```py\nprint(1 + 2)\n```", "Then:\n```py\nprint(1 / 0)\n```",
+                      "So 3.\n```python\nfinal_answer(3)\n```", "never written"]}
+    rollout, _, ran = scripted(scripts, ["Q:"], tool_turn=r"\nCode execution result: [^\n]*\n\n?",
+                               run_tool=lambda code: run_python(FINAL_ANSWER_PREAMBLE + code),
+                               format_output=simpletir_output, is_final=simpletir_is_final)
+    assert SCRIPT_TOKENIZER.decode(rollout.completion_ids[0]) == (
+        scripts["Q:"][0] + "\nCode execution result: 3\n\n" + scripts["Q:"][1]
+        + "\nCode execution result: ZeroDivisionError: division by zero\n" + scripts["Q:"][2]
+        + "\nCode execution result: \\boxed{3}\n\n")
+    assert ran == ["print(1 + 2)\n", "print(1 / 0)\n", "final_answer(3)\n"]
+    assert (rollout.turns, rollout.tool_calls, rollout.tool_errors, rollout.finish) == ([3], [3], [1], ["final"])
+    assert rollout.tool_timeouts == [0] and rollout.tool_seconds[0] > 0
 
 
 def test_a_collective_engine_is_called_while_any_process_has_rows(monkeypatch):
