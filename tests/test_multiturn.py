@@ -6,6 +6,7 @@ rollouts against the trainer's log-probs, and (marked `vllm`, in a process of it
 the vLLM engine's.
 """
 
+import datetime
 import json
 import os
 import re
@@ -266,6 +267,54 @@ def test_a_collective_engine_is_called_while_any_process_has_rows(monkeypatch):
     assert [len(c) for c in engine.calls] == [3] * 7
     assert all(budget == 1 for call in engine.calls[1:] for _, budget in call[1:])  # dummies: 1 token each
     assert synced == alone
+
+
+class CollectiveEngine(ScriptedEngine):
+    """Every call gathers from every process, as HFEngine under FSDP does: a process that skipped one would hang."""
+
+    def collective(self):
+        return True
+
+    def generate(self, model, prompt_ids, *args, **kwargs):
+        rows = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(rows, len(prompt_ids))
+        assert len(set(rows)) == 1, rows
+        return super().generate(model, prompt_ids, *args, **kwargs)
+
+
+def collective_child(prompt: str, out: str) -> None:
+    """One of 2 gloo processes (torch.distributed's variables in the environment): the rollout of `prompt`."""
+    torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))  # a missed call fails
+    engine = CollectiveEngine(SCRIPTS)
+    rollout = multi_turn_generate(engine, None, SCRIPT_TOKENIZER, [SCRIPT_TOKENIZER(prompt)["input_ids"]], [101],
+                                  max_turns=5, max_tokens=1000, temperature=1.0, top_p=1.0, run_tool=digit_sum,
+                                  code_start="```", code_end="```", format_output=bracket)
+    with open(out, "w") as f:
+        json.dump(dict(calls=len(engine.calls), **vars(rollout)), f)
+    torch.distributed.destroy_process_group()
+
+
+def test_two_processes_with_a_collective_engine(tmp_path):
+    """Process 0's row ends after 1 call, process 1's after 5: both make 5 calls, and each trajectory is the one a
+    lone process samples."""
+    from conftest import free_port
+
+    env = {**subprocess_env(), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    procs = [subprocess.Popen([sys.executable, "-c", f"from test_multiturn import collective_child; "
+                               f"collective_child({p!r}, {str(tmp_path / f'{rank}.json')!r})"],
+                              cwd=os.path.dirname(__file__), env={**env, "RANK": str(rank)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank, p in enumerate(["Q1:", "Q2:"])]
+    try:
+        for proc in procs:
+            assert proc.wait(timeout=300) == 0, proc.stdout.read()[-3000:]
+    finally:
+        for proc in procs:
+            proc.kill()
+    for rank, prompt in enumerate(["Q1:", "Q2:"]):
+        got = json.loads((tmp_path / f"{rank}.json").read_text())
+        alone, _, _ = scripted(SCRIPTS, [prompt])
+        assert got.pop("calls") == 5 and got == vars(alone)
 
 
 def test_a_completion_the_engine_ends_early_ends_the_trajectory():
