@@ -22,6 +22,9 @@ stops there too; the turn then goes on in another engine call (a "segment") from
 Seeds: each engine call of a row samples with turn_seed(seed, turn, segment), so a trajectory depends only on its
 row's seed (rollout.sample_seed(seed, step, prompt, sample)), never on which rows share a call, nor on how many
 processes there are. All rows still active take each call together; finished rows drop out.
+
+Needs: a tokenizer that encodes any tool output (byte-level BPE does) and has eos_token_id; with vLLM, a
+max_model_len of at least the longest prompt plus max_tokens (a later turn's prompt holds the earlier turns).
 """
 
 from collections.abc import Callable
