@@ -24,16 +24,18 @@ from accelerate.utils import broadcast_object_list, gather_object, set_seed
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
+from common.batching import RolloutQueue, Rollouts, fill_batch, importance_weights, overlong_penalty
 from common.checks import check_args, claim_run_dir, record_args, stop_if_nonfinite
 from common.data import load_prompts, resolve_dataset
 from common.rewards import compute_rewards, get_reward_function
 from common.rollout import HFEngine, sample_seed
 from common.toy import TOY_DIR, prepare_toy
-from common.utils import (MetricsLog, TrainState, check_weight_sync, completion_logprobs, find_checkpoint,
-                          length_buckets, mean_grad_norm, on_cpu, pad_rows, parse_args, peak_memory_gib, prepare_policy,
-                          prepare_reference, save_checkpoint, sharded_parameters, step_prompts)
+from common.utils import (MetricsLog, TrainState, batch_metrics, check_weight_sync, completion_logprobs,
+                          find_checkpoint, length_buckets, mean_grad_norm, mean_over_processes, on_cpu, pad_rows,
+                          parse_args, peak_memory_gib, prepare_policy, prepare_reference, save_checkpoint,
+                          sharded_parameters, step_prompts, timed)
 from common.vllm_engine import VLLMEngine, vllm_available
-from evals.run import evaluate_benchmarks, load_eval_sets
+from evals.run import evaluate_benchmarks, heldout_accuracy, load_eval_sets
 
 
 @dataclass
@@ -80,9 +82,17 @@ class Args:
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling"})
     vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "GPU memory fraction vLLM may take"})
     vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "GPUs per vLLM engine (consecutive ranks)"})
-    tis_cap: float = field(default=0.0, metadata={"help": "truncated importance sampling cap for sampler/trainer mismatch; 0: off"})
+    tis_cap: float = field(default=0.0, metadata={"help": "importance sampling cap for sampler/trainer mismatch; 0: off"})
+    tis_mode: Literal["token", "sequence"] = field(default="token", metadata={"help": "--tis_cap on each token's ratio, or on each completion's (the product)"})
+    mis: bool = field(default=False, metadata={"help": "masked IS: a ratio above --tis_cap gets weight 0, not the cap (token or completion)"})
     old_logp_source: Literal["trainer", "sampler"] = field(default="trainer", metadata={"help": "old_logp: the trainer's no-grad pass at the sampling weights, or the sampler's log-probs as returned (FeynRL)"})
     max_logp_gap: float = field(default=0.5, metadata={"help": "stop when rollout/logp_gap_mean exceeds this: the sampler is not running the trainer's weights (0: off)"})
+    rollout_lag: int = field(default=0, metadata={"help": "K: the batch trained at step s was sampled with the weights of step s-K (verl, prime-rl async)"})
+    dynamic_sampling: bool = field(default=False, metadata={"help": "DAPO: drop groups whose rewards are all equal, sample more prompts to fill the batch"})
+    max_refill_rounds: int = field(default=4, metadata={"help": "dynamic sampling: extra rounds at most; slots still empty leave the loss"})
+    mask_truncated: bool = field(default=False, metadata={"help": "completions cut at max_completion_length leave the loss (DAPO)"})
+    overlong_buffer: int = field(default=0, metadata={"help": "DAPO soft overlong penalty: a reward term over the last N tokens before the limit (0: off)"})
+    overlong_penalty: float = field(default=1.0, metadata={"help": "the overlong reward term at max_completion_length: -overlong_penalty"})
     # Optimisation
     total_steps: int = field(default=500, metadata={"help": "RL steps (one batch of rollouts each)"})
     batch_size: int = field(default=256, metadata={"help": "completions per step over all processes: B = prompts x G"})
@@ -122,17 +132,17 @@ def batch_stats(current_logp, old_logp, advantages, mask, args: Args) -> dict[st
     are per-row values. `current_logp()` gives (rows, T) log-probs at the current weights, without
     gradient, for estimators whose statistics depend on them (on-policy it is old_logp: no extra pass).
     """
-    return {"num_rows": torch.ones_like(advantages).sum()}  # GSPO: a mean over all rows
+    return {"num_rows": (mask.sum(-1) > 0).sum().float()}  # GSPO: a mean over the rows in the loss
 
 
 def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, num_rows=None, tis_weights=None):
-    """GSPO loss (arXiv:2507.18071 section 4.1) with full-batch semantics. `num_rows` (default: B) is the
+    """GSPO loss (arXiv:2507.18071 section 4.1) with full-batch semantics. `num_rows` (default: B, less removed rows) is the
     denominator over the whole optimizer batch when called per micro-batch; `tis_weights` (B, T)
     multiply the policy term per token: s_i sits on every token of row i, so each completion's term is scaled
     by the masked token mean of its TIS weights, (1/L_i) sum_t mask * tis_t."""
     mask = mask.float()  # (B, T)
     if num_rows is None:
-        num_rows = len(advantages)
+        num_rows = (mask.sum(-1) > 0).sum()  # rows with no valid token are removed from the loss
     seq_ratio = torch.exp((mask * (logp - old_logp)).sum(-1) / mask.sum(-1).clamp(min=1))  # (B,)  GSPO: s_i
     ratio = seq_ratio[:, None].expand_as(logp)  # (B, T)  GSPO: s_i on every token of row i
     A = advantages[:, None]  # (B, 1)
@@ -233,8 +243,10 @@ def main(args: Args):
         ref_model = prepare_reference(accelerator, ref_model)
     train_state = TrainState()
     accelerator.register_for_checkpointing(train_state)
+    queue = RolloutQueue(args.rollout_lag)  # --rollout_lag: the batches sampled ahead (each process its own rows)
     if resume:
         accelerator.load_state(os.path.join(resume, "state"))
+        queue.load(os.path.join(resume, "state"), accelerator.process_index)
 
     use_vllm = args.rollout_engine == "vllm" or (args.rollout_engine == "auto" and vllm_available())
     if use_vllm:
@@ -257,88 +269,102 @@ def main(args: Args):
                                       max_tokens=args.max_completion_length, top_p=args.top_p, seed=args.seed,
                                       process_index=accelerator.process_index,
                                       num_processes=accelerator.num_processes, gather=gather_object)
-        if eval_data is None:
-            return metrics
-        rows = eval_data.select(range(accelerator.process_index, len(eval_data), accelerator.num_processes))
-        engine.wake_up()
-        completion_ids, _ = engine.generate(model, rows["prompt_ids"], [0] * len(rows),
-                                            max_tokens=args.max_completion_length, temperature=0.0, top_p=1.0)
-        engine.sleep()
-        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        columns = {c: rows[c] for c in reward_columns}
-        correct = reward_funcs[0](rows["prompt"], texts, **columns)
-        stats = accelerator.reduce(torch.tensor([sum(correct), len(correct)], device=accelerator.device), "sum")
-        return {"eval/accuracy": (stats[0] / stats[1]).item(), **metrics}
+        if eval_data is not None:
+            metrics.update(heldout_accuracy(engine, model, tokenizer, eval_data, reward_funcs[0], reward_columns,
+                                            max_tokens=args.max_completion_length, accelerator=accelerator))
+        return metrics
 
     evaluating = args.eval_steps > 0 and (eval_data is not None or len(eval_sets) > 0)
     if evaluating and train_state.step == 0:
         log.write({"step": 0, **evaluate()})
+    G = args.num_generations
+    # On-policy (one optimizer step per batch, no lag, no TIS, the trainer's old_logp), old_logp is the update's own
+    # logp.detach(): no pass. --old_logp_source sampler takes the sampler's log-probs as they are: no pass either.
+    on_policy = (args.num_iterations == 1 and M == args.batch_size and args.rollout_lag == 0 and args.tis_cap == 0
+                 and args.old_logp_source == "trainer")
+
+    def logprobs_of(net, batch: dict, rows: slice = slice(0, local_rows)) -> torch.Tensor:
+        """No gradient: --logprob_batch_size rows per forward; the rows of a prompt share one forward of it."""
+        share, size = not sharded_parameters(accelerator), args.logprob_batch_size or args.micro_batch_size
+        with torch.no_grad():
+            buckets = length_buckets(batch["completion_tokens"][rows], size, offset=rows.start)  # similar lengths
+            logp = torch.cat([completion_logprobs(net, batch["input_ids"][s], batch["attention_mask"][s],
+                                                  batch["mask"].shape[1], args.temperature, share_prompts=share)[0]
+                              for s in buckets])  # (rows, T) by bucket
+            return logp[torch.cat(buckets).argsort()]  # (rows, T) in row order
+
+    def sample_batch(index: int, metrics: dict) -> dict:
+        """Steps 1-4 for the batch trained at step `index`, sampled now, with the current weights (--rollout_lag K:
+        K steps ahead). Its behaviour and reference log-probs are taken now too, at the weights that sampled it."""
+
+        # 1. Rollouts and rewards: G completions for each of this process's prompts (whole groups per process, so
+        # rewards need no communication); round r > 0 samples more prompts for --dynamic_sampling
+        def sample_round(r: int) -> Rollouts:
+            positions, indices = step_prompts(index, args.batch_size, G, args.mini_batch_size, accelerator.num_processes,
+                                              accelerator.process_index, len(train_data), args.seed + 1_000_003 * r)
+            rows = train_data[indices]  # {column: values}
+            prompt_ids = [p for p in rows["prompt_ids"] for _ in range(G)]
+            seeds = [sample_seed(args.seed, index, position + r * args.batch_size, j) for position in positions for j in range(G)]
+            engine.wake_up()
+            with timed(metrics, "time/rollout"):
+                completion_ids, sampler_logp = engine.generate(model, prompt_ids, seeds, temperature=args.temperature,
+                                                               max_tokens=args.max_completion_length, top_p=args.top_p)
+            engine.sleep()
+            completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+            columns = {c: [v for v in rows[c] for _ in range(G)] for c in reward_columns}
+            rewards, per_func = compute_rewards(reward_funcs, reward_weights, [p for p in rows["prompt"] for _ in range(G)],
+                                                completions, columns)  # (B,)
+            if args.overlong_buffer > 0:  # DAPO: a reward term, falling to -overlong_penalty at the length limit
+                per_func["overlong"] = overlong_penalty(torch.tensor([len(c) for c in completion_ids]),
+                                                        args.max_completion_length, args.overlong_buffer, args.overlong_penalty)
+                rewards = rewards + per_func["overlong"]  # (B,)
+            truncated = torch.tensor([c[-1] != tokenizer.eos_token_id for c in completion_ids])  # (B,)
+            return Rollouts(prompt_ids, completion_ids, sampler_logp, rewards, per_func, truncated)
+
+        rollouts, removed = (fill_batch(sample_round, local_rows // G, G, accelerator, args.max_refill_rounds, metrics)
+                             if args.dynamic_sampling else (sample_round(0), torch.zeros(local_rows, dtype=torch.bool)))
+
+        # 2. Advantages, and rows removed from the loss (--mask_truncated; slots dynamic sampling could not fill)
+        advantages = compute_advantages(rollouts.rewards, args)  # (B,)
+        removed |= rollouts.truncated & args.mask_truncated  # (B,)
+
+        # 3. Tensors: [left-padded prompt | right-padded completion]; mask marks the completion tokens the loss sees
+        prompts_t = pad_rows(rollouts.prompt_ids, tokenizer.pad_token_id, left=True)  # (B, P)
+        completion_tokens = pad_rows([[1] * len(c) for c in rollouts.completion_ids], 0)  # (B, T) EOS included
+        batch = {"input_ids": torch.cat([prompts_t, pad_rows(rollouts.completion_ids, tokenizer.pad_token_id)], dim=1),
+                 "attention_mask": torch.cat([(prompts_t != tokenizer.pad_token_id).long(), completion_tokens], dim=1),
+                 "completion_tokens": completion_tokens, "mask": completion_tokens * ~removed[:, None],  # (B, T)
+                 "advantages": advantages, "sampler_logp": pad_rows(rollouts.sampler_logp, 0.0),  # (B,), (B, T)
+                 "rewards": rollouts.rewards, "truncated": rollouts.truncated, "per_func": rollouts.per_func}
+        batch = {k: v.to(accelerator.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+        # 4. Behaviour (old) and reference log-probs at the weights that sampled, without gradient
+        with timed(metrics, "time/logprobs"):
+            batch["old_logp"] = (torch.zeros_like(batch["sampler_logp"]) if on_policy else batch["sampler_logp"].clone()
+                                 if args.old_logp_source == "sampler" else logprobs_of(model, batch))  # (B, T)
+            batch["ref_logp"] = None
+            if args.beta > 0:
+                if ref_model is not None:
+                    batch["ref_logp"] = logprobs_of(ref_model, batch)
+                else:
+                    with accelerator.unwrap_model(model).disable_adapter():
+                        batch["ref_logp"] = logprobs_of(model, batch)
+        return batch
+
     progress = tqdm(range(train_state.step, args.total_steps), initial=train_state.step, total=args.total_steps,
                     disable=not accelerator.is_local_main_process, desc=args.exp_name)
     for step in progress:
         step_start = time.time()
         metrics = {}
 
-        # 1. Rollouts: G completions for each of this process's prompts (whole groups per process)
-        positions, indices = step_prompts(step, args.batch_size, args.num_generations, args.mini_batch_size,
-                                          accelerator.num_processes, accelerator.process_index, len(train_data), args.seed)
-        rows, G = train_data[indices], args.num_generations  # {column: values}
-        prompt_ids = [p for p in rows["prompt_ids"] for _ in range(G)]
-        seeds = [sample_seed(args.seed, step, position, j) for position in positions for j in range(G)]
-        engine.wake_up()
-        gen_start = time.time()
-        completion_ids, sampler_logp = engine.generate(model, prompt_ids, seeds, max_tokens=args.max_completion_length,
-                                                       temperature=args.temperature, top_p=args.top_p)
-        metrics["time/rollout"] = time.time() - gen_start
-        engine.sleep()
-        completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-
-        # 2. Rewards and advantages (groups are whole on each process: no communication needed)
-        columns = {c: [v for v in rows[c] for _ in range(G)] for c in reward_columns}
-        rewards, per_func = compute_rewards(reward_funcs, reward_weights, [p for p in rows["prompt"] for _ in range(G)],
-                                            completions, columns)  # (B,)
-        advantages = compute_advantages(rewards, args)  # (B,)
-
-        # 3. Tensors: [left-padded prompt | right-padded completion]; mask marks completion tokens incl. EOS
-        prompts_t = pad_rows(prompt_ids, tokenizer.pad_token_id, left=True)  # (B, P)
-        completions_t = pad_rows(completion_ids, tokenizer.pad_token_id)  # (B, T)
-        mask = pad_rows([[1] * len(c) for c in completion_ids], 0)  # (B, T)
-        sampler_logp_t = pad_rows(sampler_logp, 0.0)  # (B, T)
-        input_ids = torch.cat([prompts_t, completions_t], dim=1).to(accelerator.device)  # (B, P + T)
-        attention_mask = torch.cat([(prompts_t != tokenizer.pad_token_id).long(), mask], dim=1).to(accelerator.device)
-        mask, advantages = mask.to(accelerator.device), advantages.to(accelerator.device)
-        sampler_logp_t, T = sampler_logp_t.to(accelerator.device), completions_t.shape[1]
-
-        # 4. Behaviour (old) and reference log-probs at the weights that sampled, without gradient
-        def micro_batches(rows: slice, size: int = args.micro_batch_size) -> list[torch.Tensor]:
-            return length_buckets(mask[rows], size, offset=rows.start)  # row indices, similar lengths: little padding
-
-        def logprobs_of(net, rows: slice = slice(0, local_rows)) -> torch.Tensor:
-            """No gradient: --logprob_batch_size rows per forward; the rows of a prompt share one forward of it."""
-            share, size = not sharded_parameters(accelerator), args.logprob_batch_size or args.micro_batch_size
-            with torch.no_grad():
-                buckets = micro_batches(rows, size)
-                logp = torch.cat([completion_logprobs(net, input_ids[s], attention_mask[s], T, args.temperature,
-                                                      share_prompts=share)[0] for s in buckets])  # (rows, T) by bucket
-                return logp[torch.cat(buckets).argsort()]  # (rows, T) in row order
-
-        logprobs_start = time.time()
-        # On-policy (one optimizer step per batch, no TIS, the trainer's old_logp), old_logp is the update's own
-        # logp.detach(): no pass. --old_logp_source sampler takes the sampler's log-probs as they are: no pass either.
-        on_policy = args.num_iterations == 1 and M == args.batch_size and args.tis_cap == 0 and args.old_logp_source == "trainer"
-        old_logp = (torch.zeros_like(sampler_logp_t) if on_policy else sampler_logp_t.clone()
-                    if args.old_logp_source == "sampler" else logprobs_of(model))  # (B, T)
-        ref_logp = None
-        if args.beta > 0:
-            if ref_model is not None:
-                ref_logp = logprobs_of(ref_model)
-            else:
-                with accelerator.unwrap_model(model).disable_adapter():
-                    ref_logp = logprobs_of(model)
-        metrics["time/logprobs"] = time.time() - logprobs_start
-        tis_weights = None
-        if args.tis_cap > 0:  # truncated importance sampling: pi_old / pi_sampler, capped
-            tis_weights = torch.exp(old_logp - sampler_logp_t).clamp(max=args.tis_cap) * mask  # (B, T)
+        # 1-4. The batch of this step, sampled --rollout_lag steps ago; the batch of step + K is sampled now
+        batch = queue.next(step, lambda index: sample_batch(index, metrics), args.total_steps)
+        input_ids, attention_mask, mask, advantages, old_logp, ref_logp = (
+            batch[k] for k in ("input_ids", "attention_mask", "mask", "advantages", "old_logp", "ref_logp"))
+        T, tis_weights = mask.shape[1], None
+        if args.tis_cap > 0:  # sampler/trainer mismatch: truncated (--mis: masked) importance sampling
+            tis_weights, metrics["rollout/is_masked_frac"] = importance_weights(
+                old_logp, batch["sampler_logp"], mask, args.tis_cap, args.tis_mode, args.mis)  # (B, T)
 
         # 5. Policy updates: num_iterations passes, one optimizer step per mini-batch
         model.train()
@@ -350,12 +376,12 @@ def main(args: Args):
                 mb = slice(mb_start, mb_start + local_mini)
                 # Statistics of the whole optimizer batch: scalars are sums over rows, added up over all
                 # processes; per-row values stay with their rows (groups never straddle processes).
-                current_logp = (lambda: old_logp[mb]) if on_policy else (lambda: logprobs_of(model, mb))
+                current_logp = (lambda: old_logp[mb]) if on_policy else (lambda: logprobs_of(model, batch, mb))
                 stats = batch_stats(current_logp, old_logp[mb], advantages[mb], mask[mb], args)
                 stats = {k: accelerator.reduce(v, "sum") if v.dim() == 0 else v for k, v in stats.items()}
                 if dumping:
                     dumps.append({k: v.cpu() for k, v in stats.items() if v.dim() == 1})
-                for s in micro_batches(mb):
+                for s in length_buckets(batch["completion_tokens"][mb], args.micro_batch_size, offset=mb_start):
                     rows = s - mb_start  # the micro-batch's rows within the mini-batch
                     with accelerator.accumulate(model):
                         logp, entropy = completion_logprobs(model, input_ids[s], attention_mask[s], T, args.temperature)
@@ -372,59 +398,35 @@ def main(args: Args):
                             grad_norms.append(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
                         optimizer.step()
                         optimizer.zero_grad()
-                    loss_metrics["policy/entropy"] = (entropy * mask[s]).sum() / mask[s].sum()
+                    loss_metrics["policy/entropy"] = (entropy * mask[s]).sum() / mask[s].sum().clamp(min=1)
                     step_metrics.append(loss_metrics)
                 scheduler.step()
         metrics["time/update"] = time.time() - update_start
-        gap = (sampler_logp_t - old_logp).abs()  # (B, T) sampler/trainer mismatch
-        metrics["rollout/logp_gap_mean"] = ((gap * mask).sum() / mask.sum()).item()
-        metrics["rollout/logp_gap_max"] = (gap * mask).max().item()
+        gap = (batch["sampler_logp"] - old_logp).abs() * mask  # (B, T) sampler/trainer mismatch
+        metrics["rollout/logp_gap_mean"] = (gap.sum() / mask.sum().clamp(min=1)).item()
+        metrics["rollout/logp_gap_max"] = gap.max().item()
         check_weight_sync(metrics["rollout/logp_gap_mean"], args.max_logp_gap, step + 1)  # e.g. a push that did not land
         if any(dumps):  # only estimators with per-row statistics have something to dump
             os.makedirs(os.path.join(run_dir, "stats"), exist_ok=True)
             torch.save(dumps, os.path.join(run_dir, "stats", f"step_{step + 1:06d}.rank{accelerator.process_index}.pt"))
-        push_start = time.time()
-        engine.push_weights(model)
-        metrics["time/weight_push"] = time.time() - push_start
+        with timed(metrics, "time/weight_push"):
+            engine.push_weights(model)
 
-        # 6. Logging: means over micro-batches, then over processes (one gather: keys may differ by process)
-        local = {key: sum(m[key].item() for m in step_metrics if key in m) / sum(key in m for m in step_metrics)
-                 for key in {key for m in step_metrics for key in m}}
-        per_process = gather_object([local])
-        for key in sorted({key for p in per_process for key in p}):
-            metrics[key] = sum(p[key] for p in per_process if key in p) / sum(key in p for p in per_process)
+        # 6. Logging: the update's metrics (means over micro-batches, then processes) and the trained batch's
+        metrics.update(mean_over_processes(step_metrics, accelerator))
         # each micro-batch's loss is its share of the optimizer batch's: scale the mean back to a batch loss
         metrics["loss/policy"] *= accelerator.gradient_accumulation_steps * accelerator.num_processes
-        lengths = mask.sum(-1).float()  # (B,)
-        truncated = torch.tensor([c[-1] != tokenizer.eos_token_id for c in completion_ids], device=accelerator.device)
-        group_std = rewards.view(-1, G).std(dim=1)  # (N,)
-        gathered = accelerator.gather_for_metrics({
-            "reward": rewards.to(accelerator.device), "length": lengths, "truncated": truncated.float(),
-            "zero_std": (group_std == 0).float().to(accelerator.device),
-            **{f"reward/{name}": r.to(accelerator.device) for name, r in per_func.items()}})
-        metrics.update({
-            "step": step + 1,
-            "reward/mean": gathered["reward"].mean().item(),
-            "reward/std": gathered["reward"].std().item(),
-            "reward/frac_zero_std_groups": gathered["zero_std"].mean().item(),
-            "completion/length_mean": gathered["length"].mean().item(),
-            "completion/length_max": gathered["length"].max().item(),
-            "completion/truncated_frac": gathered["truncated"].mean().item(),
-            "optim/grad_norm": mean_grad_norm(grad_norms),
-            "optim/lr": scheduler.get_last_lr()[0],
-            "time/step": time.time() - step_start,
-        })
-        for name in per_func:
-            metrics[f"reward/{name}/mean"] = gathered[f"reward/{name}"].mean().item()
-            metrics[f"reward/{name}/std"] = gathered[f"reward/{name}"].std().item()
-        metrics["time/tokens_per_s"] = gathered["length"].sum().item() / metrics["time/step"]
+        metrics.update(batch_metrics(batch, G, accelerator))
+        metrics.update({"step": step + 1, "optim/grad_norm": mean_grad_norm(grad_norms),
+                        "optim/lr": scheduler.get_last_lr()[0], "time/step": time.time() - step_start})
+        metrics["time/tokens_per_s"] = metrics["completion/tokens"] / metrics["time/step"]
         metrics["memory/peak_gib"] = max(gather_object([peak_memory_gib(accelerator.device)]))
         stop_if_nonfinite(metrics, run_dir, log)  # a broken update is neither evaluated nor saved
         train_state.step = step + 1
         if evaluating and (step + 1) % args.eval_steps == 0:
             metrics.update(evaluate())
         if (args.save_steps and (step + 1) % args.save_steps == 0) or step + 1 == args.total_steps:
-            save_checkpoint(accelerator, model, tokenizer, run_dir, step + 1, args.save_total_limit)
+            save_checkpoint(accelerator, model, tokenizer, run_dir, step + 1, args.save_total_limit, queue)
         log.write(metrics)
         accelerator.log(metrics, step=step + 1)
         progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics.get('policy/kl', 0.0):.4f}",
@@ -432,7 +434,6 @@ def main(args: Args):
     accelerator.end_training()
     log.print_summary()
     return run_dir
-
 
 if __name__ == "__main__":
     main(parse_args(Args))

@@ -52,6 +52,10 @@ TRAIN_RANGES = [
     ("top_p", lambda v: 0 < v <= 1, "must be in (0, 1]: top_p <= 0 keeps no token"),
     ("tis_cap", lambda v: v >= 0, "must be >= 0 (0: off)"),
     ("max_logp_gap", lambda v: v >= 0, "must be >= 0 (0: off)"),
+    ("rollout_lag", lambda v: v >= 0, "must be >= 0 (0: every batch sampled with the weights it trains)"),
+    ("max_refill_rounds", lambda v: v >= 0, "must be >= 0 (extra sampling rounds of --dynamic_sampling)"),
+    ("overlong_buffer", lambda v: v >= 0, "must be >= 0 (0: no overlong penalty)"),
+    ("overlong_penalty", lambda v: v >= 0, "must be >= 0 (the reward term is -overlong_penalty at the limit)"),
     ("vllm_gpu_memory_utilization", lambda v: 0 < v <= 1, "must be in (0, 1]"),
     ("vllm_tensor_parallel_size", lambda v: v >= 1, "must be at least 1"),
     ("lora_r", lambda v: v >= 0, "must be >= 0 (0: train all weights)"),
@@ -269,6 +273,9 @@ def argument_problems(args, num_processes: int) -> list[str]:
     problems = range_problems(args, TRAIN_RANGES)
     if not problems:  # the geometry and the schedule divide and count with these
         problems += geometry_problems(args, num_processes) + scheduler_problems(args)
+    if args.overlong_buffer >= args.max_completion_length > 0:
+        problems.append(f"--overlong_buffer {args.overlong_buffer} must be below --max_completion_length "
+                        f"{args.max_completion_length} (DAPO: a buffer of the last tokens before the limit)")
     if args.lora_r > 0 and args.lora_alpha <= 0:
         problems.append(f"--lora_alpha {args.lora_alpha} must be > 0 with --lora_r {args.lora_r} (the update is "
                         f"scaled by alpha / r)")
@@ -341,6 +348,13 @@ def ignored_settings(args) -> list[str]:
     if args.rollout_engine == "hf":
         notes += [f"--{name} is ignored with --rollout_engine hf"
                   for name in ("vllm_gpu_memory_utilization", "vllm_tensor_parallel_size") if _changed(args, name)]
+    if args.tis_cap == 0:
+        notes += [f"--{name} is ignored with --tis_cap 0 (no importance sampling correction)"
+                  for name in ("tis_mode", "mis") if _changed(args, name)]
+    if not args.dynamic_sampling and _changed(args, "max_refill_rounds"):
+        notes.append("--max_refill_rounds is ignored without --dynamic_sampling")
+    if args.overlong_buffer == 0 and _changed(args, "overlong_penalty"):
+        notes.append("--overlong_penalty is ignored with --overlong_buffer 0")
     if args.resume_overrides and not args.resume_from:
         notes.append("--resume_overrides is ignored without --resume_from")
     data = resolve_dataset(args.dataset, args.split, args.prompt_column, args.answer_column, args.eval_split)

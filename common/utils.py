@@ -19,6 +19,7 @@ import typing
 
 import torch
 import yaml
+from accelerate.utils import gather_object
 from transformers import HfArgumentParser
 from transformers.cache_utils import DynamicLayer
 
@@ -295,6 +296,47 @@ def shared_prompt_cache(model, input_ids: torch.Tensor, attention_mask: torch.Te
     return cache
 
 
+@contextlib.contextmanager
+def timed(metrics: dict, key: str):
+    """Adds the seconds the block takes to metrics[key] (a step may sample several batches: --rollout_lag)."""
+    start = time.time()
+    yield
+    metrics[key] = metrics.get(key, 0.0) + time.time() - start
+
+
+def mean_over_processes(step_metrics: list[dict], accelerator) -> dict:
+    """Each key's mean over this process's micro-batches, then over the processes that logged it (one gather: keys
+    may differ by process)."""
+    local = {key: sum(m[key].item() for m in step_metrics if key in m) / sum(key in m for m in step_metrics)
+             for key in {key for m in step_metrics for key in m}}
+    per_process = gather_object([local])
+    return {key: sum(p[key] for p in per_process if key in p) / sum(key in p for p in per_process)
+            for key in sorted({key for p in per_process for key in p})}
+
+
+def batch_metrics(batch: dict, G: int, accelerator) -> dict:
+    """reward/*, completion/* of the trained batch, over all processes."""
+    lengths = batch["completion_tokens"].sum(-1).float()  # (B,)
+    gathered = accelerator.gather_for_metrics({
+        "reward": batch["rewards"], "length": lengths, "truncated": batch["truncated"].float(),
+        "removed": (batch["mask"].sum(-1) == 0).float(), "zero_std": (batch["rewards"].view(-1, G).std(dim=1) == 0).float(),
+        **{f"reward/{name}": r.to(accelerator.device) for name, r in batch["per_func"].items()}})
+    metrics = {
+        "reward/mean": gathered["reward"].mean().item(),
+        "reward/std": gathered["reward"].std().item(),
+        "reward/frac_zero_std_groups": gathered["zero_std"].mean().item(),
+        "completion/length_mean": gathered["length"].mean().item(),
+        "completion/length_max": gathered["length"].max().item(),
+        "completion/truncated_frac": gathered["truncated"].mean().item(),
+        "completion/removed_frac": gathered["removed"].mean().item(),
+        "completion/tokens": gathered["length"].sum().item(),
+    }
+    for name in batch["per_func"]:
+        metrics[f"reward/{name}/mean"] = gathered[f"reward/{name}"].mean().item()
+        metrics[f"reward/{name}/std"] = gathered[f"reward/{name}"].std().item()
+    return metrics
+
+
 def peak_memory_gib(device: torch.device) -> float:
     """Peak memory of this process so far: allocated GPU memory on CUDA, else the resident set size."""
     if device.type == "cuda":
@@ -322,11 +364,13 @@ class TrainState:
         self.step = state["step"]
 
 
-def save_checkpoint(accelerator, model, tokenizer, run_dir: str, step: int, save_total_limit: int = 0) -> str:
+def save_checkpoint(accelerator, model, tokenizer, run_dir: str, step: int, save_total_limit: int = 0,
+                    queue=None) -> str:
     """`run_dir/checkpoints/step_N/{state,model}`: accelerate state (to resume) and save_pretrained weights
     (merged for LoRA, to evaluate or serve). Written to a temporary folder and renamed when complete, so an
     interrupted save never leaves a half checkpoint behind that looks complete. Non-finite weights are never
-    written; with `save_total_limit` N > 0 only the last N checkpoints are kept."""
+    written; with `save_total_limit` N > 0 only the last N checkpoints are kept. Each process saves its own rows of
+    the rollout `queue` (common.batching.RolloutQueue) in the state folder."""
     final = os.path.join(run_dir, "checkpoints", f"step_{step}")
     tmp = final + ".tmp"
     # each process counts its own parameters (its shards under FSDP), the sum tells every process the same
@@ -341,6 +385,8 @@ def save_checkpoint(accelerator, model, tokenizer, run_dir: str, step: int, save
     unwrapped = accelerator.unwrap_model(model)
     with quiet_saves(unwrapped):
         accelerator.save_state(os.path.join(tmp, "state"))
+        if queue is not None:
+            queue.save(os.path.join(tmp, "state"), accelerator.process_index)
         state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 / FSDP shards
         if accelerator.is_main_process:
             if hasattr(unwrapped, "merge_and_unload"):  # peft: save the adapter and the merged model
@@ -350,12 +396,14 @@ def save_checkpoint(accelerator, model, tokenizer, run_dir: str, step: int, save
             else:
                 unwrapped.save_pretrained(os.path.join(tmp, "model"), state_dict=state_dict)
             tokenizer.save_pretrained(os.path.join(tmp, "model"))
-            if os.path.exists(final):
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            if save_total_limit > 0:
-                for old in checkpoint_steps(run_dir)[:-save_total_limit]:
-                    shutil.rmtree(os.path.join(run_dir, "checkpoints", f"step_{old}"))
+    accelerator.wait_for_everyone()  # every process's files are in tmp before it becomes the checkpoint
+    if accelerator.is_main_process:
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        if save_total_limit > 0:
+            for old in checkpoint_steps(run_dir)[:-save_total_limit]:
+                shutil.rmtree(os.path.join(run_dir, "checkpoints", f"step_{old}"))
     accelerator.wait_for_everyone()
     return final
 

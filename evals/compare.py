@@ -2,10 +2,12 @@
 
     python -m evals.compare --algos grpo,gspo,snib,ctpo,p3o --preset toy --seeds 3
     python -m evals.compare --algos grpo,snib --preset toy --seeds 3 --extra "--num_iterations 4" --tag mu4
+    python -m evals.compare --preset toy --seeds 3 --vary rollout_lag=0,1,2,4 --tag lag
 
 Each run is `python <algo>.py --preset ... --seed S` in its own process (`--jobs` at a time, one
-thread each), written to runs/compare[-TAG]/<algo>__s<S>. Writes summary.md (mean +- std over seeds
-of the warm-start and final held-out accuracy and of wall time), summary.json and accuracy.png.
+thread each), written to runs/compare[-TAG]/<algo>__s<S> (with --vary: <algo>__<FLAG><V>__s<S>). Writes summary.md
+(mean +- std over seeds of the warm-start and final held-out accuracy and of wall time), summary.json and
+accuracy.png; with --vary, the final accuracy by algorithm and value, each seed's, and accuracy_vs_<FLAG>.png.
 """
 
 import importlib
@@ -32,15 +34,31 @@ class CompareArgs:
     extra: str = field(default="", metadata={"help": "extra flags for every run, e.g. '--num_iterations 4'"})
     tag: str = field(default="", metadata={"help": "suffix of the output folder runs/compare-TAG"})
     jobs: int = field(default=2, metadata={"help": "runs at a time (each gets one CPU thread)"})
+    vary: str = field(default="", metadata={"help": "FLAG=V1,V2,...: every run once per value, e.g. rollout_lag=0,1,2,4"})
 
 
 ALGOS = ("grpo", "gspo", "snib", "ctpo", "p3o")
 RUNNING: set[subprocess.Popen] = set()  # the runs in progress, stopped when one of them fails
 
 
-def run_argv(algo: str, seed: int, args: CompareArgs, out_dir: str) -> list[str]:
-    run_name = os.path.join(os.path.basename(out_dir), f"{algo}__s{seed}")
-    return ["--preset", args.preset, "--seed", str(seed), "--run_name", run_name, *shlex.split(args.extra)]
+def varied(args: CompareArgs) -> tuple[str | None, list[str | None]]:
+    """--vary FLAG=V1,V2: the flag and its values; (None, [None]) without it."""
+    if not args.vary:
+        return None, [None]
+    flag, _, values = args.vary.partition("=")
+    return flag.strip().removeprefix("--"), [v.strip() for v in values.split(",") if v.strip()]
+
+
+def run_label(algo: str, seed: int, args: CompareArgs, value: str | None = None) -> str:
+    flag, _ = varied(args)
+    return f"{algo}__s{seed}" if flag is None else f"{algo}__{flag}{value}__s{seed}"
+
+
+def run_argv(algo: str, seed: int, args: CompareArgs, out_dir: str, value: str | None = None) -> list[str]:
+    run_name = os.path.join(os.path.basename(out_dir), run_label(algo, seed, args, value))
+    flag, _ = varied(args)
+    return ["--preset", args.preset, "--seed", str(seed), "--run_name", run_name, *shlex.split(args.extra),
+            *([] if flag is None else [f"--{flag}", value])]
 
 
 def check_compare_args(args: CompareArgs, out_dir: str) -> list[str]:
@@ -61,6 +79,9 @@ def check_compare_args(args: CompareArgs, out_dir: str) -> list[str]:
         problems.append(f"--extra {args.extra!r}: {e}")
     if not algos:
         problems.append("--algos is empty; name at least one of " + ",".join(ALGOS))
+    flag, values = varied(args)
+    if args.vary and (not flag or not values or "=" not in args.vary):
+        problems.append(f"--vary {args.vary!r}: write FLAG=V1,V2,... (e.g. rollout_lag=0,1,2,4)")
     if problems:
         raise SystemExit("\n".join(f"error: {p}" for p in problems))
     if args.preset == "toy":  # build the shared warm start once, before parallel runs race to
@@ -68,10 +89,16 @@ def check_compare_args(args: CompareArgs, out_dir: str) -> list[str]:
 
         prepare_toy(TOY_DIR)
     for algo in algos:
-        run_args = parse_args(importlib.import_module(algo).Args, run_argv(algo, 1, args, out_dir))
-        found = argument_problems(run_args, 1)
-        problems += [f"{algo}: {p}" for p in found or resource_problems(run_args)]
-    runs = [os.path.join(out_dir, f"{algo}__s{seed}") for algo in algos for seed in range(1, args.seeds + 1)]
+        for value in values:
+            try:
+                run_args = parse_args(importlib.import_module(algo).Args, run_argv(algo, 1, args, out_dir, value))
+            except SystemExit as e:  # an unknown --vary flag or a value of the wrong type
+                problems.append(f"{algo}: {e}")
+                continue
+            found = argument_problems(run_args, 1)
+            problems += [f"{algo}: {p}" for p in found or resource_problems(run_args)]
+    runs = [os.path.join(out_dir, run_label(algo, seed, args, v)) for algo in algos for v in values
+            for seed in range(1, args.seeds + 1)]
     used = [run for run in runs if os.path.isdir(run) and set(os.listdir(run)) - {".lock"}]
     if used:
         problems.append(f"{used[0]} holds a run already{f' (and {len(used) - 1} more)' if len(used) > 1 else ''}; "
@@ -81,12 +108,12 @@ def check_compare_args(args: CompareArgs, out_dir: str) -> list[str]:
     return algos
 
 
-def run_one(algo: str, seed: int, args: CompareArgs, out_dir: str) -> dict:
-    cmd = [sys.executable, os.path.join(REPO, f"{algo}.py"), *run_argv(algo, seed, args, out_dir)]
-    run_name = os.path.join(os.path.basename(out_dir), f"{algo}__s{seed}")
+def run_one(algo: str, seed: int, args: CompareArgs, out_dir: str, value: str | None = None) -> dict:
+    cmd = [sys.executable, os.path.join(REPO, f"{algo}.py"), *run_argv(algo, seed, args, out_dir, value)]
+    run_name = os.path.join(os.path.basename(out_dir), run_label(algo, seed, args, value))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     start = time.time()
-    log_path = os.path.join(out_dir, f"{algo}__s{seed}.log")
+    log_path = os.path.join("runs", run_name + ".log")
     with open(log_path, "w") as log:
         process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         RUNNING.add(process)
@@ -99,7 +126,7 @@ def run_one(algo: str, seed: int, args: CompareArgs, out_dir: str) -> dict:
         raise SystemExit(f"error: {algo} seed {seed} failed (exit {code}): {cause[:300]} (log: {log_path})")
     with open(os.path.join("runs", run_name, "metrics.jsonl")) as f:
         evals = [(m["step"], m["eval/accuracy"]) for m in map(json.loads, f) if "eval/accuracy" in m]
-    return {"algo": algo, "seed": seed, "seconds": time.time() - start, "evals": evals}
+    return {"algo": algo, "seed": seed, "value": value, "seconds": time.time() - start, "evals": evals}
 
 
 def mean_std(values: list[float]) -> str:
@@ -119,6 +146,51 @@ def summarize(results: list[dict], algos: list[str], out_dir: str, command: str)
     with open(os.path.join(out_dir, "summary.json"), "w") as f:
         json.dump(results, f, indent=1)
     return table
+
+
+def summarize_vary(results: list[dict], algos: list[str], flag: str, values: list[str], out_dir: str,
+                   command: str) -> str:
+    """Final held-out accuracy by algorithm (rows) and value of the varied flag (columns): mean +- std over seeds,
+    then every seed's, so a reader sees where seeds disagree."""
+    final = lambda algo, v: [r["evals"][-1][1] for r in results if r["algo"] == algo and r["value"] == v]  # noqa: E731
+    head = f"| algorithm | {' | '.join(f'{flag} {v}' for v in values)} |"
+    lines = [f"`{command}`", "", "Final held-out accuracy, mean +- std over seeds:", "", head,
+             "|" + " --- |" * (len(values) + 1)]
+    lines += [f"| {algo} | {' | '.join(mean_std(final(algo, v)) for v in values)} |" for algo in algos]
+    lines += ["", "Each seed's (seeds 1, 2, ...):", "", head, "|" + " --- |" * (len(values) + 1)]
+    lines += [f"| {algo} | {' | '.join(' / '.join(f'{a:.3f}' for a in final(algo, v)) for v in values)} |"
+              for algo in algos]
+    warm = [r["evals"][0][1] for r in results]
+    lines += ["", f"Warm start (step 0): {mean_std(warm)} over all runs."]
+    table = "\n".join(lines) + "\n"
+    with open(os.path.join(out_dir, "summary.md"), "w") as f:
+        f.write(table)
+    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    return table
+
+
+def plot_vary(results: list[dict], algos: list[str], flag: str, values: list[str], out_dir: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = [float(v) for v in values]
+    for i, algo in enumerate(algos):
+        finals = [[r["evals"][-1][1] for r in results if r["algo"] == algo and r["value"] == v] for v in values]
+        offset = (i - (len(algos) - 1) / 2) * 0.04 * (max(xs) - min(xs) or 1)  # side by side, seeds visible
+        ax.plot([x + offset for x in xs], [statistics.mean(f) for f in finals], "-o", color=f"C{i}", label=algo)
+        for x, f in zip(xs, finals):
+            ax.scatter([x + offset] * len(f), f, color=f"C{i}", alpha=0.35, s=12)
+    ax.set_xlabel(flag)
+    ax.set_xticks(xs)
+    ax.set_ylabel("final held-out greedy accuracy")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, f"accuracy_vs_{flag}.png"), dpi=120)
 
 
 def plot(results: list[dict], algos: list[str], out_dir: str) -> None:
@@ -147,9 +219,10 @@ def main(args: CompareArgs) -> str:
     out_dir = os.path.join("runs", "compare" + (f"-{args.tag}" if args.tag else ""))
     algos = check_compare_args(args, out_dir)
     os.makedirs(out_dir, exist_ok=True)
-    jobs = [(algo, seed) for seed in range(1, args.seeds + 1) for algo in algos]
+    flag, values = varied(args)
+    jobs = [(algo, seed, value) for seed in range(1, args.seeds + 1) for value in values for algo in algos]
     with ThreadPoolExecutor(args.jobs) as pool:
-        futures = [pool.submit(run_one, *job, args, out_dir) for job in jobs]
+        futures = [pool.submit(run_one, algo, seed, args, out_dir, value) for algo, seed, value in jobs]
         try:
             results = [future.result() for future in futures]
         except SystemExit:  # one run failed: the others would be compared against nothing
@@ -159,6 +232,10 @@ def main(args: CompareArgs) -> str:
                 process.terminate()
             raise
     command = "python -m evals.compare " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    if flag is not None:
+        table = summarize_vary(results, algos, flag, values, out_dir, command)
+        plot_vary(results, algos, flag, values, out_dir)
+        return f"{table}\nwrote {out_dir}/summary.md, summary.json, accuracy_vs_{flag}.png (runs and logs: {out_dir}/)\n"
     table = summarize(results, algos, out_dir, command)
     plot(results, algos, out_dir)
     return (f"{table}\nwrote {out_dir}/summary.md, summary.json, accuracy.png (runs and logs: {out_dir}/)\n"

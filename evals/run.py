@@ -239,6 +239,21 @@ def evaluate_benchmarks(engine, model, tokenizer, eval_sets: list[EvalSet], *, n
     return metrics
 
 
+def heldout_accuracy(engine, model, tokenizer, eval_data, reward_func, reward_columns: list[str], *, max_tokens: int,
+                     accelerator) -> dict[str, float]:
+    """`eval/accuracy`: the mean of `reward_func` (a training script's first reward) over greedy completions of the
+    held-out prompts (`load_prompts` rows), each process its slice, reduced over processes."""
+    rows = eval_data.select(range(accelerator.process_index, len(eval_data), accelerator.num_processes))
+    engine.wake_up()
+    completion_ids, _ = engine.generate(model, rows["prompt_ids"], [0] * len(rows), max_tokens=max_tokens,
+                                        temperature=0.0, top_p=1.0)
+    engine.sleep()
+    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    correct = reward_func(rows["prompt"], texts, **{c: rows[c] for c in reward_columns})
+    stats = accelerator.reduce(torch.tensor([sum(correct), len(correct)], device=accelerator.device), "sum")
+    return {"eval/accuracy": (stats[0] / stats[1]).item()}
+
+
 # ---------------------------------------------------------------------------
 # Command line: load a model, evaluate, write results.json and results.md
 # ---------------------------------------------------------------------------

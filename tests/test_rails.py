@@ -74,6 +74,10 @@ TRAIN_CASES = [
     ("grpo", ["--warmup_steps=-5"], "--warmup_steps -5 must be >= 0"),
     ("grpo", ["--weight_decay=-0.1"], "--weight_decay -0.1 must be >= 0"),
     ("grpo", ["--tis_cap=-1"], "--tis_cap -1.0 must be >= 0"),
+    ("snib", ["--rollout_lag=-1"], "--rollout_lag -1 must be >= 0"),
+    ("ctpo", ["--max_refill_rounds=-2"], "--max_refill_rounds -2 must be >= 0"),
+    ("p3o", ["--overlong_penalty=-1"], "--overlong_penalty -1.0 must be >= 0"),
+    ("gspo", ["--max_completion_length", "6", "--overlong_buffer", "6"], "--overlong_buffer 6 must be below --max_completion_length 6"),
     ("grpo", ["--vllm_gpu_memory_utilization", "1.5"], "--vllm_gpu_memory_utilization 1.5 must be in (0, 1]"),
     ("grpo", ["--vllm_tensor_parallel_size", "0"], "--vllm_tensor_parallel_size 0 must be at least 1"),
     ("grpo", ["--logprob_batch_size=-1"], "--logprob_batch_size -1 must be >= 0"),
@@ -333,14 +337,17 @@ def test_ignored_settings_warn(workdir, capsys):
     """A setting that would change nothing says so (and the run goes on)."""
     args = parse_args(importlib.import_module("grpo").Args, SMALL + [
         "--warmup_steps", "100", "--use_chat_template", "false", "--system_prompt", "Be brief.",
-        "--eval_benchmarks", "toy", "--lora_alpha", "8", "--vllm_tensor_parallel_size", "2", "--rollout_engine", "hf"])
+        "--eval_benchmarks", "toy", "--lora_alpha", "8", "--vllm_tensor_parallel_size", "2", "--rollout_engine", "hf",
+        "--mis", "--max_refill_rounds", "9"])
     notes = checks.ignored_settings(args)
     assert any("--warmup_steps 100 is ignored by --lr_scheduler_type constant" in n for n in notes)
     assert any("--system_prompt is ignored without the chat template" in n for n in notes)
     assert any("--eval_benchmarks is ignored with --eval_steps 0" in n for n in notes)
     assert any("--lora_alpha is ignored with --lora_r 0" in n for n in notes)
     assert any("--vllm_tensor_parallel_size is ignored with --rollout_engine hf" in n for n in notes)
-    assert len(notes) == 5, notes
+    assert any("--mis is ignored with --tis_cap 0" in n for n in notes)
+    assert any("--max_refill_rounds is ignored without --dynamic_sampling" in n for n in notes)
+    assert len(notes) == 7, notes
     # the preset's own values are not the user's: the toy preset alone warns about nothing
     assert checks.ignored_settings(parse_args(importlib.import_module("grpo").Args, SMALL)) == []
     one_file = parse_args(importlib.import_module("grpo").Args, SMALL + ["--eval_steps", "5", "--eval_dataset", ""])
