@@ -18,6 +18,7 @@ Run:
     accelerate launch p3o.py --model Qwen/Qwen3-4B --dataset gsm8k
 """
 
+import contextlib
 import math
 import os
 import time
@@ -34,14 +35,15 @@ from common.batching import RolloutQueue, Rollouts, fill_batch, importance_weigh
 from common.checks import check_args, claim_run_dir, record_args, stop_if_nonfinite
 from common.data import load_prompts, resolve_dataset
 from common.rewards import compute_rewards, get_reward_function
+from common.multiturn import sample_completions, tool_metrics
 from common.rollout import HFEngine, sample_seed
-from common.toy import TOY_DIR, prepare_toy
+from common.toy import prepare_preset
 from common.utils import (MetricsLog, TrainState, batch_metrics, check_weight_sync, completion_logprobs,
-                          find_checkpoint, length_buckets, mean_grad_norm, mean_over_processes, on_cpu, pad_rows,
+                          find_checkpoint, length_buckets, logp_gap, mean_grad_norm, mean_over_processes, on_cpu, pad_rows,
                           parse_args, peak_memory_gib, prepare_policy, prepare_reference, save_checkpoint,
                           sharded_parameters, step_prompts, timed)
 from common.vllm_engine import VLLMEngine, vllm_available
-from evals.run import evaluate_benchmarks, heldout_accuracy, load_eval_sets
+from evals.run import evaluate_training, load_eval_sets
 
 
 @dataclass
@@ -93,6 +95,8 @@ class Args:
     mis: bool = field(default=False, metadata={"help": "masked IS: a ratio above --tis_cap gets weight 0, not the cap (token or completion)"})
     old_logp_source: Literal["trainer", "sampler"] = field(default="trainer", metadata={"help": "old_logp: the trainer's no-grad pass at the sampling weights, or the sampler's log-probs as returned (FeynRL)"})
     max_logp_gap: float = field(default=0.5, metadata={"help": "stop when rollout/logp_gap_mean exceeds this: the sampler is not running the trainer's weights (0: off)"})
+    max_turns: int = field(default=1, metadata={"help": "model turns per completion; > 1: tool-integrated (TIR): each closed code block runs in a sandbox, its output joins the context, not the loss"})
+    tool: str = field(default="simpletir", metadata={"help": "with --max_turns > 1: simpletir (Python in ``` blocks, SimpleTIR's format) or toy (the toy's calculator)"})
     rollout_lag: int = field(default=0, metadata={"help": "K: the batch trained at step s was sampled with the weights of step s-K (verl, prime-rl async)"})
     dynamic_sampling: bool = field(default=False, metadata={"help": "DAPO: drop groups whose rewards are all equal, sample more prompts to fill the batch"})
     max_refill_rounds: int = field(default=4, metadata={"help": "dynamic sampling: extra rounds at most; slots still empty leave the loss"})
@@ -196,9 +200,8 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, sum_r=N
 
 def main(args: Args):
     state = PartialState(cpu=on_cpu())  # on a CPU-only machine accelerate forms a gloo group only when told
-    if args.preset == "toy":
-        with state.main_process_first():
-            prepare_toy(TOY_DIR)
+    with state.main_process_first():
+        prepare_preset(args.preset)  # the toy's model and data, built once
     check_args(args, state.num_processes)
     resume = find_checkpoint(args.resume_from) if args.resume_from else None
     run_name = [args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"]
@@ -281,16 +284,9 @@ def main(args: Args):
     log = MetricsLog(run_dir, accelerator.is_main_process, resume_step=train_state.step)
 
     def evaluate() -> dict:
-        """Greedy accuracy (the first reward function) on held-out prompts, and the --eval_benchmarks."""
-        metrics = evaluate_benchmarks(engine, model, tokenizer, eval_sets, n=args.eval_num_samples,
-                                      temperature=args.temperature if args.eval_num_samples > 1 else 0.0,
-                                      max_tokens=args.max_completion_length, top_p=args.top_p, seed=args.seed,
-                                      process_index=accelerator.process_index,
-                                      num_processes=accelerator.num_processes, gather=gather_object)
-        if eval_data is not None:
-            metrics.update(heldout_accuracy(engine, model, tokenizer, eval_data, reward_funcs[0], reward_columns,
-                                            max_tokens=args.max_completion_length, accelerator=accelerator))
-        return metrics
+        """The --eval_benchmarks and, on held-out prompts, greedy accuracy (the first reward function)."""
+        return evaluate_training(engine, model, tokenizer, args, accelerator, eval_sets, eval_data, reward_funcs[0],
+                                 reward_columns)
 
     evaluating = args.eval_steps > 0 and (eval_data is not None or len(eval_sets) > 0)
     if evaluating and train_state.step == 0:
@@ -324,10 +320,12 @@ def main(args: Args):
             prompt_ids = [p for p in rows["prompt_ids"] for _ in range(G)]
             seeds = [sample_seed(args.seed, index, position + r * args.batch_size, j) for position in positions for j in range(G)]
             engine.wake_up()
-            with timed(metrics, "time/rollout"):
-                completion_ids, sampler_logp = engine.generate(model, prompt_ids, seeds, temperature=args.temperature,
-                                                               max_tokens=args.max_completion_length, top_p=args.top_p)
+            with timed(metrics, "time/rollout"):  # --max_turns > 1: tool output is part of a completion, not its actions
+                out = sample_completions(engine, model, tokenizer, prompt_ids, seeds, max_tokens=args.max_completion_length,
+                                         temperature=args.temperature, top_p=args.top_p, max_turns=args.max_turns, tool=args.tool)
             engine.sleep()
+            completion_ids = out.completion_ids
+            metrics.update(tool_metrics(out) if args.max_turns > 1 else {})  # turns, calls, errors, tool time
             completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
             columns = {c: [v for v in rows[c] for _ in range(G)] for c in reward_columns}
             rewards, per_func = compute_rewards(reward_funcs, reward_weights, [p for p in rows["prompt"] for _ in range(G)],
@@ -336,8 +334,8 @@ def main(args: Args):
                 per_func["overlong"] = overlong_penalty(torch.tensor([len(c) for c in completion_ids]),
                                                         args.max_completion_length, args.overlong_buffer, args.overlong_penalty)
                 rewards = rewards + per_func["overlong"]  # (B,)
-            truncated = torch.tensor([c[-1] != tokenizer.eos_token_id for c in completion_ids])  # (B,)
-            return Rollouts(prompt_ids, completion_ids, sampler_logp, rewards, per_func, truncated)
+            truncated = torch.tensor([finish == "length" for finish in out.finish])  # (B,)
+            return Rollouts(prompt_ids, completion_ids, out.sampler_logp, rewards, per_func, truncated, out.action_mask)
 
         rollouts, removed = (fill_batch(sample_round, local_rows // G, G, accelerator, args.max_refill_rounds, metrics)
                              if args.dynamic_sampling else (sample_round(0), torch.zeros(local_rows, dtype=torch.bool)))
@@ -351,7 +349,8 @@ def main(args: Args):
         completion_tokens = pad_rows([[1] * len(c) for c in rollouts.completion_ids], 0)  # (B, T) EOS included
         batch = {"input_ids": torch.cat([prompts_t, pad_rows(rollouts.completion_ids, tokenizer.pad_token_id)], dim=1),
                  "attention_mask": torch.cat([(prompts_t != tokenizer.pad_token_id).long(), completion_tokens], dim=1),
-                 "completion_tokens": completion_tokens, "mask": completion_tokens * ~removed[:, None],  # (B, T)
+                 "completion_tokens": completion_tokens, "mask": completion_tokens * pad_rows(rollouts.action_mask, 0)
+                 * ~removed[:, None],  # (B, T)  the model's own tokens, not tool output, in rows the loss keeps
                  "advantages": advantages, "sampler_logp": pad_rows(rollouts.sampler_logp, 0.0),  # (B,), (B, T)
                  "rewards": rollouts.rewards, "truncated": rollouts.truncated, "per_func": rollouts.per_func}
         batch = {k: v.to(accelerator.device) if torch.is_tensor(v) else v for k, v in batch.items()}
@@ -360,13 +359,9 @@ def main(args: Args):
         with timed(metrics, "time/logprobs"):
             batch["old_logp"] = (torch.zeros_like(batch["sampler_logp"]) if on_policy else batch["sampler_logp"].clone()
                                  if args.old_logp_source == "sampler" else logprobs_of(model, batch))  # (B, T)
-            batch["ref_logp"] = None
-            if args.beta > 0:
-                if ref_model is not None:
-                    batch["ref_logp"] = logprobs_of(ref_model, batch)
-                else:
-                    with accelerator.unwrap_model(model).disable_adapter():
-                        batch["ref_logp"] = logprobs_of(model, batch)
+            lora_reference = args.beta > 0 and ref_model is None  # LoRA: the base model is the adapter turned off
+            with accelerator.unwrap_model(model).disable_adapter() if lora_reference else contextlib.nullcontext():
+                batch["ref_logp"] = logprobs_of(model if lora_reference else ref_model, batch) if args.beta > 0 else None
         return batch
 
     progress = tqdm(range(train_state.step, args.total_steps), initial=train_state.step, total=args.total_steps,
@@ -421,9 +416,7 @@ def main(args: Args):
                     step_metrics.append(loss_metrics)
                 scheduler.step()
         metrics["time/update"] = time.time() - update_start
-        gap = (batch["sampler_logp"] - old_logp).abs() * mask  # (B, T) sampler/trainer mismatch
-        metrics["rollout/logp_gap_mean"] = (gap.sum() / mask.sum().clamp(min=1)).item()
-        metrics["rollout/logp_gap_max"] = gap.max().item()
+        metrics.update(logp_gap(batch["sampler_logp"], old_logp, mask))  # sampler/trainer mismatch
         check_weight_sync(metrics["rollout/logp_gap_mean"], args.max_logp_gap, step + 1)  # e.g. a push that did not land
         if any(dumps):  # only estimators with per-row statistics have something to dump
             os.makedirs(os.path.join(run_dir, "stats"), exist_ok=True)

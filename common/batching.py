@@ -21,7 +21,8 @@ class Rollouts:
     sampler_logp: list[list[float]]
     rewards: torch.Tensor  # (B,)
     per_func: dict[str, torch.Tensor]  # reward function -> (B,)
-    truncated: torch.Tensor  # (B,) bool: ended without EOS (cut at max_completion_length)
+    truncated: torch.Tensor  # (B,) bool: cut at max_completion_length
+    action_mask: list[list[int]]  # 1 on the model's own tokens, 0 on tool output (multi-turn rollouts)
 
     def groups(self, index: list[int], G: int) -> "Rollouts":
         """The rows of groups `index` (in that order)."""

@@ -52,6 +52,7 @@ TRAIN_RANGES = [
     ("top_p", lambda v: 0 < v <= 1, "must be in (0, 1]: top_p <= 0 keeps no token"),
     ("tis_cap", lambda v: v >= 0, "must be >= 0 (0: off)"),
     ("max_logp_gap", lambda v: v >= 0, "must be >= 0 (0: off)"),
+    ("max_turns", lambda v: v >= 1, "must be at least 1 (1: single-turn; more: tool-integrated rollouts)"),
     ("rollout_lag", lambda v: v >= 0, "must be >= 0 (0: every batch sampled with the weights it trains)"),
     ("max_refill_rounds", lambda v: v >= 0, "must be >= 0 (extra sampling rounds of --dynamic_sampling)"),
     ("overlong_buffer", lambda v: v >= 0, "must be >= 0 (0: no overlong penalty)"),
@@ -276,6 +277,8 @@ def argument_problems(args, num_processes: int) -> list[str]:
     if args.overlong_buffer >= args.max_completion_length > 0:
         problems.append(f"--overlong_buffer {args.overlong_buffer} must be below --max_completion_length "
                         f"{args.max_completion_length} (DAPO: a buffer of the last tokens before the limit)")
+    if args.max_turns > 1:
+        problems += multiturn_problems(args.tool)
     if args.lora_r > 0 and args.lora_alpha <= 0:
         problems.append(f"--lora_alpha {args.lora_alpha} must be > 0 with --lora_r {args.lora_r} (the update is "
                         f"scaled by alpha / r)")
@@ -301,6 +304,20 @@ def argument_problems(args, num_processes: int) -> list[str]:
     if unknown:
         problems.append(f"--resume_overrides: {', '.join(unknown)} not a field of this script's Args")
     return problems
+
+
+def multiturn_problems(tool: str) -> list[str]:
+    """A known --tool, and a sandbox this machine can start (bubblewrap)."""
+    from common.multiturn import TOOLS
+    from common.sandbox import SandboxUnavailable, isolation
+
+    if tool not in TOOLS:
+        return [f"--tool {tool!r}: choose one of {sorted(TOOLS)}"]
+    try:
+        isolation()
+    except SandboxUnavailable as e:
+        return [f"--max_turns > 1 runs model-written code: {e}"]
+    return []
 
 
 def resource_problems(args) -> list[str]:
@@ -348,6 +365,8 @@ def ignored_settings(args) -> list[str]:
     if args.rollout_engine == "hf":
         notes += [f"--{name} is ignored with --rollout_engine hf"
                   for name in ("vllm_gpu_memory_utilization", "vllm_tensor_parallel_size") if _changed(args, name)]
+    if args.max_turns == 1 and _changed(args, "tool"):
+        notes.append("--tool is ignored with --max_turns 1 (no tool turns)")
     if args.tis_cap == 0:
         notes += [f"--{name} is ignored with --tis_cap 0 (no importance sampling correction)"
                   for name in ("tis_mode", "mis") if _changed(args, name)]

@@ -228,3 +228,51 @@ def multi_turn_generate(engine, model, tokenizer, prompt_ids: list[list[int]], s
                 turn_start[i], segment[i] = len(completion), 0
         active = [i for i in active if out.finish[i] is None]
     return out
+
+
+@dataclass(frozen=True)
+class Tool:
+    """What a training script's --tool names: the code-block markers, the program the sandbox runs for a block's code,
+    how its result becomes the tool turn's text, and which results end the trajectory."""
+
+    code_start: str
+    code_end: str
+    program: Callable[[str], str]
+    format_output: Callable[..., str]
+    is_final: Callable[..., bool] | None = None
+
+
+TOOLS = {  # common/toy.py registers the toy's calculator
+    "simpletir": Tool(CODE_START, CODE_END, lambda code: FINAL_ANSWER_PREAMBLE + code, simpletir_output,
+                      simpletir_is_final),
+}
+
+
+def sample_completions(engine, model, tokenizer, prompt_ids: list[list[int]], seeds: list[int], *, max_tokens: int,
+                       temperature: float, top_p: float, max_turns: int = 1, tool: str = "simpletir") -> MultiTurnRollout:
+    """The training loop's rollouts. max_turns 1: one engine.generate call, every token the model's (`finish`: "eos"
+    or "length"), exactly as before tools existed. max_turns > 1: multi_turn_generate with `TOOLS[tool]`, each block
+    run by common.sandbox.run_python."""
+    if max_turns == 1:
+        ids, logps = engine.generate(model, prompt_ids, seeds, max_tokens=max_tokens, temperature=temperature, top_p=top_p)
+        out = MultiTurnRollout.empty(len(prompt_ids))
+        out.completion_ids, out.sampler_logp, out.action_mask = ids, logps, [[1] * len(c) for c in ids]
+        out.finish = ["eos" if c and c[-1] == tokenizer.eos_token_id else "length" for c in ids]
+        return out
+    from common.sandbox import run_python
+
+    spec = TOOLS[tool]
+    return multi_turn_generate(engine, model, tokenizer, prompt_ids, seeds, max_turns=max_turns, max_tokens=max_tokens,
+                               temperature=temperature, top_p=top_p, run_tool=lambda code: run_python(spec.program(code)),
+                               code_start=spec.code_start, code_end=spec.code_end, format_output=spec.format_output,
+                               is_final=spec.is_final)
+
+
+def tool_metrics(rollout: MultiTurnRollout) -> dict[str, float]:
+    """This process's tool/* metrics of one sampling round (the loop averages them over processes)."""
+    rows, tokens = len(rollout.turns), sum(map(len, rollout.action_mask))
+    return {"tool/turns_mean": sum(rollout.turns) / rows, "tool/calls_mean": sum(rollout.tool_calls) / rows,
+            "tool/error_frac": sum(rollout.tool_errors) / max(sum(rollout.tool_calls), 1),
+            "tool/timeout_frac": sum(rollout.tool_timeouts) / max(sum(rollout.tool_calls), 1),
+            "tool/seconds": sum(rollout.tool_seconds),
+            "tool/masked_token_frac": 1 - sum(map(sum, rollout.action_mask)) / max(tokens, 1)}

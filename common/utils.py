@@ -314,6 +314,12 @@ def mean_over_processes(step_metrics: list[dict], accelerator) -> dict:
             for key in sorted({key for p in per_process for key in p})}
 
 
+def logp_gap(sampler_logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> dict:
+    """rollout/logp_gap_*: |sampler - trainer| log-prob of the same tokens at the same weights, over valid tokens."""
+    gap = (sampler_logp - old_logp).abs() * mask  # (B, T)
+    return {"rollout/logp_gap_mean": (gap.sum() / mask.sum().clamp(min=1)).item(), "rollout/logp_gap_max": gap.max().item()}
+
+
 def batch_metrics(batch: dict, G: int, accelerator) -> dict:
     """reward/*, completion/* of the trained batch, over all processes."""
     lengths = batch["completion_tokens"].sum(-1).float()  # (B,)

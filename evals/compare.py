@@ -84,10 +84,9 @@ def check_compare_args(args: CompareArgs, out_dir: str) -> list[str]:
         problems.append(f"--vary {args.vary!r}: write FLAG=V1,V2,... (e.g. rollout_lag=0,1,2,4)")
     if problems:
         raise SystemExit("\n".join(f"error: {p}" for p in problems))
-    if args.preset == "toy":  # build the shared warm start once, before parallel runs race to
-        from common.toy import TOY_DIR, prepare_toy
+    from common.toy import prepare_preset
 
-        prepare_toy(TOY_DIR)
+    prepare_preset(args.preset)  # build the shared warm start once, before parallel runs race to
     for algo in algos:
         for value in values:
             try:

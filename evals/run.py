@@ -33,6 +33,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.checks import check_eval_args
 from common.data import format_prompt
+from common.multiturn import sample_completions
 from common.rewards import compute_rewards
 from common.rollout import HFEngine, sample_seed
 from common.utils import format_seconds, on_cpu
@@ -240,18 +241,37 @@ def evaluate_benchmarks(engine, model, tokenizer, eval_sets: list[EvalSet], *, n
 
 
 def heldout_accuracy(engine, model, tokenizer, eval_data, reward_func, reward_columns: list[str], *, max_tokens: int,
-                     accelerator) -> dict[str, float]:
+                     accelerator, max_turns: int = 1, tool: str = "simpletir") -> dict[str, float]:
     """`eval/accuracy`: the mean of `reward_func` (a training script's first reward) over greedy completions of the
-    held-out prompts (`load_prompts` rows), each process its slice, reduced over processes."""
+    held-out prompts (`load_prompts` rows), with the training run's tool turns, each process its slice, reduced over
+    processes."""
     rows = eval_data.select(range(accelerator.process_index, len(eval_data), accelerator.num_processes))
     engine.wake_up()
-    completion_ids, _ = engine.generate(model, rows["prompt_ids"], [0] * len(rows), max_tokens=max_tokens,
-                                        temperature=0.0, top_p=1.0)
+    out = sample_completions(engine, model, tokenizer, rows["prompt_ids"], [0] * len(rows), max_tokens=max_tokens,
+                             temperature=0.0, top_p=1.0, max_turns=max_turns, tool=tool)
     engine.sleep()
-    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    texts = tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
     correct = reward_func(rows["prompt"], texts, **{c: rows[c] for c in reward_columns})
     stats = accelerator.reduce(torch.tensor([sum(correct), len(correct)], device=accelerator.device), "sum")
     return {"eval/accuracy": (stats[0] / stats[1]).item()}
+
+
+def evaluate_training(engine, model, tokenizer, args, accelerator, eval_sets: list[EvalSet], eval_data, reward_func,
+                      reward_columns: list[str]) -> dict[str, float]:
+    """A training script's evaluation: the --eval_benchmarks (avg@k, sampled when --eval_num_samples > 1) and, with
+    held-out prompts, eval/accuracy (greedy, the first reward function). `args`: the script's Args."""
+    from accelerate.utils import gather_object
+
+    metrics = evaluate_benchmarks(engine, model, tokenizer, eval_sets, n=args.eval_num_samples,
+                                  temperature=args.temperature if args.eval_num_samples > 1 else 0.0,
+                                  max_tokens=args.max_completion_length, top_p=args.top_p, seed=args.seed,
+                                  process_index=accelerator.process_index, num_processes=accelerator.num_processes,
+                                  gather=gather_object)
+    if eval_data is not None:
+        metrics.update(heldout_accuracy(engine, model, tokenizer, eval_data, reward_func, reward_columns,
+                                        max_tokens=args.max_completion_length, accelerator=accelerator,
+                                        max_turns=args.max_turns, tool=args.tool))
+    return metrics
 
 
 # ---------------------------------------------------------------------------

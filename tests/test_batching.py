@@ -63,7 +63,7 @@ def fake_rollouts(group_rewards: list[list[float]], tag: int) -> Rollouts:
     rows = [[tag, g] for g, rewards in enumerate(group_rewards) for _ in rewards]
     rewards = torch.tensor([float(r) for rewards in group_rewards for r in rewards])
     return Rollouts(rows, [[7, 2]] * len(rows), [[-0.1, -0.2]] * len(rows), rewards,
-                    {"acc": rewards.clone()}, torch.zeros(len(rows), dtype=torch.bool))
+                    {"acc": rewards.clone()}, torch.zeros(len(rows), dtype=torch.bool), [[1, 0]] * len(rows))
 
 
 def test_dynamic_sampling_drops_zero_std_groups_and_keeps_the_batch_size():
@@ -80,7 +80,7 @@ def test_dynamic_sampling_drops_zero_std_groups_and_keeps_the_batch_size():
     assert batch.prompt_ids == [[0, 1], [0, 1], [1, 0], [1, 0], [1, 3], [1, 3]]  # the first 3 kept, in sampling order
     assert (batch.rewards.view(-1, 2).std(dim=1) > 0).all()  # never a zero-std group
     assert len(batch.rewards) == 6 and not removed.any()
-    assert batch.per_func["acc"].tolist() == batch.rewards.tolist()
+    assert batch.per_func["acc"].tolist() == batch.rewards.tolist() and batch.action_mask == [[1, 0]] * 6
     assert metrics == {"dynamic/rounds": 2, "dynamic/prompts_sampled": 8, "dynamic/groups_dropped": 5,
                        "dynamic/unfilled_groups": 0}
 
@@ -188,3 +188,32 @@ def test_masked_is_weights_zero_a_rows_policy_gradient(name):
     torch.testing.assert_close(grad, expected_grad, rtol=1e-10, atol=1e-14)
     if name != "p3o":  # P3O's trust region (1 - ESS) KL(old) is not a policy term: it keeps a gradient on every row
         assert grad[0].abs().max() == 0 and grad[1:].abs().max() > 0
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_tool_output_tokens_are_context_not_actions(name):
+    """Multi-turn rows: tool-output tokens (columns 2-3, mask 0) between model tokens. Whatever their logp, old_logp
+    and ref_logp, the loss and every gradient are those of the rows with the tool tokens cut out: sums, lengths,
+    CTPO's c_t and p_t, P3O's token counts all run over the model's tokens only (ESTIMATORS.md)."""
+    module, G = SCRIPTS[name], 4
+    args = replace(parse_args(module.Args, []), num_generations=G, beta=0.05)
+    logp, old, ref, rewards, _ = removal_batch(G, seed=3)
+    B, T = logp.shape
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[:, 2:4] = 0  # the tool's turn
+    A = module.compute_advantages(rewards, args)
+    noisy = lambda x, s: x.detach() + s * (torch.arange(T) >= 2) * (torch.arange(T) < 4)  # noqa: E731  tool columns only
+    losses, grads = [], []
+    for shift in (0.0, 0.9):
+        lp = noisy(logp, shift).requires_grad_()
+        loss, _ = module.compute_loss(lp, noisy(old, -shift), noisy(ref, shift / 2), A, mask, args)
+        losses.append(loss.item())
+        grads.append(torch.autograd.grad(loss, lp)[0])
+    assert losses[0] == pytest.approx(losses[1], rel=1e-12)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-12, atol=1e-15)
+    assert grads[0][:, 2:4].abs().max() == 0
+    keep = [0, 1, 4]  # the model's tokens, with the tool turn cut out
+    short = logp.detach()[:, keep].clone().requires_grad_()
+    expected, _ = module.compute_loss(short, old[:, keep], ref[:, keep], A, mask[:, keep], args)
+    assert losses[0] == pytest.approx(expected.item(), rel=1e-12)
+    torch.testing.assert_close(grads[0][:, keep], torch.autograd.grad(expected, short)[0], rtol=1e-10, atol=1e-14)

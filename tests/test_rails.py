@@ -75,6 +75,8 @@ TRAIN_CASES = [
     ("grpo", ["--weight_decay=-0.1"], "--weight_decay -0.1 must be >= 0"),
     ("grpo", ["--tis_cap=-1"], "--tis_cap -1.0 must be >= 0"),
     ("snib", ["--rollout_lag=-1"], "--rollout_lag -1 must be >= 0"),
+    ("grpo", ["--max_turns", "0"], "--max_turns 0 must be at least 1"),
+    ("ctpo", ["--max_turns", "2", "--tool", "bash"], "--tool 'bash': choose one of"),
     ("ctpo", ["--max_refill_rounds=-2"], "--max_refill_rounds -2 must be >= 0"),
     ("p3o", ["--overlong_penalty=-1"], "--overlong_penalty -1.0 must be >= 0"),
     ("gspo", ["--max_completion_length", "6", "--overlong_buffer", "6"], "--overlong_buffer 6 must be below --max_completion_length 6"),

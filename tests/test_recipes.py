@@ -148,3 +148,15 @@ def test_the_source_check_catches_an_unsourced_value(tmp_path):
     # learning_rate: no comment (the header is not its block); seed and epsilon_high: the defaults;
     # epsilon: "our choice" without a reason
     assert unsourced(str(recipe)) == ["learning_rate", "epsilon"]
+
+
+@pytest.mark.parametrize("name", ["ctpo_qwen3_4b", "ctpo_qwen3_14b", "ctpo_qwen3_14b_fixed_clip"])
+def test_ctpo_recipes_train_in_the_tool_integrated_setting(name):
+    """CTPO's section 4.1: SimpleTIR's prompt, up to 5 turns, 8000 tokens per trajectory, sequence-level IS at 5."""
+    from common.multiturn import TIR_PROMPT_TEMPLATE
+
+    with open(os.path.join(REPO, "configs", "recipes", f"{name}.yaml")) as f:
+        recipe = yaml.safe_load(f)
+    assert recipe["prompt_template"] == TIR_PROMPT_TEMPLATE
+    assert (recipe["max_turns"], recipe["tool"], recipe["max_completion_length"]) == (5, "simpletir", 8000)
+    assert (recipe["tis_cap"], recipe["tis_mode"]) == (5.0, "sequence")
