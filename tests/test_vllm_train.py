@@ -64,3 +64,18 @@ def test_evals_run_with_vllm_matches_the_hf_engine(toy_workdir):
     assert same >= len(results["hf"]) - 1, same  # fp32 on both sides: at most an exact tie breaks differently
     scores = {e: torch.tensor([r["scores"][0] for r in rs]).mean().item() for e, rs in results.items()}
     assert abs(scores["vllm"] - scores["hf"]) <= 0.002, scores
+
+
+def test_fsdp2_pushes_its_shards_into_vllm(toy_workdir):
+    """FSDP2 on 2 CPU processes, each with its own vLLM engine: every push gathers the sharded weights bucket by
+    bucket (DTensor.full_tensor over gloo) and reloads them; at every step the sampler's log-probs equal the
+    trainer's, so each push landed, and the update equals DDP's (tests/test_sharded.py holds FSDP2 to DDP)."""
+    from conftest import launch
+    from test_sharded import FSDP2, assert_sharded, sharding_reports
+
+    report = os.path.join(toy_workdir, "vllm_fsdp2.jsonl")
+    argv = SMALL + VLLM + ["--micro_batch_size", "2", "--total_steps", "3", "--run_name", "vllm_fsdp2"]
+    launch(toy_workdir, "grpo.py", argv, num_processes=2, config=FSDP2, env={"SHARDING_REPORT": report})
+    assert_sharded(sharding_reports(report))
+    gaps = [m["rollout/logp_gap_mean"] for m in read_metrics(os.path.join(toy_workdir, "runs", "vllm_fsdp2"))]
+    assert len(gaps) == 3 and max(gaps) < 1e-4, gaps  # steps 2 and 3 sample with weights pushed from shards
