@@ -158,7 +158,8 @@ def masked_std(x: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
 def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, num_tokens=None, tis_weights=None):
     """CTPO loss with full-batch semantics (seed 002 section 3; arXiv:2605.07331). `num_tokens` (default: this
     batch's valid tokens) is the denominator over the whole optimizer batch when called per micro-batch;
-    `tis_weights` (B, T) multiply the policy term per token (truncated importance sampling)."""
+    `tis_weights` (B, T) multiply the policy term per token (TIS / MIS: common.batching). c_t and p_t run over
+    mask = 1 tokens only: tool output (mask 0) is context, not an action, and neither counts nor adds a ratio."""
     mask = mask.float()  # (B, T)
     num_tokens = mask.sum() if num_tokens is None else num_tokens
     delta = torch.clamp(logp - old_logp, -20, 20)  # (B, T)  CTPO: d_t

@@ -157,7 +157,7 @@ def kept_rows(advantages: torch.Tensor, mask: torch.Tensor, args: Args) -> torch
 def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, num_rows=None, tis_weights=None, num_tokens=None):
     """GRPO loss with full-batch semantics. `num_rows` (token-mean: `num_tokens`; default: this batch's kept) is the
     denominator over the whole optimizer batch when called per micro-batch; `tis_weights` (B, T)
-    multiply the policy term per token (truncated importance sampling)."""
+    multiply the policy term per token (TIS or masked IS, per token or per sequence: common.batching)."""
     mask = mask.float()  # (B, T)
     keep = kept_rows(advantages, mask, args).float()  # (B,)
     if num_rows is None:

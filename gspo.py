@@ -143,7 +143,7 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, num_row
     """GSPO loss (arXiv:2507.18071 section 4.1) with full-batch semantics. `num_rows` (default: B, less removed rows) is the
     denominator over the whole optimizer batch when called per micro-batch; `tis_weights` (B, T)
     multiply the policy term per token: s_i sits on every token of row i, so each completion's term is scaled
-    by the masked token mean of its TIS weights, (1/L_i) sum_t mask * tis_t."""
+    by the masked token mean of its TIS weights, (1/L_i) sum_t mask * tis_t (--tis_mode sequence: the row's weight)."""
     mask = mask.float()  # (B, T)
     if num_rows is None:
         num_rows = (mask.sum(-1) > 0).sum()  # rows with no valid token are removed from the loss

@@ -160,7 +160,8 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, sum_r=N
                  tis_weights=None, entropy=None):
     """P3O loss with full-batch semantics. `sum_r`, `sum_r2`, `num_tokens` (default: this batch's) are the
     optimizer batch's sums over valid tokens, at the current weights (with --ess_scope micro_batch only
-    `num_tokens` is given: the ESS is this batch's own); `tis_weights` (B, T) multiply the policy term per token;
+    `num_tokens` is given: the ESS is this batch's own); `tis_weights` (B, T) multiply the policy term per token
+    (TIS / MIS, token or sequence mode: common.batching; never the trust region);
     `entropy` (B, T) must carry its gradient when entropy_coeff > 0."""
     if args.entropy_coeff > 0 and (entropy is None or (logp.requires_grad and not entropy.requires_grad)):
         raise ValueError("--entropy_coeff > 0 needs the entropy with its gradient: "

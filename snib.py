@@ -167,7 +167,7 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, num_row
     """SNIB loss with full-batch semantics. Per micro-batch, SNIB-sg's sg(log wbar_g) is batch_stats' `log_wbar`, and
     SNIB-fg adds its gradient through wbar, -(1/B) C_g sum_{j in g} (w_j / n_g) du_j, row by row with value 0 (C_g omits
     KL and TIS: with those, wbar is in-graph). `log_weight` (u_i, no gradient) is for --dump_stats_steps only.
-    `tis_weights` (B, T) scale a row by their masked token mean. Rows with no valid token leave B and wbar_g."""
+    `tis_weights` (B, T) scale a row by their masked token mean (sequence mode: its weight); empty rows leave B, wbar_g."""
     if log_wbar is None:  # the full batch: its own statistics
         return compute_loss(logp, old_logp, ref_logp, advantages, mask, args, tis_weights=tis_weights,
                             **batch_stats(logp.detach, old_logp, advantages, mask, args))
