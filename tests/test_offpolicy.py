@@ -60,7 +60,7 @@ def test_rollout_lag_resumes_exactly(in_toy_workdir, monkeypatch):
     """Interrupted after the step-2 checkpoint, a K = 2 run resumes from the queue it saved and ends with the
     weights and metrics of a run that never stopped."""
     argv = SMALL + ["--total_steps", "6", "--save_steps", "2", "--rollout_lag", "2"]
-    straight = run_script(grpo, argv + ["--run_name", "straight"])
+    straight = run_script(grpo, argv + ["--run_name", "lag_straight"])
     calls, original = {"n": 0}, grpo.compute_advantages
 
     def crash_in_step_3(rewards, args):  # calls: batches 0, 1, 2 at the first step, then one per step
@@ -71,9 +71,9 @@ def test_rollout_lag_resumes_exactly(in_toy_workdir, monkeypatch):
 
     monkeypatch.setattr(grpo, "compute_advantages", crash_in_step_3)
     with pytest.raises(KeyboardInterrupt):
-        run_script(grpo, argv + ["--run_name", "interrupted"])
+        run_script(grpo, argv + ["--run_name", "lag_interrupted"])
     monkeypatch.setattr(grpo, "compute_advantages", original)
-    resumed = run_script(grpo, argv + ["--resume_from", os.path.join("runs", "interrupted")])
+    resumed = run_script(grpo, argv + ["--resume_from", os.path.join("runs", "lag_interrupted")])
     assert_same_weights(final_weights(straight, 6), final_weights(resumed, 6), atol=0)
     drop_times = lambda ms: [{k: v for k, v in m.items() if not k.startswith(("time/", "memory/"))} for m in ms]  # noqa: E731
     assert drop_times(read_metrics(resumed)) == drop_times(read_metrics(straight))
