@@ -49,7 +49,7 @@ TOY_TIR_DIR = "runs/toy_tir"
 TIR_CHARS = CHARS + list("[]\nE")  # the toy's, a call's brackets, the line break after tool output, E for errors
 TIR_DIGITS = (4, 6)  # each operand has 4 to 6 digits
 TIR_NUM_TRAIN = 20_000
-TIR_TOOL_FRACTION = 0.2  # warm-start examples that call the calculator; the rest answer directly
+TIR_TOOL_FRACTION = 0.1  # examples of the warm start's second phase that call the calculator; the rest answer directly
 TOY_TIR_VERSION = 1  # bumped when the TIR toy's model or data change
 
 
@@ -172,7 +172,8 @@ def warm_start(model, tokenizer, examples: list[list[tuple[str, bool]]], seed: i
     output). Stops when `done()` (checked every `check_every` steps) or after `max_steps`. Addition is learned
     abruptly (the carry), so a fixed step count lands anywhere between 10% and 90% depending on float rounding;
     stopping at a measured accuracy makes the warm start the same kind of policy on every machine."""
-    lengths = [[len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text, _ in ex] for ex in examples]
+    ids = iter(tokenizer([text for ex in examples for text, _ in ex], add_special_tokens=False)["input_ids"])
+    lengths = [[len(next(ids)) for _ in ex] for ex in examples]  # tokens per segment
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     for step in range(1, max_steps + 1):
@@ -291,48 +292,62 @@ def tir_example(row: dict, call: bool, eos: str) -> list[tuple[str, bool]]:
     if not call:
         return [(row["prompt"], False), (row["answer"] + eos, True)]
     output = calculator_output(ToolResult(output=row["answer"] + "\n", error=None, seconds=0.0))
-    return [(row["prompt"], False), ("[" + row["prompt"][:-1] + "]", True), (output, False), (row["answer"] + eos, True)]
+    call = "[" + row["prompt"].removesuffix("=") + "]"
+    return [(row["prompt"], False), (call, True), (output, False), (row["answer"] + eos, True)]
 
 
+@torch.no_grad()
 def tir_skills(model, tokenizer, rows: list[dict]) -> dict[str, float]:
-    """The warm start's greedy policy, measured without the sandbox: how often it calls (first token "["), how often
-    a direct answer is the sum, and, with the call forced, how often the call and then the copied answer are exact."""
+    """The TIR toy's policy, measured without the sandbox: the mean probability of calling (first token "["), the
+    greedy policy's call rate and direct-answer accuracy, and, with the call forced, how often the call and then the
+    answer copied from the tool's output are exact (greedy)."""
+    enc = tokenizer([r["prompt"] for r in rows], return_tensors="pt", padding=True)
+    position_ids = (enc["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    first_logits = model(**enc, position_ids=position_ids).logits[:, -1]  # (N, V) left-padded: the prompts' last token
+    call_prob = first_logits.softmax(-1)[:, tokenizer.convert_tokens_to_ids("[")].mean().item()
     first = greedy_completions(model, tokenizer, [r["prompt"] for r in rows], max_new_tokens=8)
     calls = greedy_completions(model, tokenizer, [r["prompt"] + "[" for r in rows], max_new_tokens=14)
     after_tool = ["".join(text for text, _ in tir_example(r, True, "")[:3]) for r in rows]  # prompt, call, output
     answers = greedy_completions(model, tokenizer, after_tool, max_new_tokens=8)
     n = len(rows)
-    return {"call_frac": sum(t.startswith("[") for t in first) / n,
+    return {"call_prob": call_prob, "greedy_call_frac": sum(t.startswith("[") for t in first) / n,
             "direct_accuracy": sum(t == r["answer"] for t, r in zip(first, rows)) / n,
             "call_accuracy": sum(t.startswith(r["prompt"][:-1] + "]") for t, r in zip(calls, rows)) / n,
             "copy_accuracy": sum(t == r["answer"] for t, r in zip(answers, rows)) / n}
 
 
-def prepare_toy_tir(path: str, seed: int = 0, target_accuracy: float = 0.9) -> dict:
-    """Build (or reuse) the TIR toy under `path`. The warm start stops once the forced call and the copied answer
-    are both right on `target_accuracy` of training prompts: the tool then pays, and RL has to find that out."""
-    settings = {"version": TOY_TIR_VERSION, "seed": seed, "target_accuracy": target_accuracy}
+def prepare_toy_tir(path: str, seed: int = 0, target_accuracy: float = 0.8, mix_steps: int = 200,
+                    mix_lr: float = 1e-3) -> dict:
+    """Build (or reuse) the TIR toy under `path`. Two supervised phases: the skill (every example calls the tool,
+    until the forced call and the answer copied from its output are each exact on `target_accuracy` of training
+    prompts), then the habit (`mix_steps` at `mix_lr` on a mix where TIR_TOOL_FRACTION call and the rest answer
+    directly): sampling then calls now and then, and greedy decoding answers directly, wrongly. The tool pays; RL
+    with --max_turns 2 has to find that out. A single mixed phase would need ten times the steps to learn to copy."""
+    settings = {"version": TOY_TIR_VERSION, "seed": seed, "target_accuracy": target_accuracy, "mix_steps": mix_steps,
+                "mix_lr": mix_lr}
     if (info := cached_info(os.path.join(path, "toy.json"), settings)) is not None:
         return info
     train, test = make_tir_splits(seed)
     write_splits(path, train, test)
     tokenizer = build_tokenizer(TIR_CHARS)
     model = build_model(tokenizer, seed)
-    rng = random.Random(seed)
-    examples = [tir_example(r, rng.random() < TIR_TOOL_FRACTION, tokenizer.eos_token) for r in train]
     start = time.time()
 
-    def done() -> bool:
+    def skilled() -> bool:
         skills = tir_skills(model, tokenizer, train[:NUM_TEST])
-        print(step_log := {k: round(v, 3) for k, v in skills.items()}, round(time.time() - start, 1), flush=True)
         return min(skills["call_accuracy"], skills["copy_accuracy"]) >= target_accuracy
 
-    steps = warm_start(model, tokenizer, examples, seed, done, max_steps=3000, check_every=50)
+    eos = tokenizer.eos_token
+    steps = warm_start(model, tokenizer, [tir_example(r, True, eos) for r in train], seed, skilled, max_steps=2000,
+                       check_every=100)
+    rng = random.Random(seed)
+    mix = [tir_example(r, rng.random() < TIR_TOOL_FRACTION, eos) for r in train]
+    warm_start(model, tokenizer, mix, seed + 1, done=lambda: False, max_steps=mix_steps, lr=mix_lr)
     return save_toy(path, model, tokenizer, {
         **settings,
-        "warm_start_steps": steps,
+        "warm_start_steps": steps + mix_steps,
         "warm_start_seconds": round(time.time() - start, 1),
-        **{f"warm_start_test_{k}": v for k, v in tir_skills(model, tokenizer, test).items()},
+        **{f"warm_start_test_{k}": round(v, 4) for k, v in tir_skills(model, tokenizer, test).items()},
     })
 
 

@@ -24,9 +24,9 @@ from transformers import HfArgumentParser
 from transformers.cache_utils import DynamicLayer
 
 from common.logprobs import TokenLogprobs, fused_head, head_logprobs
-from common.toy import TOY_PRESET
+from common.toy import TOY_PRESET, TOY_TIR_PRESET
 
-PRESETS = {"toy": TOY_PRESET}
+PRESETS = {"toy": TOY_PRESET, "toy_tir": TOY_TIR_PRESET}
 TRACKER_MODULES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio", "mlflow": "mlflow"}
 
 
