@@ -14,11 +14,11 @@ The result is cached and reused (same seed -> same files), so every algorithm st
 same weights.
 
 `prepare_toy_tir(path)` (`--preset toy_tir`) builds the multi-turn variant under runs/toy_tir: sums
-of two 4- to 6-digit numbers, too long for the tiny model to add by itself, and a calculator tool
+of two 3- to 5-digit numbers, too long for the tiny model to add by itself, and a calculator tool
 (`--tool toy`, registered here) that it calls by writing the sum in brackets. One trajectory:
 
-    123456+654321=[123456+654321]=777777\n777777<eos>
-    '-- prompt --' '-- model ---''- tool -''- model -'
+    12345+54321=[12345+54321]=66666\n66666<eos>
+    '- prompt -''-- model --'' tool '' model -'
 
 The warm start answers most prompts directly and calls the tool on a minority, so that sampling
 explores both and greedy decoding answers directly: RL with --max_turns 2 learns to call.
@@ -47,7 +47,7 @@ TOY_VERSION = 2  # bumped when the model or data change, so an older runs/toy is
 
 TOY_TIR_DIR = "runs/toy_tir"
 TIR_CHARS = CHARS + list("[]\nE")  # the toy's, a call's brackets, the line break after tool output, E for errors
-TIR_DIGITS = (4, 6)  # each operand has 4 to 6 digits
+TIR_DIGITS = (3, 5)  # digits of each operand (4 to 6: the warm start takes about twice as long to learn to copy)
 TIR_NUM_TRAIN = 20_000
 TIR_TOOL_FRACTION = 0.1  # examples of the warm start's second phase that call the calculator; the rest answer directly
 TOY_TIR_VERSION = 1  # bumped when the TIR toy's model or data change
@@ -89,8 +89,8 @@ TOY_TIR_PRESET = dict(
     dtype="float32",
     max_turns=2,
     tool="toy",
-    max_prompt_length=14,
-    max_completion_length=32,  # [6+1+6 digits] (15) + =sum\n (9) + sum<eos> (8)
+    max_prompt_length=12,
+    max_completion_length=28,  # [5+1+5 characters] (13) + =sum\n (8) + sum<eos> (7)
     temperature=1.0,
     total_steps=60,
     batch_size=128,
@@ -316,13 +316,13 @@ def tir_skills(model, tokenizer, rows: list[dict]) -> dict[str, float]:
             "copy_accuracy": sum(t == r["answer"] for t, r in zip(answers, rows)) / n}
 
 
-def prepare_toy_tir(path: str, seed: int = 0, target_accuracy: float = 0.8, mix_steps: int = 200,
+def prepare_toy_tir(path: str, seed: int = 0, target_accuracy: float = 0.6, mix_steps: int = 150,
                     mix_lr: float = 1e-3) -> dict:
     """Build (or reuse) the TIR toy under `path`. Two supervised phases: the skill (every example calls the tool,
     until the forced call and the answer copied from its output are each exact on `target_accuracy` of training
     prompts), then the habit (`mix_steps` at `mix_lr` on a mix where TIR_TOOL_FRACTION call and the rest answer
     directly): sampling then calls now and then, and greedy decoding answers directly, wrongly. The tool pays; RL
-    with --max_turns 2 has to find that out. A single mixed phase would need ten times the steps to learn to copy."""
+    with --max_turns 2 has to find that out. In a single mixed phase one example in ten would teach the copying."""
     settings = {"version": TOY_TIR_VERSION, "seed": seed, "target_accuracy": target_accuracy, "mix_steps": mix_steps,
                 "mix_lr": mix_lr}
     if (info := cached_info(os.path.join(path, "toy.json"), settings)) is not None:
@@ -334,12 +334,12 @@ def prepare_toy_tir(path: str, seed: int = 0, target_accuracy: float = 0.8, mix_
     start = time.time()
 
     def skilled() -> bool:
-        skills = tir_skills(model, tokenizer, train[:NUM_TEST])
+        skills = tir_skills(model, tokenizer, train[:200])  # enough to see a skill appear
         return min(skills["call_accuracy"], skills["copy_accuracy"]) >= target_accuracy
 
     eos = tokenizer.eos_token
     steps = warm_start(model, tokenizer, [tir_example(r, True, eos) for r in train], seed, skilled, max_steps=2000,
-                       check_every=100)
+                       check_every=50)
     rng = random.Random(seed)
     mix = [tir_example(r, rng.random() < TIR_TOOL_FRACTION, eos) for r in train]
     warm_start(model, tokenizer, mix, seed + 1, done=lambda: False, max_steps=mix_steps, lr=mix_lr)

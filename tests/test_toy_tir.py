@@ -9,7 +9,7 @@ from conftest import read_metrics, run_script
 import grpo
 from common.multiturn import TOOLS, sample_completions
 from common.sandbox import ToolResult
-from common.toy import (CHARS, NUM_TEST, SPECIAL, TIR_CHARS, TIR_NUM_TRAIN, TOY_TIR_DIR, build_tokenizer,
+from common.toy import (CHARS, NUM_TEST, SPECIAL, TIR_CHARS, TIR_DIGITS, TIR_NUM_TRAIN, TOY_TIR_DIR, build_tokenizer,
                         calculator_output, make_tir_splits, prepare_toy_tir, toy_tir_addition)
 
 TOKENIZER = build_tokenizer(TIR_CHARS)
@@ -119,7 +119,8 @@ def test_tir_splits_are_disjoint_big_sums_in_the_toy_vocabulary():
     assert make_tir_splits(seed=0) == (train, test)
     for row in train[:1000] + test:
         a, b = map(int, row["prompt"][:-1].split("+"))
-        assert 1000 <= a < 10**6 and 1000 <= b < 10**6 and int(row["answer"]) == a + b
+        low, high = 10 ** (TIR_DIGITS[0] - 1), 10 ** TIR_DIGITS[1]
+        assert low <= a < high and low <= b < high and int(row["answer"]) == a + b
         assert set(row["prompt"] + row["answer"]) <= set(TIR_CHARS)
 
 def test_the_tir_vocabulary_extends_the_toys():
@@ -149,8 +150,8 @@ def test_warm_start_can_use_the_tool_but_rarely_does(toy_tir_workdir):
 @pytest.mark.slow
 def test_grpo_runs_on_the_tir_toy_with_tool_calls(toy_tir_workdir, monkeypatch):
     monkeypatch.chdir(toy_tir_workdir)
-    run_dir = run_script(grpo, ["--preset", "toy_tir", "--batch_size", "16", "--num_generations", "4",
-                                "--micro_batch_size", "16", "--total_steps", "2", "--eval_steps", "2",
+    run_dir = run_script(grpo, ["--preset", "toy_tir", "--batch_size", "32", "--num_generations", "4",
+                                "--micro_batch_size", "32", "--total_steps", "2", "--eval_steps", "2",
                                 "--eval_num_prompts", "16", "--run_name", "tir"])
     rows = read_metrics(run_dir)
     train = [r for r in rows if "tool/calls_mean" in r]
