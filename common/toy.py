@@ -12,45 +12,24 @@ scripts load it through the same `from_pretrained` / `load_dataset` code as a re
 The supervised warm start matters: RL from a random policy would almost never see a reward.
 The result is cached and reused (same seed -> same files), so every algorithm starts from the
 same weights.
-
-`prepare_toy_tir(path)` (`--preset toy_tir`) builds the multi-turn variant under runs/toy_tir: sums
-of two 4- to 6-digit numbers, too long for the tiny model to add by itself, and a calculator tool
-(`--tool toy`, registered here) that it calls by writing the sum in brackets. One trajectory:
-
-    123456+654321=[123456+654321]=777777\n777777<eos>
-    '-- prompt --' '-- model ---''- tool -''- model -'
-
-The warm start answers most prompts directly and calls the tool on a minority, so that sampling
-explores both and greedy decoding answers directly: RL with --max_turns 2 learns to call.
 """
 
 import json
 import os
 import random
-import re
 import time
-from collections.abc import Callable
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from common.multiturn import TOOLS, Tool
 from common.rewards import register_reward
-from common.sandbox import ToolResult
 
 TOY_DIR = "runs/toy"
 CHARS = list("0123456789+=")
 SPECIAL = ["<pad>", "<eos>"]
 NUM_TEST = 500
 TOY_VERSION = 2  # bumped when the model or data change, so an older runs/toy is rebuilt, not reused (2: head_dim 32)
-
-TOY_TIR_DIR = "runs/toy_tir"
-TIR_CHARS = CHARS + list("[]\nE")  # the toy's, a call's brackets, the line break after tool output, E for errors
-TIR_DIGITS = (4, 6)  # each operand has 4 to 6 digits
-TIR_NUM_TRAIN = 20_000
-TIR_TOOL_FRACTION = 0.2  # warm-start examples that call the calculator; the rest answer directly
-TOY_TIR_VERSION = 1  # bumped when the TIR toy's model or data change
 
 
 # `--preset toy`: defaults for a CPU run of a few minutes (any flag given on the command line wins).
@@ -78,35 +57,8 @@ TOY_PRESET = dict(
 )
 
 
-# `--preset toy_tir`: the TIR toy, two model turns with the calculator in between.
-TOY_TIR_PRESET = dict(
-    model=os.path.join(TOY_TIR_DIR, "model"),
-    dataset=os.path.join(TOY_TIR_DIR, "train.jsonl"),
-    eval_dataset=os.path.join(TOY_TIR_DIR, "test.jsonl"),
-    prompt_template="{prompt}",
-    reward_funcs="toy_tir_addition",
-    rollout_engine="hf",
-    dtype="float32",
-    max_turns=2,
-    tool="toy",
-    max_prompt_length=14,
-    max_completion_length=32,  # [6+1+6 digits] (15) + =sum\n (9) + sum<eos> (8)
-    temperature=1.0,
-    total_steps=60,
-    batch_size=128,
-    num_generations=8,
-    micro_batch_size=64,
-    logprob_batch_size=128,
-    learning_rate=1e-3,
-    eval_steps=20,
-    eval_num_prompts=200,
-    save_steps=0,
-    report_to="none",
-)
-
-
-def build_tokenizer(chars: list[str] = CHARS) -> PreTrainedTokenizerFast:
-    vocab = {tok: i for i, tok in enumerate(SPECIAL + chars)}
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {tok: i for i, tok in enumerate(SPECIAL + CHARS)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")  # one token per character
     tok.decoder = decoders.Fuse()  # and decode without spaces between them
@@ -148,197 +100,86 @@ def toy_addition(prompts: list[str], completions: list[str], answer: list[str], 
 
 
 @torch.no_grad()
-def greedy_completions(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int = 500) -> list[str]:
-    """Greedy completions of `prompts`, decoded without EOS (one engine-free model turn: no tool runs)."""
-    model.eval()
-    texts = []
-    for i in range(0, len(prompts), batch_size):
-        enc = tokenizer(prompts[i : i + batch_size], return_tensors="pt", padding=True)
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-        texts += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-    return texts
-
-
-def greedy_accuracy(model, tokenizer, rows: list[dict]) -> float:
+def greedy_accuracy(model, tokenizer, rows: list[dict], batch_size: int = 500) -> float:
     """Fraction of rows whose greedy completion is the exact sum (used to report the warm start)."""
-    texts = greedy_completions(model, tokenizer, [r["prompt"] for r in rows], max_new_tokens=4)
-    return sum(toy_addition([], texts, [r["answer"] for r in rows])) / len(rows)
+    model.eval()
+    correct = 0
+    for i in range(0, len(rows), batch_size):
+        chunk = rows[i : i + batch_size]
+        enc = tokenizer([r["prompt"] for r in chunk], return_tensors="pt", padding=True)
+        out = model.generate(**enc, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+        correct += sum(toy_addition([], texts, [r["answer"] for r in chunk]))
+    return correct / len(rows)
 
 
-def warm_start(model, tokenizer, examples: list[list[tuple[str, bool]]], seed: int, done: Callable[[], bool],
+def warm_start(model, tokenizer, rows: list[dict], valid: list[dict], seed: int, target_accuracy: float,
                max_steps: int = 2000, batch_size: int = 64, lr: float = 5e-3, check_every: int = 10) -> int:
-    """Supervised next-token training on `examples`, each a list of (text, trained) segments whose concatenation is
-    one sequence; the loss covers the tokens of trained segments only (the answer and EOS, not the prompt nor tool
-    output). Stops when `done()` (checked every `check_every` steps) or after `max_steps`. Addition is learned
-    abruptly (the carry), so a fixed step count lands anywhere between 10% and 90% depending on float rounding;
-    stopping at a measured accuracy makes the warm start the same kind of policy on every machine."""
-    lengths = [[len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text, _ in ex] for ex in examples]
+    """Supervised next-token training on `prompt + answer + EOS` (loss on the answer tokens only) until
+    greedy accuracy on `valid` reaches `target_accuracy`. Addition is learned abruptly (the carry),
+    so a fixed step count lands anywhere between 10% and 90% depending on float rounding; stopping
+    at a measured accuracy makes the warm start the same kind of policy on every machine."""
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     for step in range(1, max_steps + 1):
         model.train()
-        idx = torch.randint(len(examples), (batch_size,), generator=gen).tolist()
-        enc = tokenizer(["".join(text for text, _ in examples[i]) for i in idx], return_tensors="pt", padding=True)
+        idx = torch.randint(len(rows), (batch_size,), generator=gen).tolist()
+        prompts = [rows[i]["prompt"] for i in idx]
+        full = [rows[i]["prompt"] + rows[i]["answer"] + tokenizer.eos_token for i in idx]
+        enc = tokenizer(full, return_tensors="pt", padding=True)
         labels = enc["input_ids"].clone()
         labels[enc["attention_mask"] == 0] = -100
-        for row, i in enumerate(idx):  # left-padded: the first segment sits right after the padding
+        for row, p in enumerate(prompts):  # left-padded: the prompt sits right after the padding
             start = int((enc["attention_mask"][row] == 0).sum())
-            for (_, trained), n in zip(examples[i], lengths[i]):
-                if not trained:
-                    labels[row, start : start + n] = -100
-                start += n
+            labels[row, : start + len(p)] = -100
         position_ids = (enc["attention_mask"].cumsum(-1) - 1).clamp(min=0)
         loss = model(**enc, position_ids=position_ids, labels=labels).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
-        if step % check_every == 0 and done():
+        if step % check_every == 0 and greedy_accuracy(model, tokenizer, valid) >= target_accuracy:
             break
     model.eval()
     return step
 
 
-def cached_info(info_file: str, expected: dict) -> dict | None:
-    """The info of a complete earlier build with the same `expected` settings (version, seed, ...), else None."""
-    if not os.path.exists(info_file):
-        return None
-    with open(info_file) as f:
-        info = json.load(f)
-    return info if all(info.get(k) == v for k, v in expected.items()) else None
-
-
-def write_splits(path: str, train: list[dict], test: list[dict]) -> None:
+def prepare_toy(path: str, seed: int = 0, target_accuracy: float = 0.35) -> dict:
+    """Build (or reuse) the toy model and data under `path`; returns the paths and warm-start accuracy."""
+    info_file = os.path.join(path, "toy.json")
+    if os.path.exists(info_file):
+        with open(info_file) as f:
+            info = json.load(f)
+        if (info.get("version"), info["seed"], info["target_accuracy"]) == (TOY_VERSION, seed, target_accuracy):
+            return info
     os.makedirs(path, exist_ok=True)
+    train, test = make_splits(seed)
     for name, rows in [("train", train), ("test", test)]:
         with open(os.path.join(path, f"{name}.jsonl"), "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
-
-
-def save_toy(path: str, model, tokenizer, info: dict) -> dict:
-    """Save the model and tokenizer, then `info` (written last: its presence means the build is complete)."""
-    info = {**info, "num_parameters": sum(p.numel() for p in model.parameters()),
-            **{k: os.path.join(path, k if k == "model" else f"{k}.jsonl") for k in ("model", "train", "test")}}
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, seed)
+    start = time.time()
+    steps = warm_start(model, tokenizer, train, train[:NUM_TEST], seed, target_accuracy)
+    info = {
+        "version": TOY_VERSION,
+        "seed": seed,
+        "target_accuracy": target_accuracy,
+        "warm_start_steps": steps,
+        "warm_start_seconds": round(time.time() - start, 1),
+        "warm_start_test_accuracy": greedy_accuracy(model, tokenizer, test),
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "model": os.path.join(path, "model"),
+        "train": os.path.join(path, "train.jsonl"),
+        "test": os.path.join(path, "test.jsonl"),
+    }
     model.save_pretrained(info["model"])
     tokenizer.save_pretrained(info["model"])
-    with open(os.path.join(path, "toy.json"), "w") as f:
+    with open(info_file, "w") as f:  # written last: its presence means the toy is complete
         json.dump(info, f, indent=2)
     return info
 
 
-def prepare_toy(path: str, seed: int = 0, target_accuracy: float = 0.35) -> dict:
-    """Build (or reuse) the toy model and data under `path`; returns the paths and warm-start accuracy."""
-    settings = {"version": TOY_VERSION, "seed": seed, "target_accuracy": target_accuracy}
-    if (info := cached_info(os.path.join(path, "toy.json"), settings)) is not None:
-        return info
-    train, test = make_splits(seed)
-    write_splits(path, train, test)
-    tokenizer = build_tokenizer()
-    model = build_model(tokenizer, seed)
-    start = time.time()
-    examples = [[(r["prompt"], False), (r["answer"] + tokenizer.eos_token, True)] for r in train]
-    steps = warm_start(model, tokenizer, examples, seed,
-                       done=lambda: greedy_accuracy(model, tokenizer, train[:NUM_TEST]) >= target_accuracy)
-    return save_toy(path, model, tokenizer, {
-        **settings,
-        "warm_start_steps": steps,
-        "warm_start_seconds": round(time.time() - start, 1),
-        "warm_start_test_accuracy": greedy_accuracy(model, tokenizer, test),
-    })
-
-
-# ---------------------------------------------------------------------------
-# The TIR toy: big sums, a calculator tool
-# ---------------------------------------------------------------------------
-
-
-def calculator_output(result) -> str:
-    """The calculator's tool turn: "=<digits>\\n", or "=E\\n" when the call failed or printed anything but a whole
-    number (a traceback, True, 1e+20: the TIR toy's tokenizer encodes only its own characters)."""
-    text = result.output.strip()
-    return f"={text}\n" if result.error is None and re.fullmatch(r"[0-9]+", text) else "=E\n"
-
-
-# `--tool toy`: "[123+456]" runs print(123+456) in the sandbox; one call per model turn ("[" opens, "]" closes)
-TOOLS["toy"] = Tool(code_start="[", code_end="]", program=lambda code: f"print({code})",
-                    format_output=calculator_output, is_final=None)
-
-
-@register_reward("toy_tir_addition")
-def toy_tir_addition(prompts: list[str], completions: list[str], answer: list[str], **_) -> list[float]:
-    """1.0 when the trajectory's last line (what follows the last tool output, or the whole completion when no tool
-    ran) is the exact sum, else 0.0: a call, or its output, is not an answer."""
-    return [float(c.rsplit("\n", 1)[-1].strip() == a.strip()) for c, a in zip(completions, answer)]
-
-
-def make_tir_splits(seed: int) -> tuple[list[dict], list[dict]]:
-    """TIR_NUM_TRAIN + NUM_TEST distinct pairs a+b, each operand of TIR_DIGITS digits (the count drawn uniformly)."""
-    rng = random.Random(seed)
-
-    def number() -> int:
-        digits = rng.randint(*TIR_DIGITS)
-        return rng.randrange(10 ** (digits - 1), 10**digits)
-
-    pairs = {}  # a dict keeps the order of drawing
-    while len(pairs) < TIR_NUM_TRAIN + NUM_TEST:
-        pairs.setdefault((number(), number()), None)
-    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in pairs]
-    return rows[NUM_TEST:], rows[:NUM_TEST]
-
-
-def tir_example(row: dict, call: bool, eos: str) -> list[tuple[str, bool]]:
-    """A warm-start trajectory as (text, trained) segments: the direct answer, or the call, the tool's output (not
-    trained: the sandbox writes it) and the answer copied from it."""
-    if not call:
-        return [(row["prompt"], False), (row["answer"] + eos, True)]
-    output = calculator_output(ToolResult(output=row["answer"] + "\n", error=None, seconds=0.0))
-    return [(row["prompt"], False), ("[" + row["prompt"][:-1] + "]", True), (output, False), (row["answer"] + eos, True)]
-
-
-def tir_skills(model, tokenizer, rows: list[dict]) -> dict[str, float]:
-    """The warm start's greedy policy, measured without the sandbox: how often it calls (first token "["), how often
-    a direct answer is the sum, and, with the call forced, how often the call and then the copied answer are exact."""
-    first = greedy_completions(model, tokenizer, [r["prompt"] for r in rows], max_new_tokens=8)
-    calls = greedy_completions(model, tokenizer, [r["prompt"] + "[" for r in rows], max_new_tokens=14)
-    after_tool = ["".join(text for text, _ in tir_example(r, True, "")[:3]) for r in rows]  # prompt, call, output
-    answers = greedy_completions(model, tokenizer, after_tool, max_new_tokens=8)
-    n = len(rows)
-    return {"call_frac": sum(t.startswith("[") for t in first) / n,
-            "direct_accuracy": sum(t == r["answer"] for t, r in zip(first, rows)) / n,
-            "call_accuracy": sum(t.startswith(r["prompt"][:-1] + "]") for t, r in zip(calls, rows)) / n,
-            "copy_accuracy": sum(t == r["answer"] for t, r in zip(answers, rows)) / n}
-
-
-def prepare_toy_tir(path: str, seed: int = 0, target_accuracy: float = 0.9) -> dict:
-    """Build (or reuse) the TIR toy under `path`. The warm start stops once the forced call and the copied answer
-    are both right on `target_accuracy` of training prompts: the tool then pays, and RL has to find that out."""
-    settings = {"version": TOY_TIR_VERSION, "seed": seed, "target_accuracy": target_accuracy}
-    if (info := cached_info(os.path.join(path, "toy.json"), settings)) is not None:
-        return info
-    train, test = make_tir_splits(seed)
-    write_splits(path, train, test)
-    tokenizer = build_tokenizer(TIR_CHARS)
-    model = build_model(tokenizer, seed)
-    rng = random.Random(seed)
-    examples = [tir_example(r, rng.random() < TIR_TOOL_FRACTION, tokenizer.eos_token) for r in train]
-    start = time.time()
-
-    def done() -> bool:
-        skills = tir_skills(model, tokenizer, train[:NUM_TEST])
-        print(step_log := {k: round(v, 3) for k, v in skills.items()}, round(time.time() - start, 1), flush=True)
-        return min(skills["call_accuracy"], skills["copy_accuracy"]) >= target_accuracy
-
-    steps = warm_start(model, tokenizer, examples, seed, done, max_steps=3000, check_every=50)
-    return save_toy(path, model, tokenizer, {
-        **settings,
-        "warm_start_steps": steps,
-        "warm_start_seconds": round(time.time() - start, 1),
-        **{f"warm_start_test_{k}": v for k, v in tir_skills(model, tokenizer, test).items()},
-    })
-
-
 def prepare_preset(preset: str | None) -> None:
-    """Build what a --preset reads from disk (a toy's model and data), once; other presets read nothing."""
+    """Build what a --preset reads from disk (the toy's model and data), once; other presets read nothing."""
     if preset == "toy":
         prepare_toy(TOY_DIR)
-    elif preset == "toy_tir":
-        prepare_toy_tir(TOY_TIR_DIR)
