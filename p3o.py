@@ -96,7 +96,7 @@ class Args:
     old_logp_source: Literal["trainer", "sampler"] = field(default="trainer", metadata={"help": "old_logp: the trainer's no-grad pass at the sampling weights, or the sampler's log-probs as returned (FeynRL)"})
     max_logp_gap: float = field(default=0.5, metadata={"help": "stop when rollout/logp_gap_mean exceeds this: the sampler is not running the trainer's weights (0: off)"})
     max_turns: int = field(default=1, metadata={"help": "model turns per completion; > 1: tool-integrated (TIR): each closed code block runs in a sandbox, its output joins the context, not the loss"})
-    tool: str = field(default="simpletir", metadata={"help": "with --max_turns > 1: simpletir (Python in ``` blocks, SimpleTIR's format; common/multiturn.py TOOLS)"})
+    tool: str = field(default="simpletir", metadata={"help": "with --max_turns > 1: simpletir (Python in ``` blocks, SimpleTIR's format) or toy (the toy_tir calculator)"})
     rollout_lag: int = field(default=0, metadata={"help": "K: the batch trained at step s was sampled with the weights of step s-K (verl, prime-rl async)"})
     dynamic_sampling: bool = field(default=False, metadata={"help": "DAPO: drop groups whose rewards are all equal, sample more prompts to fill the batch"})
     max_refill_rounds: int = field(default=4, metadata={"help": "dynamic sampling: extra rounds at most; slots still empty leave the loss"})

@@ -242,7 +242,7 @@ class Tool:
     is_final: Callable[..., bool] | None = None
 
 
-TOOLS = {  # --tool NAME; add a Tool here for another format
+TOOLS = {  # --tool NAME; common/toy.py registers the toy_tir calculator, "toy"
     "simpletir": Tool(CODE_START, CODE_END, lambda code: FINAL_ANSWER_PREAMBLE + code, simpletir_output,
                       simpletir_is_final),
 }
