@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -17,9 +18,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="session")
 def toy_workdir(tmp_path_factory):
-    """A working directory holding runs/toy (the scripts find the toy preset there)."""
+    """A working directory holding runs/toy (the scripts find the toy preset there). With TOY_CACHE=DIR set (.ci/run
+    sets it), the toy is built in DIR once, or reused from there if an earlier session built the same version, and
+    copied in: CI's vLLM stage reuses the CPU stage's build (about 2 minutes)."""
     workdir = tmp_path_factory.mktemp("work")
-    prepare_toy(str(workdir / TOY_DIR))
+    if os.environ.get("TOY_CACHE"):
+        prepare_toy(os.environ["TOY_CACHE"])
+        shutil.copytree(os.environ["TOY_CACHE"], workdir / TOY_DIR)
+    else:
+        prepare_toy(str(workdir / TOY_DIR))
     return workdir
 
 

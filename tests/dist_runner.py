@@ -53,8 +53,14 @@ def _report(accelerator, model) -> None:
     if id(model) in _reported:
         return
     _reported.add(id(model))
-    params = {name: [type(p).__name__, p.to_local().numel() if isinstance(p, DTensor) else p.numel(), p.numel()]
-              for name, p in accelerator.unwrap_model(model).named_parameters()}
+    def shard(p):  # [kind, elements held by this process, elements of the whole parameter]
+        if isinstance(p, DTensor):
+            return ["DTensor", p.to_local().numel(), p.numel()]
+        if hasattr(p, "ds_id"):  # a DeepSpeed ZeRO-3 partitioned parameter: its part is ds_tensor (padded)
+            return ["ZeRO-3", p.ds_tensor.numel(), p.ds_numel]
+        return [type(p).__name__, p.numel(), p.numel()]
+
+    params = {name: shard(p) for name, p in accelerator.unwrap_model(model).named_parameters()}
     with open(os.environ["SHARDING_REPORT"], "a") as f:
         f.write(json.dumps({"rank": accelerator.process_index, "distributed_type": str(accelerator.distributed_type),
                             "params": params}) + "\n")

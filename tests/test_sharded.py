@@ -1,4 +1,4 @@
-"""Sharded training on 2 CPU processes (gloo): FSDP2 from configs/accelerate/fsdp2.yaml against DDP.
+"""Sharded training on 2 CPU processes (gloo): FSDP2 (configs/accelerate/fsdp2.yaml) and DeepSpeed ZeRO-2/3 against DDP.
 
 The processes are started by `accelerate launch` through tests/dist_runner.py (conftest.launch), which is where the
 two decisions accelerate 1.15 does not make on a CPU are made: the processes join one gloo group, and FSDP applies.
@@ -32,15 +32,18 @@ def sharding_reports(path: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def assert_sharded(reports: list[dict], num_processes: int = 2):
-    """Every parameter of the policy is a DTensor whose shards (one per process) add up to the full tensor."""
-    policy = [r for r in reports if any(kind == "DTensor" for kind, _, _ in r["params"].values())]
+def assert_sharded(reports: list[dict], num_processes: int = 2, kind: str = "DTensor"):
+    """Every parameter of the policy is sharded: a DTensor (FSDP2) or a ZeRO-3 partition, and the parts held by the
+    processes (one each) add up to the whole tensor (ZeRO-3 pads its last part: at least the whole)."""
+    distributed = {"DTensor": "DistributedType.FSDP", "ZeRO-3": "DistributedType.DEEPSPEED"}[kind]
+    policy = [r for r in reports if any(k == kind for k, _, _ in r["params"].values())]
     assert sorted(r["rank"] for r in policy) == list(range(num_processes)), reports
-    assert all(r["distributed_type"] == "DistributedType.FSDP" for r in policy)
-    for name, (kind, _, full) in policy[0]["params"].items():
-        assert kind == "DTensor", name
-        assert sum(r["params"][name][1] for r in policy) == full, name  # dim-0 shards of the whole tensor
-    assert any(r["params"][name][1] < full for r in policy for name, (_, _, full) in r["params"].items())
+    assert all(r["distributed_type"] == distributed for r in policy)
+    for name, (k, _, full) in policy[0]["params"].items():
+        assert k == kind, name
+        held = sum(r["params"][name][1] for r in policy)
+        assert held == full if kind == "DTensor" else full <= held < full + num_processes, name
+        assert all(r["params"][name][1] < full for r in policy) or full < num_processes, name
 
 
 def run_twice(cwd, script: str, name: str, argv: list[str], lr: float) -> tuple[dict, dict, list[dict]]:
@@ -75,15 +78,20 @@ def test_fsdp2_shards_the_policy_and_takes_the_ddp_step(in_toy_workdir):
 
 @pytest.mark.parametrize("stage", ["zero2", "zero3"])
 def test_deepspeed_zero_takes_the_ddp_step(in_toy_workdir, stage):
-    """DeepSpeed's CPU accelerator (gloo) runs where deepspeed is installed (not requirements-cpu.txt: README).
+    """DeepSpeed's CPU accelerator (gloo), as requirements-cpu.txt installs it.
     grpo.py with its reference model: under ZeRO-3 the reference is a DeepSpeed inference engine over partitioned
     weights; at step 1 it is the policy, so the KL is 0 exactly when both forwards see the same weights."""
-    pytest.importorskip("deepspeed", reason="DeepSpeed is not in requirements-cpu.txt (README: sharded training)")
     argv = SMALL + ["--micro_batch_size", "2", "--beta", "0.1"]
+    report = os.path.join(in_toy_workdir, f"{stage}.jsonl")
+    if os.path.exists(report):
+        os.remove(report)
     ddp = sgd_gradient(in_toy_workdir, f"{stage}_ddp", argv, num_processes=2)
     zero = sgd_gradient(in_toy_workdir, stage, argv, num_processes=2,
-                        config=os.path.join(REPO, "configs", "accelerate", f"{stage}.yaml"))
+                        config=os.path.join(REPO, "configs", "accelerate", f"{stage}.yaml"),
+                        env={"SHARDING_REPORT": report})
     assert_same_gradient(ddp, zero)
+    if stage == "zero3":
+        assert_sharded(sharding_reports(report), kind="ZeRO-3")
     m_ddp, m_zero = (read_metrics(os.path.join("runs", r))[-1] for r in (f"{stage}_ddp", stage))
     assert m_ddp["reward/mean"] == m_zero["reward/mean"] and m_zero["policy/kl"] == m_ddp["policy/kl"] == 0.0
 
@@ -146,8 +154,6 @@ def test_every_accelerate_config_launches_two_processes(in_toy_workdir, config):
     overrides (2 processes, fp32): one RL step with a checkpoint, in the mode the file asks for."""
     with open(config) as f:
         kind = yaml.safe_load(f)["distributed_type"]
-    if kind == "DEEPSPEED":
-        pytest.importorskip("deepspeed", reason="DeepSpeed is not in requirements-cpu.txt (README: sharded training)")
     name = os.path.basename(config)[: -len(".yaml")]
     report = os.path.join(in_toy_workdir, f"config_{name}.jsonl")
     if os.path.exists(report):
@@ -160,4 +166,6 @@ def test_every_accelerate_config_launches_two_processes(in_toy_workdir, config):
     assert {r["distributed_type"] for r in reports} == {f"DistributedType.{expected}"}
     if kind == "FSDP":
         assert_sharded(reports)
+    if name == "zero3":
+        assert_sharded(reports, kind="ZeRO-3")
     assert os.path.exists(os.path.join("runs", f"config_{name}", "checkpoints", "step_1", "model", "model.safetensors"))

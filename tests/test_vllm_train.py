@@ -25,16 +25,18 @@ def run(cwd, *cmd: str, timeout: int = 1200) -> subprocess.CompletedProcess:
 
 
 def test_toy_learns_with_vllm_and_the_sampler_runs_the_trainers_weights(toy_workdir):
-    """The whole toy preset with vLLM rollouts: the same bar as the README's HF-engine run (+25 points), and at every
-    step the sampler's log-probs equal the trainer's (fp32 on both sides), so every push took effect. The toy model
-    ties lm_head to the embeddings, as Qwen3-0.6B to 4B do: without _reprocess_tied_layers the CPU backend's packed
+    """The toy preset with vLLM rollouts, shortened to 150 steps for CI (the full 500-step run is README's table):
+    held-out accuracy must rise by 12 points (a full run measured 41.0% -> 61.2% at step 150), and at every step the
+    sampler's log-probs equal the trainer's (fp32 on both sides), so every push took effect. The toy model ties
+    lm_head to the embeddings, as Qwen3-0.6B to 4B do: without _reprocess_tied_layers the CPU backend's packed
     lm_head went stale and this gap grew to 0.03 by step 15."""
-    proc = run(toy_workdir, os.path.join(REPO, "grpo.py"), "--preset", "toy", *VLLM, "--run_name", "vllm_toy")
+    proc = run(toy_workdir, os.path.join(REPO, "grpo.py"), "--preset", "toy", *VLLM, "--total_steps", "150",
+               "--eval_steps", "75", "--run_name", "vllm_toy")
     metrics = read_metrics(os.path.join(toy_workdir, "runs", "vllm_toy"))
     evals = [m["eval/accuracy"] for m in metrics if "eval/accuracy" in m]
-    assert evals[-1] >= evals[0] + 0.25, evals
+    assert len(evals) == 3 and evals[-1] >= evals[0] + 0.12, evals
     gaps = [m["rollout/logp_gap_mean"] for m in metrics if "rollout/logp_gap_mean" in m]
-    assert len(gaps) == 500 and max(gaps) < 1e-3, max(gaps)
+    assert len(gaps) == 150 and max(gaps) < 1e-3, max(gaps)
     assert "eval/accuracy:" in proc.stdout and "final checkpoint:" in proc.stdout  # the end-of-run summary
 
 
@@ -66,16 +68,23 @@ def test_evals_run_with_vllm_matches_the_hf_engine(toy_workdir):
     assert abs(scores["vllm"] - scores["hf"]) <= 0.002, scores
 
 
-def test_fsdp2_pushes_its_shards_into_vllm(toy_workdir):
-    """FSDP2 on 2 CPU processes, each with its own vLLM engine: every push gathers the sharded weights bucket by
-    bucket (DTensor.full_tensor over gloo) and reloads them; at every step the sampler's log-probs equal the
-    trainer's, so each push landed, and the update equals DDP's (tests/test_sharded.py holds FSDP2 to DDP)."""
+@pytest.mark.parametrize("config,kind", [("fsdp2", "DTensor"), ("zero3", "ZeRO-3")])
+def test_sharded_weights_push_into_vllm(toy_workdir, config, kind):
+    """FSDP2 or DeepSpeed ZeRO-3 on 2 CPU processes, each with its own vLLM engine: every push gathers the sharded
+    weights bucket by bucket (DTensor.full_tensor, or deepspeed.zero.GatheredParameters, over gloo) and reloads them;
+    at every step the sampler's log-probs equal the trainer's, so each push landed (tests/test_sharded.py holds both
+    to DDP's update)."""
     from conftest import launch
-    from test_sharded import FSDP2, assert_sharded, sharding_reports
+    from test_sharded import assert_sharded, sharding_reports
 
-    report = os.path.join(toy_workdir, "vllm_fsdp2.jsonl")
-    argv = SMALL + VLLM + ["--micro_batch_size", "2", "--total_steps", "3", "--run_name", "vllm_fsdp2"]
-    launch(toy_workdir, "grpo.py", argv, num_processes=2, config=FSDP2, env={"SHARDING_REPORT": report})
-    assert_sharded(sharding_reports(report))
-    gaps = [m["rollout/logp_gap_mean"] for m in read_metrics(os.path.join(toy_workdir, "runs", "vllm_fsdp2"))]
+    name = f"vllm_{config}"
+    report = os.path.join(toy_workdir, f"{name}.jsonl")
+    if os.path.exists(report):
+        os.remove(report)
+    argv = SMALL + VLLM + ["--micro_batch_size", "2", "--total_steps", "3", "--run_name", name]
+    launch(toy_workdir, "grpo.py", argv, num_processes=2, config=os.path.join(REPO, "configs", "accelerate",
+                                                                             f"{config}.yaml"),
+           env={"SHARDING_REPORT": report})
+    assert_sharded(sharding_reports(report), kind=kind)
+    gaps = [m["rollout/logp_gap_mean"] for m in read_metrics(os.path.join(toy_workdir, "runs", name))]
     assert len(gaps) == 3 and max(gaps) < 1e-4, gaps  # steps 2 and 3 sample with weights pushed from shards
