@@ -26,6 +26,11 @@ from transformers.cache_utils import DynamicLayer
 from common.logprobs import TokenLogprobs, fused_head, head_logprobs
 from common.toy import TOY_PRESET, TOY_TIR_PRESET
 
+# accelerate's unwrap_model imports deepspeed, whose accelerator detection then warns on every run without a GPU:
+# "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it." Here the CPU is
+# the plan; any other DeepSpeed message still prints.
+logging.getLogger("DeepSpeed").addFilter(lambda record: "Setting accelerator to CPU" not in record.getMessage())
+
 PRESETS = {"toy": TOY_PRESET, "toy_tir": TOY_TIR_PRESET}
 TRACKER_MODULES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio", "mlflow": "mlflow"}
 

@@ -1,10 +1,12 @@
 """End-to-end runs of grpo.py on the toy task (CPU): invariances, resume, LoRA, learning (bad input: test_rails.py)."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
-from conftest import launch, read_metrics, run_script
+from conftest import REPO, launch, read_metrics, run_script, subprocess_env
 from safetensors.torch import load_file
 
 import grpo
@@ -116,6 +118,18 @@ def test_lora_trains_the_adapter_and_uses_the_base_as_reference(in_toy_workdir):
 
 
 @pytest.mark.slow
+def test_a_cpu_run_from_the_command_line_prints_no_library_warning(toy_workdir):
+    """One toy step as a user runs it: stderr holds only the progress bar, and deepspeed (which accelerate imports)
+    does not warn that it found no GPU (common/utils filters that one message)."""
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "grpo.py"), "--preset", "toy", "--total_steps", "1",
+                           "--eval_steps", "0", "--run_name", "quiet"], cwd=toy_workdir, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    output = proc.stdout + proc.stderr
+    assert "WARNING" not in output and "Warning" not in output, output[-2000:]
+    assert "final checkpoint:" in proc.stdout
+
+
 def test_toy_learns(in_toy_workdir):
     """A shortened toy run: held-out greedy accuracy must rise (the full preset is measured in README)."""
     run = run_script(grpo, ["--preset", "toy", "--total_steps", "50", "--eval_steps", "25", "--run_name", "learns"])
