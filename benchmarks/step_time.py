@@ -63,6 +63,13 @@ Both take the update's own log-probs, detached, as the old log-probs when the up
 
 On a shared CPU, compare cpu/step, use --repeat 3 (interleaved runs, medians) and read the load average
 printed with the table.
+
+Peak RSS stands in for a GPU's peak allocated memory, so every run (scripts and TRL) gets glibc's mmap threshold
+fixed at --malloc_mmap_threshold bytes (MALLOC_MMAP_THRESHOLD_, default 1 MiB): buffers above it are mapped and
+unmapped, not kept in the heap. With glibc's default, the threshold rises to the largest buffer freed so far and
+freed (rows, V) buffers stay in the heap, fragmented: one rollout of 8 rows x 222 tokens at V = 151,936 left
+460-650 MB more RSS (three runs), against 55 MB with the threshold fixed (benchmarks/qwen3_shape.py's model).
+--malloc_mmap_threshold 0 keeps glibc's default.
 """
 
 import argparse
@@ -70,6 +77,7 @@ import importlib
 import importlib.util
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -243,11 +251,13 @@ def summarize(steps: list[dict], warmup: int) -> dict:
     return summary
 
 
-def spawn(kind: str, argv: list[str], threads: int, out_file: str) -> dict:
+def spawn(kind: str, argv: list[str], threads: int, out_file: str, mmap_threshold: int) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--_worker", kind, "--_argv", json.dumps(argv),
            "--threads", str(threads), "--_out", out_file]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
            "TOKENIZERS_PARALLELISM": "false"}
+    if mmap_threshold:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
     start = time.time()
     proc = subprocess.run(cmd, cwd=REPO, env=env, check=False)
     if proc.returncode:
@@ -274,6 +284,8 @@ def main():
                    help="qwen3: benchmarks/qwen3_shape.py's task (Qwen3's vocabulary, varied lengths), no preset")
     p.add_argument("--trl", action="store_true", help="also run TRL's GRPOTrainer on grpo.py's work")
     p.add_argument("--threads", type=int, default=1, help="torch threads in every run")
+    p.add_argument("--malloc_mmap_threshold", type=int, default=2**20,
+                   help="MALLOC_MMAP_THRESHOLD_ of every run, in bytes (0: glibc's default); see above")
     p.add_argument("--output_dir", default="runs/benchmarks")
     p.add_argument("--out", default="runs/benchmarks/step_time.json")
     p.add_argument("--_worker", help=argparse.SUPPRESS)
@@ -304,7 +316,7 @@ def main():
         raise SystemExit(f"--algo: unknown {unknown}; choose among {ALGOS}")
     os.makedirs(os.path.join(REPO, a.output_dir), exist_ok=True)
     report = {"settings": {"steps": a.steps, "warmup": a.warmup, "repeat": a.repeat, "preset": a.preset, "shape": a.shape,
-                           "threads": a.threads,
+                           "threads": a.threads, "malloc_mmap_threshold": a.malloc_mmap_threshold,
                            "extra": extra, "cpu_count": os.cpu_count(),
                            "load_average_at_start": os.getloadavg()}, "runs": {}}
     runs = [(algo, algo, script_argv(a, algo, extra)) for algo in algos]
@@ -313,7 +325,9 @@ def main():
     for repeat in range(a.repeat):
         for name, kind, run_argv in runs:
             print(f"== {name} ({repeat + 1}/{a.repeat}): {' '.join(run_argv)}", file=sys.stderr)
-            result = spawn(kind, run_argv, a.threads, os.path.join(REPO, a.output_dir, f"step_time_{name}.worker.json"))
+            shutil.rmtree(os.path.join(REPO, a.output_dir, f"step_time_{name}"), ignore_errors=True)  # the last run's
+            result = spawn(kind, run_argv, a.threads, os.path.join(REPO, a.output_dir, f"step_time_{name}.worker.json"),
+                           a.malloc_mmap_threshold)
             run = report["runs"].setdefault(name, {"argv": run_argv, "repeats": []})
             run["repeats"].append({"summary": summarize(result["steps"], a.warmup), "steps": result["steps"],
                                    "wall_s": result["wall_s"]})
