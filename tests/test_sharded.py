@@ -110,18 +110,24 @@ def test_fsdp2_takes_the_ddp_steps_with_batch_statistics(in_toy_workdir, script)
     assert m["snib/weight_max"] > 1.01 if name == "snib" else m["p3o/capped_frac"] > 0.05, m
 
 
-def test_fsdp2_resumes_exactly_and_saves_a_full_model_that_evals_run_loads(in_toy_workdir):
-    """AdamW (sharded state), a linear schedule: resuming from the FSDP2 checkpoint of step 2 ends at the weights of
-    the uninterrupted run's step 4. The model/ folder holds the whole model, as save_pretrained writes it."""
+@pytest.mark.parametrize("stage", ["fsdp2", "zero3"])
+def test_sharded_run_resumes_exactly_and_saves_a_full_model_that_evals_run_loads(in_toy_workdir, stage):
+    """AdamW (sharded state), a linear schedule: resuming from the FSDP2 or ZeRO-3 checkpoint of step 2 ends at the
+    weights of the uninterrupted run's step 4. The model/ folder holds the whole model, as save_pretrained writes it."""
+    config = os.path.join(REPO, "configs", "accelerate", f"{stage}.yaml")
     argv = SMALL + ["--total_steps", "4", "--save_steps", "2", "--lr_scheduler_type", "linear", "--warmup_steps", "1"]
-    launch(in_toy_workdir, "grpo.py", argv + ["--run_name", "fsdp_straight"], num_processes=2, config=FSDP2)
-    straight = os.path.join("runs", "fsdp_straight")
+    launch(in_toy_workdir, "grpo.py", argv + ["--run_name", f"{stage}_straight"], num_processes=2, config=config)
+    straight = os.path.join("runs", f"{stage}_straight")
     state = os.listdir(os.path.join(straight, "checkpoints", "step_2", "state"))
-    assert "pytorch_model_fsdp_0" in state and "optimizer_0" in state  # accelerate's sharded (distcp) FSDP state
-    resumed = os.path.join("runs", "fsdp_resumed")
+    if stage == "fsdp2":
+        assert "pytorch_model_fsdp_0" in state and "optimizer_0" in state  # accelerate's sharded (distcp) FSDP state
+    else:  # DeepSpeed's own checkpoint: each process's partition of the weights and of the optimizer state
+        parts = os.listdir(os.path.join(straight, "checkpoints", "step_2", "state", "pytorch_model"))
+        assert sum(f.startswith("zero_pp_rank_") and f.endswith("optim_states.pt") for f in parts) == 2, parts
+    resumed = os.path.join("runs", f"{stage}_resumed")
     shutil.copytree(straight, resumed)
     shutil.rmtree(os.path.join(resumed, "checkpoints", "step_4"))  # as if interrupted after step 2's checkpoint
-    launch(in_toy_workdir, "grpo.py", argv + ["--resume_from", resumed], num_processes=2, config=FSDP2)
+    launch(in_toy_workdir, "grpo.py", argv + ["--resume_from", resumed], num_processes=2, config=config)
 
     assert_same_weights(final_weights(straight, 4), final_weights(resumed, 4), atol=0)
     assert [m["step"] for m in read_metrics(resumed)] == [1, 2, 3, 4]
@@ -134,7 +140,7 @@ def test_fsdp2_resumes_exactly_and_saves_a_full_model_that_evals_run_loads(in_to
                        trained["model.embed_tokens.weight"])
     assert any(not torch.equal(base[k], trained[k]) for k in base)
 
-    out = os.path.join("runs", "fsdp_eval")
+    out = os.path.join("runs", f"{stage}_eval")
     command = [sys.executable, "-m", "evals.run", "--model", os.path.join(straight, "checkpoints", "step_4", "model"),
                "--benchmarks", "toy", "--max_tokens", "6", "--engine", "hf", "--max_questions", "50", "--output", out]
     env = subprocess_env()
