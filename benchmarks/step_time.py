@@ -64,12 +64,13 @@ Both take the update's own log-probs, detached, as the old log-probs when the up
 On a shared CPU, compare cpu/step, use --repeat 3 (interleaved runs, medians) and read the load average
 printed with the table.
 
-Peak RSS stands in for a GPU's peak allocated memory, so every run (scripts and TRL) gets glibc's mmap threshold
-fixed at --malloc_mmap_threshold bytes (MALLOC_MMAP_THRESHOLD_, default 1 MiB): buffers above it are mapped and
-unmapped, not kept in the heap. With glibc's default, the threshold rises to the largest buffer freed so far and
-freed (rows, V) buffers stay in the heap, fragmented: one rollout of 8 rows x 222 tokens at V = 151,936 left
-460-650 MB more RSS (three runs), against 55 MB with the threshold fixed (benchmarks/qwen3_shape.py's model).
---malloc_mmap_threshold 0 keeps glibc's default.
+Peak RSS stands in for a GPU's peak allocated memory, but with glibc's default allocator it measures heap
+fragmentation too: the mmap threshold rises to the largest buffer freed so far, and freed (rows, V) buffers stay in
+the heap. One rollout of 8 rows x 222 tokens at V = 151,936 (benchmarks/qwen3_shape.py's model) left 460-650 MB
+more RSS in three runs with the default, 55 MB with the threshold fixed at 1 MiB. So compare memory with
+--malloc_mmap_threshold 1048576 (MALLOC_MMAP_THRESHOLD_ in every run, scripts and TRL), and time without it (the
+default, 0, is glibc's own): fixed, every large buffer is mapped and unmapped, which slowed grpo.py's rollout by
+about half (its sampler makes several (rows, V) buffers per token) and TRL's much less.
 """
 
 import argparse
@@ -284,8 +285,8 @@ def main():
                    help="qwen3: benchmarks/qwen3_shape.py's task (Qwen3's vocabulary, varied lengths), no preset")
     p.add_argument("--trl", action="store_true", help="also run TRL's GRPOTrainer on grpo.py's work")
     p.add_argument("--threads", type=int, default=1, help="torch threads in every run")
-    p.add_argument("--malloc_mmap_threshold", type=int, default=2**20,
-                   help="MALLOC_MMAP_THRESHOLD_ of every run, in bytes (0: glibc's default); see above")
+    p.add_argument("--malloc_mmap_threshold", type=int, default=0,
+                   help="MALLOC_MMAP_THRESHOLD_ of every run, in bytes (0: glibc's default); 1048576 to compare memory")
     p.add_argument("--output_dir", default="runs/benchmarks")
     p.add_argument("--out", default="runs/benchmarks/step_time.json")
     p.add_argument("--_worker", help=argparse.SUPPRESS)
