@@ -26,11 +26,14 @@ Math grading
 ``math_accuracy`` reads the model's final answer (``extract_answer``: boxes, "the final answer is",
 ``#### x``, then the trailing expression) and compares it with the dataset answer using math-verify, so
 that ``\\frac{1}{2}``, ``0.5`` and ``\\dfrac12`` all count as the same answer. Each rule below names the
-output that motivated it. Policies: an unsimplified but equal value counts (``\\frac{6}{8}`` for
-``\\frac34``); a percent sign is dropped on both sides (``17.5\\%`` = ``17.5``, not ``0.175``); a bare list
-(``2, 4, 3``) is a set unless the prompt asks for an ordered pair/triple/tuple or an order; several
-boxes side by side are one answer, a set; an answer that is wholly an English number ("twelve", "two
-hundred and five", "one half") is read as that number. math-verify runs in worker processes with a
+output that motivated it (a ProcessBench or ReasonEval id is a row of tests/data/grader_realdata.jsonl.gz).
+Policies: an unsimplified but equal value counts (``\\frac{6}{8}`` for ``\\frac34``); a percent sign is dropped on
+both sides (``17.5\\%`` = ``17.5``, not ``0.175``), and a plain fraction also matches a percent reference (``0.625``
+for ``62.5%``); a bare list (``2, 4, 3``) is a set unless the prompt asks for an ordered pair/triple/tuple, an order,
+or a list of named values ("T(10), T(11) and T(12)"); an inequality matches an interval reference; several
+boxes side by side, or in one sentence joined by "and", are one answer, a set; an answer that is wholly an
+English number ("twelve", "two hundred and five", "one half") is read as that number, and one in words is compared
+without case; only the final answer counts. math-verify runs in worker processes with a
 hard time limit per sample (``TIME_LIMIT_S``): a sample over it gets reward 0 and is counted as
 ``math_accuracy/timeouts``. ``choice_accuracy`` grades multiple choice: the option letter of
 ``\\boxed{C}``, "the answer is (C)" or "Answer: C". The evaluation package (evals/) grades with these
@@ -159,8 +162,10 @@ def _final_boxes(text: str) -> str | None:
     group = [found[-1]]
     for box in reversed(found[:-1]):
         gap = text[box[2] + 1 : group[0][0]]
-        if (len(gap) > 40 or not _BOX_GAP.fullmatch(gap)) and (len(gap) > 150 or _GAP_SENTENCE_END.search(gap)
-                                                              or not re.search(r"\band\b", gap) or not _ANCHOR.search(gap)):
+        side_by_side = len(gap) <= 40 and _BOX_GAP.fullmatch(gap)
+        same_sentence = (len(gap) <= 150 and not _GAP_SENTENCE_END.search(gap) and re.search(r"\band\b", gap)
+                         and _ANCHOR.search(gap))
+        if not (side_by_side or same_sentence):
             break
         group.insert(0, box)
     answers = list(dict.fromkeys(text[content:end].strip() for _, content, end in group))
@@ -175,9 +180,11 @@ _MATH_SPAN = {"$$": "$$", "$": "$", "\\(": "\\)", "\\[": "\\]"}
 _SENTENCE_END = re.compile(r"\.(?=\s|$)|\n|,\s+(?=[a-zA-Z]{2})")
 _FILLER = re.compile(r"^(?:(?:therefore|thus|then|so|simply|just|about|approximately|exactly|equal to|now)\b[\s,]*)+",
                      re.IGNORECASE)
-_DELIMITERS = re.compile(r"^(?:\\[(\[]\s*)+|(?:\s*\\[)\]])+[\s.,;:]*$")  # "\(" "\[" opening, "\)" "\]" closing the answer
-# "5 a" of "5 a day", "5 m/s" (GSM8K: "1200/240 = 5 m/s"), not "\cot x" (ReasonEval prm800k-66)
-_LONE_LETTERS = re.compile(r"(?<![a-zA-Z])(?:\s+[a-zA-Z](?:/[a-zA-Z])?)+\s*$")
+# "\(" "\[" opening, "\)" "\]" closing the answer
+_DELIMITERS = re.compile(r"^(?:\\[(\[]\s*)+|(?:\s*\\[)\]])+[\s.,;:]*$")
+# "5 a" of "5 a day", "5 m/s" (GSM8K: "1200/240 = 5 m/s"); after a number only: not "\cot x" (ReasonEval prm800k-66),
+# not "2 + T" (ProcessBench olympiadbench-571 was read as 2)
+_LONE_LETTERS = re.compile(r"(?<=[\d}%])(?:\s+[a-zA-Z](?:/[a-zA-Z])?)+\s*$")
 
 
 def _tidy(answer: str) -> str:
@@ -261,7 +268,8 @@ _ROUNDING = re.compile(r"\brounds?(?: up| down)? to\b")
 # "he'll need 1 more to make the plants 12" (GSM8K reference solutions) state no answer.
 _ANCHOR = re.compile(r"=|(?<!\bto )\b(?:is|are|was|were|be|equals?|makes?|gives?|gets?|has|have|had|total(?: of)?|"
                      r"rounds?(?: up| down)? to|(?:will|would|can|could|must|should)\s+[a-z]+(?=\s+\$?\d)|"
-                     r"needs?|needed|takes?|took|spends?|spent|costs?|pays?|paid|saves?|saved|earns?|earned|weighs?|last)\b")
+                     r"needs?|needed|takes?|took|spends?|spent|costs?|pays?|paid|saves?|saved|earns?|earned|weighs?|"
+                     r"last)\b")
 # "$118 000", "650 000/2 = 325 000 cars each" (GSM8K, reference 325,000); not "12 200-kilobyte videos"
 _SPACED_THOUSANDS = re.compile(r"(?:\$\s*|(?<![\d.]))\d{1,3}(?: \d{3})+(?![\d\-])")
 _NEXT_QUANTITY = re.compile(r"(?<=[\d}])\s+(?=[$\d])")  # "12 200-kilobyte videos": 12, then another number
@@ -297,9 +305,11 @@ def _trailing_expression(text: str) -> str | None:
     return None if _NEGATED.search(sentence) else _sentence_answer(sentence)
 
 
-# A last sentence that denies is no answer: a solution cut off while trying values, "So, \\( x = 14 \\) and \\( y = 15 \\)
-# is not a solution." (ProcessBench math-381; reference 15), or one that gives up, "... cannot be determined" (omnimath-69).
-_NEGATED = re.compile(r"\b(?:is|are|was|were)\s*(?:not|n't)\s+(?:a |an |the )?(?:solution|valid|correct|possible|true|answer)"
+# A last sentence that denies is no answer: a solution cut off while trying values, "So, \\( x = 14 \\) and
+# \\( y = 15 \\) is not a solution." (ProcessBench math-381; reference 15), or one that gives up, "... cannot be
+# determined" (omnimath-69).
+_NEGATED = re.compile(r"\b(?:is|are|was|were)\s*(?:not|n't)\s+(?:a |an |the )?"
+                      r"(?:solution|valid|correct|possible|true|answer)"
                       r"|\bcannot be (?:determined|found)|\bnot enough information", re.IGNORECASE)
 _OR_PERCENT = re.compile(r"or\s+(\d[\d.]*\s*%)")  # a value restated as a percent: "= 0.60 or 60% off" (GSM8K)
 _IS_THE_ANSWER = re.compile(r"(?<![\w.])(\$?-?\d[\d,.]*)\s+is\s+the\s+(?:final\s+|correct\s+)?answer\b", re.IGNORECASE)
@@ -580,9 +590,11 @@ GRADER_PROCESSES = min(4, os.cpu_count() or 1)  # per training process
 # 2, 3, 4 for the reference 2, 4, 3 was accepted).
 # An order asked of the answer, not one the problem describes: "the list $3 n^{2}, m^{2}, 2(n+1)^{2}$ consists of three
 # consecutive integers written in increasing order. Determine all possible values of $m$." (olympiadbench-689) is a set.
-_ORDERED = re.compile(r"ordered\s+(?:pair|triple|quadruple|tuple|list)|(?<!the )(?<!a )\b(?:list|enter|write|give|express|arrange|put|sort|"
-                      r"order|separated)\b[^.?]*\bin\s+(?:increasing|decreasing|ascending|descending|alphabetical|that|this|"
-                      r"the\s+same)\s+order|\bin\s+order\b(?!\s+(?:to|for|that)\b)|"
+_ORDERED = re.compile(r"ordered\s+(?:pair|triple|quadruple|tuple|list)|"
+                      r"(?<!the )(?<!a )\b(?:list|enter|write|give|express|arrange|put|sort|order|separated)\b[^.?]*"
+                      r"\bin\s+(?:increasing|decreasing|ascending|descending|alphabetical|that|this|"
+                      r"the\s+same)\s+order|"
+                      r"\bin\s+order\b(?!\s+(?:to|for|that)\b)|"
                       r"[a-z]\(-?\d+\)\$?\s*(?:,\s*(?:and\s+)?|and\s+)\$?[a-z]\(-?\d+\)", re.IGNORECASE)
 
 
