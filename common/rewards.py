@@ -428,14 +428,15 @@ _EXTRACTION_CONFIG = [LatexExtractionConfig(), ExprExtractionConfig()]
 _TEXT = re.compile(r"\\(?:text|textbf|textit|mbox|mathrm|mathbf)\s*\{([^{}]*)\}")  # "\text {cm}" too
 # "5\text{ cm}", and "166 \, \text{cm}^2" (ProcessBench olympiadbench-793: the squared unit was kept and 166 rejected)
 _TRAILING_UNIT = re.compile(r"(?<=[^\s{])\s*\\(?:text|mbox|mathrm)\s*\{\s*[a-zA-Z][^{}]*\}(?:\^\{?[23]\}?)?$")
-_PERCENT = re.compile(r"\s*(?:\\?%|\\text\{\s*%\s*\}|\s+percent)$")
+# Matches start only where a run of spaces starts ((?<!\s)): "1" + 200,000 spaces + "x" took minutes otherwise.
+_PERCENT = re.compile(r"(?<!\s)\s*(?:\\?%|\\text\{\s*%\s*\}|(?<=\s)percent)$")
 # Spacing commands, but not the row break "\\" of a matrix: in "a \\ b" the "\ " was read as a space and the rows
 # merged, so every pmatrix answer written with spaces was rejected (ProcessBench math-552, math-595).
 _SPACING = re.compile(r"\\\\|\\[,;:! ]|\\(?:left|right|displaystyle)(?![a-zA-Z])|~")
 # Words that join the items of one answer: "(27, 20, 13) \text{ and } (18, 20, 22)" (olympiadbench-630), and a
 # qualifier after it, "\frac{\pi}{6} + k\pi, ... \text{ for } k \in \mathbb{Z}" (olympiadbench-888).
-_TEXT_AND = re.compile(r"\s*\\text\s*\{\s*(?:and|or)\s*\}\s*")
-_QUALIFIER = re.compile(r"(?:\s|,|\\quad)*\\text\s*\{\s*(?:for|where)\b.*$")
+_TEXT_AND = re.compile(r"(?<!\s)\s*\\text\s*\{\s*(?:and|or)\s*\}\s*")
+_QUALIFIER = re.compile(r"(?<![\s,])(?:\s|,|\\quad)*\\text\s*\{\s*(?:for|where)\b.*$")
 _THOUSANDS = re.compile(r"-?\d{1,3}(?:(?:,|\{,\})\d{3})+(?:\.\d+)?")
 _CURRENCY = str.maketrans("", "", "$€£¥₹")
 _PLAIN_NUMBER = re.compile(r"-?(?:\d+(?:\.\d*)?|\.\d+)")
