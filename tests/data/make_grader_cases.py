@@ -61,6 +61,58 @@ EXTRA = [
     ("marker:words", "The answer is twelve.", "12", 1),
     ("marker:minerva_wrong", "Final Answer: The final answer is $\\frac{4}{35}$. I hope it is correct.", "35", 0),
 ]
+# From the real-data regression set (tests/data/grader_realdata.jsonl.gz, ProcessBench / ReasonEval ids in
+# common/rewards.py): the rules its disagreements motivated, with a neighbour that must stay wrong.
+EXTRA += [
+    ("fallback:math_delimiters", "Therefore, the solution to the problem is \\(b = 5\\).", "5", 1),
+    ("fallback:math_delimiters", "Therefore, the solution to the problem is \\(b = 5\\).", "4", 0),
+    ("fallback:bold", "Thus, there are **19** integers from 1 to 100, inclusive, that have a digit 6.", "19", 1),
+    ("fallback:bold", "Thus, there are **19** integers from 1 to 100, inclusive, that have a digit 6.", "6", 0),
+    ("fallback:equals_in_subject", "The range of the function \\(f(x) = \\arctan x + \\frac{1}{2} \\arcsin x\\) is "
+     "\\(\\left[-\\frac{\\pi}{2}, \\frac{\\pi}{2}\\right]\\).", "\\left[ -\\frac{\\pi}{2}, \\frac{\\pi}{2} \\right]", 1),
+    ("fallback:equation_without_value", "There are 1164 times \\(h:m:s\\) on a 24-hour digital clock where the hour, "
+     "minute, and second satisfy the equation \\(h + m = s\\).", "1164", 1),
+    ("fallback:equation_without_value", "Then 100/5 = 5A/5 or 20 = A.", "20", 1),
+    ("fallback:list", "Therefore, the values of \\(n\\) are \\(n = 5\\) and \\(n = 15\\).", "5, 15", 1),
+    ("fallback:list", "Therefore, the values of \\(n\\) are \\(n = 5\\) and \\(n = 15\\).", "15", 0),
+    ("fallback:list", "So \\(4 + 4 = 8\\) and \\(8 \\times 2 = 16\\)", "16", 1),
+    ("fallback:denial", "If we let \\( x = 14 \\), then \\( y = 15 \\). So, \\( x = 14 \\) and \\( y = 15 \\) is not a "
+     "solution.", "15", 0),
+    ("fallback:modal", "37 * 11 gives you 407. Ms. Alice can grade 407 papers in 11 hours.", "407", 1),
+    ("fallback:modal", "The exponent is 9. This means 2007 can divide evenly into \\( 2007! \\) up to 9 times.", "9", 1),
+    ("marker:sentence", "The change is $7.\n\n**Answer:** Verna received $7.00 in change.", "7", 1),
+    ("marker:sentence", "**Final Answer**: The probability that Emile's set contains exactly 3 aces, given that he "
+     "picks 39 cards, is \\(1\\).", "1", 1),
+    ("marker:sentence", "**Final Answer**: The probability that Emile's set contains exactly 3 aces, given that he "
+     "picks 39 cards, is \\(1\\).", "3", 0),
+    ("marker:prm800k", "So the speed is 12*pi inches per second.\n# Answer\n\n12*pi", "12\\pi", 1),
+    ("marker:prm800k", "4 + 7 = 11, so they are consistent.\n# Answer\n\nHillary has 7 nickels.", "7", 1),
+    ("marker:prm800k", "4 + 7 = 11, so they are consistent.\n# Answer\n\nHillary has 7 nickels.", "11", 0),
+    ("marker:prm800k", "So it is $\\frac{\\cos x}{\\sin x} = \\cot x.$\n# Answer\n\n\\cot x", "\\cot x", 1),
+    ("boxes:empty", "So the answer is 5. \\(\\boxed{}\\)", "5", 1),
+    ("boxes:same_sentence", "The maximum possible number is \\(\\boxed{3}\\), and the minimum possible number is "
+     "\\(\\boxed{1}\\).", "1,3", 1),
+    ("boxes:same_sentence", "The maximum possible number is \\(\\boxed{3}\\), and the minimum possible number is "
+     "\\(\\boxed{1}\\).", "1", 0),
+    ("clean:matrix", "\\[\\boxed{\\begin{pmatrix} -\\frac{1}{3} \\\\ \\frac{2}{3} \\end{pmatrix}}\\]",
+     "\\begin{pmatrix} -1/3 \\\\ 2/3 \\end{pmatrix}", 1),
+    ("clean:matrix", "\\[\\boxed{\\begin{pmatrix} -\\frac{1}{3} \\\\ \\frac{2}{3} \\end{pmatrix}}\\]",
+     "\\begin{pmatrix} 2/3 \\\\ -1/3 \\end{pmatrix}", 0),
+    ("clean:text_and", "\\[ \\boxed{(27, 20, 13) \\text{ and } (18, 20, 22)} \\]", "(27,20,13), (18,20,22)", 1),
+    ("clean:qualifier", "\\[ \\boxed{\\frac{\\pi}{6} + k\\pi \\text{ for } k \\in \\mathbb{Z}} \\]", "\\frac{\\pi}{6}+k\\pi", 1),
+    ("clean:squared_unit", "the surface area of the prism is \\(\\boxed{166 \\, \\text{cm}^2}\\).", "166", 1),
+    ("clean:plus_minus", "Thus, the possible values for \\(m\\) are \\(\\boxed{±1, ±7}\\).", "1,-1,7,-7", 1),
+    ("clean:plus_minus", "Thus, the possible values for \\(m\\) are \\(\\boxed{±1, ±7}\\).", "1,7", 0),
+    ("clean:lost_dollar", "Therefore, Annika has $15 left. The final answer is: \\boxed{\\15}", "15", 1),
+    ("clean:function_head", "The final answer is: \\(\\boxed{f(y) = 1}\\).", "f(x)=1", 1),
+    ("compare:percent_fraction", "is approximately: \\[ \\boxed{0.625} \\]", "62.5%", 1),
+    ("compare:percent_fraction", "is approximately: \\[ \\boxed{0.625\\%} \\]", "62.5%", 0),
+    ("compare:interval", "\\[ \\boxed{\\frac{1}{2} \\leq x \\leq 8}. \\]", "[\\frac{1}{2}, 8]", 1),
+    ("compare:interval", "\\[ \\boxed{\\frac{1}{2} < x \\leq 8}. \\]", "[\\frac{1}{2}, 8]", 0),
+    ("compare:interval", "Final answer: \\(k < -5\\).", "(-\\infty,-5)", 1),
+    ("compare:words_case", "So the answer is east.\n# Answer\n\nEast", "\\text{east}", 1),
+    ("compare:words_case", "So the answer is east.\n# Answer\n\nEast", "\\text{west}", 0),
+]
 for rule, completion, gold, ok in EXTRA:
     cases.append({"rule": rule, "completion": completion, "answer": gold, "correct": ok})
 # Order: a bare list is a set unless the question asks for an order.
@@ -70,6 +122,10 @@ for prompt, pred, gold, ok in [
     ("Enter all the solutions, separated by commas.", "2, 3, 4", "2, 4, 3", 1),
     ("List them in increasing order.", "1, 5, 9", "1, 9, 5", 0),
     ("Find the ordered pair.", "(4, 3)", "(3, 4)", 0),
+    ("Determine the values of $T(10), T(11)$ and $T(12)$.", "2, 3, 4", "2, 4, 3", 0),
+    ("The list $3 n^{2}, m^{2}, 2(n+1)^{2}$ consists of three consecutive integers written in increasing order. "
+     "Determine all possible values of $m$.", "\\pm 1, \\pm 7", "1,-1,7,-7", 1),
+    ("In order to find the roots, factor the polynomial. What are the roots?", "3, 1", "1, 3", 1),
 ]:
     cases.append({"rule": "order", "prompt": prompt, "completion": f"So it is $\\boxed{{{pred}}}$.", "answer": gold,
                   "correct": ok})
