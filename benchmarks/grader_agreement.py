@@ -19,7 +19,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common.rewards import extract_answer, extract_gold, math_accuracy  # noqa: E402
+from common.math_grader import extract_answer, extract_gold, math_accuracy  # noqa: E402
 
 MODELS = ("6b_finetuning", "6b_verification", "175b_finetuning", "175b_verification")
 
@@ -52,10 +52,12 @@ def reference_solutions(folder: str, split: str) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gsm8k", required=True, help="folder with example_model_solutions.jsonl, train.jsonl, test.jsonl")
+    parser.add_argument("--gsm8k", required=True,
+                        help="folder with example_model_solutions.jsonl, train.jsonl, test.jsonl")
     parser.add_argument("--out", default="grader_disagreements.jsonl", help="where to write every disagreement")
     args = parser.parse_args()
-    rows = model_solutions(args.gsm8k) + reference_solutions(args.gsm8k, "train") + reference_solutions(args.gsm8k, "test")
+    rows = model_solutions(args.gsm8k)
+    rows += reference_solutions(args.gsm8k, "train") + reference_solutions(args.gsm8k, "test")
     start = time.time()
     rewards = math_accuracy([r["question"] for r in rows], [r["completion"] for r in rows],
                             answer=[r["answer"] for r in rows])

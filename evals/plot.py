@@ -30,11 +30,12 @@ import torch
 from matplotlib.figure import Figure
 from transformers import HfArgumentParser
 
-from ctpo import FIG1_FIXED_WINDOW
-
 CURVES = [("reward/mean", "reward (train)"), ("eval/accuracy", "held-out accuracy"),
           ("policy/entropy", "entropy (nats / token)"), ("completion/length_mean", "completion length (tokens)"),
           ("policy/kl", "KL to reference (k3)"), ("policy/clip_frac", "clip fraction")]
+# The ratio window whose clip rate ctpo.py logs as fixed_clip_frac (its FIG1_FIXED_WINDOW; evals/ imports no script,
+# tests/test_plot.py holds the two equal)
+FIXED_WINDOW = (0.5, 5.0)
 BUCKET = re.compile(r"pos_(\d+)(?:-(\d+)|\+)")  # ctpo.py's POSITION_BUCKETS names: pos_1-16, ..., pos_1025+
 DUMP = re.compile(r"step_(\d+)\.rank(\d+)\.pt")
 
@@ -162,7 +163,7 @@ def clip_rate_lines(run: Run, row: dict, buckets: list[tuple[str, float]]) -> li
     lines = [(clip_label(run), bucket_points(row, "clip_frac", buckets))]
     fixed = bucket_points(row, "fixed_clip_frac", buckets)
     if fixed:
-        lines.append((f"{run.name}: fixed clip, ratio in [{FIG1_FIXED_WINDOW[0]:g}, {FIG1_FIXED_WINDOW[1]:g}]", fixed))
+        lines.append((f"{run.name}: fixed clip, ratio in [{FIXED_WINDOW[0]:g}, {FIXED_WINDOW[1]:g}]", fixed))
     return lines
 
 

@@ -22,7 +22,6 @@ import runpy
 import sys
 
 import torch
-
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType

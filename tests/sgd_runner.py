@@ -12,7 +12,6 @@ import torch
 from accelerate import PartialState
 
 
-
 class SGD(torch.optim.SGD):
     """AdamW's signature, plain SGD's step; a class, since libraries subclass torch.optim.AdamW (DeepSpeed does)."""
 

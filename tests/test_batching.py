@@ -75,7 +75,8 @@ def test_dynamic_sampling_drops_zero_std_groups_and_keeps_the_batch_size():
         return fake_rollouts(rounds[r], tag=r)
 
     metrics = {}
-    batch, removed = fill_batch(sample_round, num_groups=3, G=2, accelerator=OneProcess(), max_rounds=4, metrics=metrics)
+    batch, removed = fill_batch(sample_round, num_groups=3, G=2, accelerator=OneProcess(), max_rounds=4,
+                                metrics=metrics)
     assert seen == [0, 1]  # round 1 filled the batch: round 2 never ran
     assert batch.prompt_ids == [[0, 1], [0, 1], [1, 0], [1, 0], [1, 3], [1, 3]]  # the first 3 kept, in sampling order
     assert (batch.rewards.view(-1, 2).std(dim=1) > 0).all()  # never a zero-std group

@@ -161,7 +161,8 @@ def test_step_prompts_partition_the_global_batch():
     assert parts[0][0] == [0, 1, 4, 5]  # a contiguous half of each mini-batch
     by_position = dict(zip(one_pos, one_rows))
     assert all(by_position[pos] == row for pos, row in zip(*parts[0]))
-    assert len(set(step_prompts(0, num_processes=1, process_index=0, **{**args, "batch_size": 40, "mini_batch_size": 0})[1])) == 10
+    whole = step_prompts(0, num_processes=1, process_index=0, **{**args, "batch_size": 40, "mini_batch_size": 0})
+    assert len(set(whole[1])) == 10
 
 
 def test_preset_then_config_then_command_line(tmp_path):

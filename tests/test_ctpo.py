@@ -47,14 +47,14 @@ def reference(logp, old, ref, A, mask, args, tis=None):
             b = p ** args.clip_power
             rho_clip = math.exp(min(max(log_rho, -args.clip_low * b), args.clip_high * b))
             l1, l2 = -a * rho, -a * rho_clip
-            l = max(l1, l2)
+            lt = max(l1, l2)
             # only the current token carries the gradient: d rho_t / d logp_t = rho_t (below the cap of 10);
             # l2 is constant wherever it differs from l1 (log rho_t outside the bounds)
             dl = -a * rho if (c < 10 and l1 >= l2) else 0.0
-            if a < 0 and l > -a * math.exp(args.clip_c * b):  # dual clip
-                l, dl = -a * math.exp(args.clip_c * b), 0.0
+            if a < 0 and lt > -a * math.exp(args.clip_c * b):  # dual clip
+                lt, dl = -a * math.exp(args.clip_c * b), 0.0
             w = float(tis[i, t]) if tis is not None else 1.0
-            loss += w * l / n
+            loss += w * lt / n
             grad[i][t] = w * dl / n
             if args.beta:
                 d = float(ref[i, t] - logp[i, t])
@@ -240,8 +240,8 @@ def test_micro_batches_sum_to_the_full_batch_loss_and_gradient():
     args = replace(ARGS, num_generations=4, beta=0.04)
     loss, _ = ctpo.compute_loss(logp, old, ref, A, mask, args, tis_weights=tis)
     (full_grad,) = torch.autograd.grad(loss, logp)
-    stats = ctpo.batch_stats(lambda: logp.detach(), old, A, mask, args)
-    assert set(stats) == {"num_tokens"} and stats["num_tokens"].dim() == 0
+    stats, per_row = ctpo.batch_stats(lambda: logp.detach(), old, A, mask, args)
+    assert set(stats) == {"num_tokens"} and stats["num_tokens"].dim() == 0 and per_row == {}
     assert stats["num_tokens"].item() == mask.sum().item()
     micro = sum(ctpo.compute_loss(logp[s], old[s], ref[s], A[s], mask[s], args, tis_weights=tis[s], **stats)[0]
                 for s in [slice(0, 1), slice(1, 4), slice(4, 8)])
@@ -250,6 +250,7 @@ def test_micro_batches_sum_to_the_full_batch_loss_and_gradient():
 
 
 @pytest.mark.slow
+@pytest.mark.precondition
 def test_micro_batch_size_does_not_change_the_gradient(in_toy_workdir):
     grads = {mb: sgd_gradient(in_toy_workdir, f"ctpo_micro{mb}", SMALL + ["--micro_batch_size", str(mb)],
                               script="ctpo.py") for mb in (1, 16)}

@@ -13,16 +13,17 @@ import pytest
 import torch
 from huggingface_hub.errors import GatedRepoError
 
-from common.rewards import choice_accuracy, extract_choice, get_reward_function, is_equivalent, math_accuracy
+from common.benchmarks import BENCHMARKS, get_benchmark, get_grader, load_benchmark
+from common.evaluation import _stats, evaluate_benchmarks, k_values, load_eval_sets, pass_at_k, run_eval_set
+from common.math_grader import choice_accuracy, extract_choice, is_equivalent, math_accuracy
+from common.rewards import get_reward_function
 from common.toy import TOY_DIR, toy_addition
-from evals.benchmarks import BENCHMARKS, get_benchmark, get_grader, load_benchmark
-from evals.run import (EvalArgs, _stats, evaluate_benchmarks, k_values, load_eval_sets, load_model, main, pass_at_k,
-                       run_eval_set)
+from evals.run import EvalArgs, load_model, main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(REPO, "evals", "fixtures")
 
-# The columns of each hub dataset and their types (None is allowed too), as evals/benchmarks.py's "schema:" comments
+# The columns of each hub dataset and their types (None is allowed too), as common/benchmarks.py's "schema:" comments
 # record where they were checked (GPQA: only the columns we read and a few more; the real file also has Pre-Revision*
 # and validator columns). The fixtures must match exactly.
 MATH_ARENA = {"problem_idx": int, "problem": str, "answer": str, "problem_type": list}
@@ -100,7 +101,8 @@ def test_multiple_choice_prompts():
 
 
 def test_gpqa_options_shuffled_deterministically():
-    first, again = load_benchmark("gpqa_diamond", fixture("gpqa_diamond")), load_benchmark("gpqa_diamond", fixture("gpqa_diamond"))
+    first = load_benchmark("gpqa_diamond", fixture("gpqa_diamond"))
+    again = load_benchmark("gpqa_diamond", fixture("gpqa_diamond"))
     assert first == again
     for row, example in zip(read_jsonl(fixture("gpqa_diamond")), first):
         options = dict(line.split(". ", 1) for line in example["prompt"].splitlines()[2:])
@@ -137,9 +139,11 @@ def test_graders_are_the_training_rewards():
 @pytest.mark.parametrize("pred, gold", [
     (r"\dfrac{3}{4}", r"\frac34"), (r"\tfrac{3}{4}", "0.75"), (r"\frac{6}{8}", r"\frac{3}{4}"), ("2.5", r"\frac{5}{2}"),
     (r"x^{2} + 2 x", "x^2+2x"), (r"2 \sqrt {3}", r"2\sqrt3"), (r"\frac{\sqrt{3}}{3}", r"\frac{1}{\sqrt{3}}"),
-    (r"5 \mbox{ inches}", "5"), (r"12 \text{ dollars}", "12"), (r"\$12", "12"), (r"30^{\circ}", "30"), ("45", r"45^\circ"),
+    (r"5 \mbox{ inches}", "5"), (r"12 \text{ dollars}", "12"), (r"\$12", "12"), (r"30^{\circ}", "30"),
+    ("45", r"45^\circ"),
     (r"20 \text{ degrees}", "20"), (r"\frac{1}{2}\text{ hours}", "0.5"),
-    (r"\left[ 1, 3 \right)", "[1,3)"), (r"(-\infty, 2]", r"(-\infty,2]"), (r"(-\infty, 0) \cup (1, \infty)", r"(-\infty,0)\cup(1,\infty)"),
+    (r"\left[ 1, 3 \right)", "[1,3)"), (r"(-\infty, 2]", r"(-\infty,2]"),
+    (r"(-\infty, 0) \cup (1, \infty)", r"(-\infty,0)\cup(1,\infty)"),
     (r"\left(1, -2\right)", "(1,-2)"), ("(1, 2)", "(1,2)"), (r"\{1,2\}", r"\{2,1\}"),
     ("1,000,000", "1000000"), ("1{,}000", "1000"), (r"\$1,000", "1000"), ("1,000.50", "1000.5"),
     (r"\text{even}", "even"), ("(C)", r"\text{(C)}"), ("y = \\frac{1}{2}", "0.5"), ("27", "27.0"), ("47", "047"),

@@ -98,8 +98,8 @@ def test_token_mean_divides_by_the_batch_token_count():
     loss_pos, _ = grpo.compute_loss(logp, logp.detach(), None, A, mask, replace(ARGS, loss_agg="token-mean",
                                                                                  train_on="positive"))
     assert loss_pos.item() == pytest.approx(-1.0)
-    stats = grpo.batch_stats(None, None, A, mask, replace(ARGS, train_on="positive"))
-    assert (stats["num_rows"].item(), stats["num_tokens"].item()) == (1, 2)
+    totals, per_row = grpo.batch_stats(None, None, A, mask, replace(ARGS, train_on="positive"))
+    assert (totals["num_rows"].item(), totals["num_tokens"].item()) == (1, 2) and per_row == {}
 
 
 def reference_loss(logp, old, ref, A, mask, args):
@@ -123,7 +123,8 @@ def reference_loss(logp, old, ref, A, mask, args):
                     d = ref[i, t] - logp[i, t]
                     term -= args.beta * (math.exp(d) - d - 1)
                 s += term
-        total += s if args.loss_agg == "token-mean" else s / (args.max_completion_length if args.loss_agg == "token-sum-norm" else L)
+        norm = args.max_completion_length if args.loss_agg == "token-sum-norm" else L
+        total += s if args.loss_agg == "token-mean" else s / norm
     return -float(total) / max(tokens if args.loss_agg == "token-mean" else sum(keep), 1)  # pytest.approx: no tensors
 
 
@@ -144,9 +145,9 @@ def test_matches_reference_and_micro_batches_sum_to_full_batch(train_on, loss_ag
     assert loss.item() == pytest.approx(reference_loss(logp.detach(), old, ref, A, mask, args), rel=1e-5)
     (full_grad,) = torch.autograd.grad(loss, logp)
 
-    stats = grpo.batch_stats(lambda: logp.detach(), old, A, mask, args)
-    halves = [grpo.batch_stats(None, old[s], A[s], mask[s], args) for s in (slice(0, 4), slice(4, 8))]
-    assert all(halves[0][k] + halves[1][k] == v for k, v in stats.items())  # what the loop's all-reduce adds up
+    stats, per_row = grpo.batch_stats(lambda: logp.detach(), old, A, mask, args)
+    halves = [grpo.batch_stats(None, old[s], A[s], mask[s], args)[0] for s in (slice(0, 4), slice(4, 8))]
+    assert all(halves[0][k] + halves[1][k] == v for k, v in stats.items()) and per_row == {}  # the all-reduce's sum
     micro = sum(grpo.compute_loss(logp[s], old[s], ref[s], A[s], mask[s], args, **stats)[0]
                 for s in [slice(0, 1), slice(1, 4), slice(4, 8)])
     assert micro.item() == pytest.approx(loss.item(), rel=1e-6)

@@ -155,8 +155,9 @@ def test_micro_batches_sum_to_the_full_batch_loss_and_gradient():
     args = replace(ARGS, num_generations=4, beta=0.04, epsilon=0.01, epsilon_high=0.015)
     loss, _ = gspo.compute_loss(logp, old, ref, A, mask, args, tis_weights=tis)
     (full_grad,) = torch.autograd.grad(loss, logp)
-    stats = gspo.batch_stats(lambda: logp.detach(), old, A, mask, args)
-    assert set(stats) == {"num_rows"} and stats["num_rows"].dim() == 0 and stats["num_rows"].item() == 8
+    stats, per_row = gspo.batch_stats(lambda: logp.detach(), old, A, mask, args)
+    assert per_row == {} and set(stats) == {"num_rows"}
+    assert stats["num_rows"].dim() == 0 and stats["num_rows"].item() == 8
     micro = sum(gspo.compute_loss(logp[s], old[s], ref[s], A[s], mask[s], args, tis_weights=tis[s], **stats)[0]
                 for s in [slice(0, 1), slice(1, 4), slice(4, 8)])
     assert micro.item() == pytest.approx(loss.item(), rel=1e-12)
@@ -164,6 +165,7 @@ def test_micro_batches_sum_to_the_full_batch_loss_and_gradient():
 
 
 @pytest.mark.slow
+@pytest.mark.precondition
 def test_micro_batch_size_does_not_change_the_gradient(in_toy_workdir):
     grads = {mb: sgd_gradient(in_toy_workdir, f"gspo_micro{mb}", SMALL + ["--micro_batch_size", str(mb)],
                               script="gspo.py") for mb in (1, 16)}

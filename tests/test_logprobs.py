@@ -254,7 +254,8 @@ def varied_batch(V: int, B: int, P: int, T: int, seed: int = 0):
     """[left-padded prompt | right-padded completion], prompt lengths 1..P and completion lengths 1..T at random."""
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(2, V, (int(n),), generator=g).tolist() for n in torch.randint(1, P + 1, (B,), generator=g)]
-    completions = [torch.randint(2, V, (int(n),), generator=g).tolist() for n in torch.randint(1, T + 1, (B,), generator=g)]
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    completions = [torch.randint(2, V, (int(n),), generator=g).tolist() for n in lengths]
     completions[0] = completions[0][:1] + [5] * (T - 1)  # one row of full length: the batch is T wide
     prompts_t, completions_t = pad_rows(prompts, 0, left=True), pad_rows(completions, 0)
     mask = pad_rows([[1] * len(c) for c in completions], 0)

@@ -232,6 +232,7 @@ def test_a_final_tool_result_ends_the_trajectory():
     assert SCRIPT_TOKENIZER.decode(rollout.completion_ids[0]) == TWO_CALLS[0] + "[\\boxed{3}]"
 
 
+@pytest.mark.sandbox
 def test_simpletir_turns_with_the_sandbox():
     """common.sandbox.run_python as the tool, in SimpleTIR's format: the output, an error's last line, and
     final_answer() ending the trajectory."""

@@ -7,12 +7,12 @@ import os
 import pytest
 import torch
 from conftest import launch, read_metrics, run_script
+from test_train import SMALL, assert_same_weights, final_weights
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import grpo
 import snib
 from common.utils import completion_logprobs, step_prompts
-from test_train import SMALL, assert_same_weights, final_weights
 
 TOY = os.path.join("runs", "toy")
 
@@ -37,7 +37,8 @@ def test_rollout_lag_trains_on_batches_sampled_k_steps_back(in_toy_workdir):
     sampled at step 1, after 1 update: its behaviour log-probs (the trainer's, taken then) and the sampler's are
     those of checkpoint step_1; it is trained at step 3, with the weights of step_3. Its prompts are step 3's, the
     ones a lag-0 run trains on at step 3."""
-    run = run_script(grpo, SMALL + ["--total_steps", "5", "--save_steps", "1", "--rollout_lag", "2", "--run_name", "lag2"])
+    run = run_script(grpo, SMALL + ["--total_steps", "5", "--save_steps", "1", "--rollout_lag", "2",
+                                    "--run_name", "lag2"])
     assert [len(queue_of(run, s)) for s in (1, 2, 3, 4)] == [2, 2, 2, 1]  # nothing is sampled past the last step
     batch = queue_of(run, 2)[1]
     at_sampling, at_training = logprobs_at(run, 1, batch), logprobs_at(run, 3, batch)
@@ -93,7 +94,9 @@ def test_rollout_lag_two_processes_match_one(in_toy_workdir):
 
 @pytest.mark.slow
 def test_dynamic_sampling_fills_the_batch_with_groups_that_carry_signal(in_toy_workdir):
-    run = run_script(snib, SMALL + ["--total_steps", "3", "--dynamic_sampling", "--run_name", "dapo"])
+    # the 0/1 reward: groups all right or all wrong carry no signal (the dense reward of SMALL rarely has any)
+    run = run_script(snib, SMALL + ["--total_steps", "3", "--dynamic_sampling", "--reward_funcs", "toy_addition",
+                                    "--run_name", "dapo"])
     for m in read_metrics(run):
         assert m["dynamic/prompts_sampled"] >= 4 and m["dynamic/groups_dropped"] >= 0
         if m["dynamic/unfilled_groups"] == 0:

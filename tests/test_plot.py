@@ -229,3 +229,9 @@ def test_a_real_snib_run_plots(in_toy_workdir, tmp_path):
     assert step == 2 and raw.shape == (2 * 2 * 8,)  # 2 passes x 2 mini-batches of 8 rows
     assert torch.isfinite(raw).all() and raw.abs().max() > 0
     assert normalised.max() <= math.log(4) + 1e-5  # w_i <= G
+
+
+def test_the_fixed_window_label_is_ctpos():
+    import ctpo
+
+    assert plot.FIXED_WINDOW == ctpo.FIG1_FIXED_WINDOW

@@ -21,7 +21,7 @@ from conftest import read_metrics, run_script, subprocess_env
 from safetensors.torch import load_file
 
 from common import checks
-from common.toy import TOY_DIR, build_model, build_tokenizer, make_splits
+from common.toy import TOY_DIR, TOY_VERSION, build_model, build_tokenizer, default_seed, make_splits
 from common.utils import parse_args
 from common.vllm_engine import vllm_available
 
@@ -79,7 +79,8 @@ TRAIN_CASES = [
     ("ctpo", ["--max_turns", "2", "--tool", "bash"], "--tool 'bash': choose one of"),
     ("ctpo", ["--max_refill_rounds=-2"], "--max_refill_rounds -2 must be >= 0"),
     ("p3o", ["--overlong_penalty=-1"], "--overlong_penalty -1.0 must be >= 0"),
-    ("gspo", ["--max_completion_length", "6", "--overlong_buffer", "6"], "--overlong_buffer 6 must be below --max_completion_length 6"),
+    ("gspo", ["--max_completion_length", "6", "--overlong_buffer", "6"],
+     "--overlong_buffer 6 must be below --max_completion_length 6"),
     ("grpo", ["--vllm_gpu_memory_utilization", "1.5"], "--vllm_gpu_memory_utilization 1.5 must be in (0, 1]"),
     ("grpo", ["--vllm_tensor_parallel_size", "0"], "--vllm_tensor_parallel_size 0 must be at least 1"),
     ("grpo", ["--logprob_batch_size=-1"], "--logprob_batch_size -1 must be >= 0"),
@@ -92,7 +93,8 @@ TRAIN_CASES = [
     ("grpo", ["--micro_batch_size", "5"], "--micro_batch_size 5 must divide the 16 rows"),
     ("grpo", ["--mini_batch_size", "6"], "--mini_batch_size 6 must divide --batch_size 16"),
     # names that must exist
-    ("grpo", ["--lora_r", "4", "--lora_target_modules", "q_proj,v_projj"], "--lora_target_modules: v_projj not in qwen3"),
+    ("grpo", ["--lora_r", "4", "--lora_target_modules", "q_proj,v_projj"],
+     "--lora_target_modules: v_projj not in qwen3"),
     ("grpo", ["--report_to", "tensorbored"], "--report_to 'tensorbored': choose none or one of"),
     ("grpo", ["--lr_scheduler_type", "cosin"], "--lr_scheduler_type 'cosin' is not a transformers scheduler"),
     ("grpo", ["--lr_scheduler_type", "reduce_lr_on_plateau"], "--lr_scheduler_type reduce_lr_on_plateau cannot run"),
@@ -101,7 +103,8 @@ TRAIN_CASES = [
     ("grpo", ["--reward_funcs", "toy_additon"], "--reward_funcs: unknown reward function 'toy_additon'"),
     ("grpo", ["--reward_funcs", "no_such_module:fn"], "--reward_funcs: cannot import reward function"),
     ("grpo", ["--reward_funcs", "common.rewards:no_such_fn"], "--reward_funcs: cannot import reward function"),
-    ("grpo", ["--reward_funcs", "common.rewards:LETTERS"], "--reward_funcs: 'common.rewards:LETTERS' is not callable"),
+    ("grpo", ["--reward_funcs", "common.math_grader:LETTERS"],
+     "--reward_funcs: 'common.math_grader:LETTERS' is not callable"),
     ("grpo", ["--reward_funcs", "toy_addition,"], "--reward_funcs: unknown reward function ''"),
     ("grpo", ["--reward_weights", "1,2"], "--reward_weights gives 2 weights for 1 --reward_funcs"),
     ("grpo", ["--reward_weights", "one"], "--reward_weights 'one': 'one' is not a finite number"),
@@ -229,7 +232,8 @@ def quick_toy(tmp_path_factory):
     tokenizer = build_tokenizer()
     build_model(tokenizer, seed=0).save_pretrained(toy / "model")
     tokenizer.save_pretrained(toy / "model")
-    (toy / "toy.json").write_text(json.dumps({"seed": 0, "target_accuracy": 0.35}))  # prepare_toy: already built
+    built = {"version": TOY_VERSION, "seed": default_seed(), "target_accuracy": 0.35}
+    (toy / "toy.json").write_text(json.dumps(built))  # prepare_toy: already built
     bad = workdir / "bad"
     bad.mkdir()
     for name, text in BAD_FILES.items():
@@ -360,11 +364,13 @@ def test_ignored_settings_warn(workdir, capsys):
 def test_dropped_prompts_are_counted(workdir, capsys):
     from common.data import load_prompts
 
-    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "12+34=", "answer": "46"}, {"prompt": "99+99=", "answer": "198"}]
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "12+34=", "answer": "46"},
+            {"prompt": "99+99=", "answer": "198"}]
     (workdir / "bad" / "three.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     kept = load_prompts(build_tokenizer(), "bad/three.jsonl", None, "train", "prompt", "answer", max_prompt_length=4)
     assert kept["prompt"] == ["1+1="]  # "12+34=" and "99+99=" are 6 tokens
-    assert "2 of the 3 prompts of bad/three.jsonl (66.7%) are longer than --max_prompt_length 4" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "2 of the 3 prompts of bad/three.jsonl (66.7%) are longer than --max_prompt_length 4" in err
     with pytest.raises(ValueError, match="All 3 prompts .* are longer than --max_prompt_length 3"):
         load_prompts(build_tokenizer(), "bad/three.jsonl", None, "train", "prompt", "answer", max_prompt_length=3)
 
@@ -493,8 +499,8 @@ def test_resume_refuses_changed_settings_unless_overridden(workdir, capsys, monk
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", classmethod(counting))
     resume = SMALL + ["--total_steps", "3", "--resume_from", run]
     message = refusal(lambda: run_script(ctpo, resume + ["--batch_size", "32", "--clip_power", "0"]), capsys)
-    assert message == (f"error: --resume_from {run}: --batch_size 16 -> 32, --clip_power 0.5 -> 0.0 changed since the run "
-                       f"started; a resume continues the same run: pass the run's values, or --resume_overrides "
+    assert message == (f"error: --resume_from {run}: --batch_size 16 -> 32, --clip_power 0.5 -> 0.0 changed since the "
+                       f"run started; a resume continues the same run: pass the run's values, or --resume_overrides "
                        f"batch_size,clip_power to change them anyway, or start a new run")
     assert loads["n"] == 0
     # what may change: more steps of a constant schedule, micro-batching, checkpoint cadence

@@ -1,7 +1,10 @@
-"""Tests for common/rewards.py: answer extraction, math equivalence, registry, safe reward calls."""
+"""Tests for common/rewards.py (registry, safe reward calls) and common/math_grader.py (answer extraction, math
+equivalence, the time limit)."""
 
+import itertools
 import json
 import math
+import sys
 import threading
 import time
 from pathlib import Path
@@ -9,21 +12,17 @@ from pathlib import Path
 import pytest
 import torch
 
-import common.rewards as rewards_module
-from common.rewards import (
-    REWARD_FUNCTIONS,
+import common.math_grader as rewards_module
+from common.math_grader import (
     TIME_LIMIT_S,
-    RewardError,
-    Rewards,
-    compute_rewards,
     extract_answer,
+    extract_choice,
     extract_gold,
     format_reward,
-    get_reward_function,
     is_equivalent,
     math_accuracy,
-    register_reward,
 )
+from common.rewards import REWARD_FUNCTIONS, RewardError, Rewards, compute_rewards, get_reward_function, register_reward
 
 # --- extraction ---------------------------------------------------------------
 
@@ -188,7 +187,7 @@ def test_format_reward():
 def test_registry_lookup():
     assert get_reward_function("math_accuracy") is math_accuracy
     assert get_reward_function("format") is format_reward
-    assert get_reward_function("common.rewards:format_reward") is format_reward
+    assert get_reward_function("common.math_grader:format_reward") is format_reward
 
 
 def test_register_reward():
@@ -336,7 +335,8 @@ def test_normalisation_not_equivalent(pred, gold):
 
 def test_order_comes_from_the_prompt():
     completions = [r"\boxed{2, 3, 4}"] * 2 + [r"\boxed{2, 4, 3}"]
-    prompts = ["Find the ordered triple (a, b, c).", "Enter all solutions, separated by commas.", "Find the ordered triple."]
+    prompts = ["Find the ordered triple (a, b, c).", "Enter all solutions, separated by commas.",
+               "Find the ordered triple."]
     assert math_accuracy(prompts, completions, answer=["2, 4, 3"] * 3) == [0.0, 1.0, 1.0]
 
 
@@ -369,13 +369,13 @@ def _wait_for_workers():
     """Until every grading worker has started (a killed one restarts in the background): time the grading only."""
     pool, deadline = rewards_module._pool(), time.monotonic() + 60
     while not (pool.workers and all(w.ready for w in pool.workers)) and time.monotonic() < deadline:
-        pool.run([("x^2", r"x \cdot x", False)], 30.0)
+        pool.run([("verify", "x^2", r"x \cdot x", False)], [30.0])
 
 
 HANGS = [
     r"\boxed{9^{9^{9^9}}}",  # sympy evaluates the tower while holding the GIL
     r"\boxed{1000000!}",
-    "\\boxed{" + "{" * 5000 + "1" + "}" * 5000 + "}",
+    "\\boxed{" + "{" * 450 + "1" + "}" * 450 + "}",  # 5,000 levels: longer than MAX_ANSWER_CHARS, so refused at once
 ]
 
 
@@ -394,13 +394,72 @@ def test_pathological_answers_time_out_in_a_worker_thread(completion, answer):
     assert math_accuracy(["q"], [r"\boxed{x^2}"], answer=["x \\cdot x"]) == [1.0]  # a fresh worker took over
 
 
-@pytest.mark.parametrize("text", ["\\boxed{" * 140_000, "x " * 500_000 + r"\boxed{3}", "1 = " * 250_000,
-                                  "{" * 500_000 + "}" * 500_000])
-def test_extraction_is_linear(text):
-    """A 1 MB completion is read in well under a second (many unclosed boxes took 3 s for 20k characters)."""
+MB = 1_000_000
+DEGENERATE = [  # (1 MB completion, its verdict for the reference 3): what a policy that degenerates writes
+    ("\\boxed{" * (MB // 7) + r"\boxed{3}", 1.0),  # many unclosed boxes: 3 s for 20k characters, once
+    ("x " * (MB // 2) + r"\boxed{3}", 1.0),
+    ("1 = " * (MB // 4) + "3", 1.0),
+    ("{" * (MB // 2) + "}" * (MB // 2), 0.0),
+    ("1" + " " * MB + r"x\text{a}", 0.0),  # 4.0 s at 20,000 spaces, when extraction ran in the caller
+    ("\\)" * (MB // 2) + " so 3", 1.0),
+    (r"\quad" * (MB // 5) + r"\text{ for } 3", 0.0),
+    ("½" * MB + " The answer is 3.", 1.0),  # 11 MB once written as LaTeX
+    (r"\boxed{1} " * (MB // 10) + r"\boxed{3}", 0.0),  # 100,000 boxes side by side are one (wrong) answer
+    ("The answer is " + "(1, " * (MB // 4), 0.0),
+    ("answer is" + " " * MB + "3", 1.0),
+]
+
+
+@pytest.mark.parametrize("completion, verdict", DEGENERATE, ids=[c[:12] + "..." for c, _ in DEGENERATE])
+def test_a_degenerate_megabyte_is_graded_in_a_worker_thread(completion, verdict):
+    """A 1 MB completion is read and graded within the time limit, from any thread, with no timeout: reading the
+    answer runs in the worker processes too, and every rule is linear (benchmarks/grader_worst_case.py searches)."""
+    _wait_for_workers()
+    results = []
+    worker = threading.Thread(target=lambda: results.append((time.monotonic(), math_accuracy(
+        ["q"], [completion], answer=["3"]), time.monotonic())))
+    worker.start()
+    worker.join(timeout=30)
+    start, rewards, end = results[0]
+    assert rewards == [verdict] and rewards.metrics["timeouts"] == [0.0]
+    assert end - start < TIME_LIMIT_S + 0.5
+
+
+def test_only_the_end_of_a_completion_is_read():
+    """The last READ_CHARS characters: an answer followed by more than that is not the final answer."""
+    assert extract_answer(r"\boxed{3}" + " x" * rewards_module.READ_CHARS) is None
+    assert extract_answer(r"\boxed{3}" + " x" * (rewards_module.READ_CHARS // 2 - 10)) == "3"
+    long_answer = r"\boxed{" + "1+" * rewards_module.MAX_ANSWER_CHARS + "1}"
+    assert math_accuracy(["q"], [long_answer], answer=["3"]) == [0.0]  # too long to be an answer: not parsed
+
+
+def test_choice_extraction_is_linear():
+    """extract_choice runs in the caller: "answer is" then 1,000,000 spaces took minutes (cubic backtracking)."""
     start = time.perf_counter()
-    extract_answer(text)
+    assert extract_choice("answer is" + " " * MB + "x") is None
+    assert extract_choice("The answer is" + "\n" * MB + "(B)") == "B"
+    assert extract_choice("(A) " * (MB // 4) + "answer: C") == "C"
     assert time.perf_counter() - start < 1.0
+
+
+def test_text_rules_never_raise():
+    """Every rule on short repetitions of the units the worst-case benchmark uses: no exception (one reached
+    ``_run_value`` with no number in its run); a worker's exception would stop the run."""
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    from grader_worst_case import AFFIXES, UNITS
+    for unit, (prefix, suffix), n in itertools.product(UNITS, AFFIXES, (1, 3)):
+        text = prefix + unit * n + suffix
+        extract_answer(text), extract_gold(text), extract_choice(text)
+        rewards_module._prepared(text, "1"), rewards_module._prepared("1", text)
+    assert rewards_module._run_value("x = a") == ""
+
+
+def test_a_bug_in_a_worker_is_raised_in_the_caller():
+    """A rule that raises in a worker process surfaces as a RuntimeError with the worker's traceback, not as a
+    wrong reward, and the pool keeps grading."""
+    with pytest.raises(RuntimeError, match="KeyError: 'no such task'"):
+        rewards_module._pool().run([("no such task",)], [5.0])
+    assert math_accuracy(["q"], [r"\boxed{3}"], answer=["3"]) == [1.0]
 
 
 def test_timeouts_reach_the_logs():

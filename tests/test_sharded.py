@@ -64,6 +64,7 @@ def run_twice(cwd, script: str, name: str, argv: list[str], lr: float) -> tuple[
     return updates["ddp"], updates["fsdp2"], reports["fsdp2"]
 
 
+@pytest.mark.precondition
 def test_fsdp2_shards_the_policy_and_takes_the_ddp_step(in_toy_workdir):
     """grpo.py with its reference model (beta 0.1): one optimizer step of 16 rows, 4 micro-batches of 2 per process."""
     argv = SMALL + ["--micro_batch_size", "2", "--beta", "0.1"]
@@ -96,6 +97,7 @@ def test_deepspeed_zero_takes_the_ddp_step(in_toy_workdir, stage):
     assert m_ddp["reward/mean"] == m_zero["reward/mean"] and m_zero["policy/kl"] == m_ddp["policy/kl"] == 0.0
 
 
+@pytest.mark.precondition
 @pytest.mark.parametrize("script", ["snib.py", "p3o.py"])
 def test_fsdp2_takes_the_ddp_steps_with_batch_statistics(in_toy_workdir, script):
     """Stale data (2 mini-batches, 2 passes): SNIB's and P3O's no-grad pre-pass at the current weights runs on
@@ -107,7 +109,8 @@ def test_fsdp2_takes_the_ddp_steps_with_batch_statistics(in_toy_workdir, script)
     assert_same_update(ddp, fsdp2, f"{name} FSDP2 vs DDP")
     m = read_metrics(os.path.join("runs", f"{name}_stale_fsdp2"))[-1]
     # the statistics are not trivial: SNIB's weights differ from 1, P3O's ESS cap binds
-    assert m["snib/weight_max"] > 1.01 if name == "snib" else m["p3o/capped_frac"] > 0.05, m
+    assert m["snib/weight_max"] > 1.01 if name == "snib" else m["p3o/capped_frac"] > 0.05, (
+        f"precondition: the ratios stayed too close to 1 for the batch statistics to matter: {m}")
 
 
 @pytest.mark.parametrize("stage", ["fsdp2", "zero3"])

@@ -9,8 +9,20 @@ from conftest import read_metrics, run_script
 import grpo
 from common.multiturn import TOOLS, sample_completions
 from common.sandbox import ToolResult
-from common.toy import (CHARS, NUM_TEST, SPECIAL, TIR_CHARS, TIR_DIGITS, TIR_NUM_TRAIN, TOY_TIR_DIR, build_tokenizer,
-                        calculator_output, make_tir_splits, prepare_toy_tir, toy_tir_addition)
+from common.toy import (
+    CHARS,
+    NUM_TEST,
+    SPECIAL,
+    TIR_CHARS,
+    TIR_DIGITS,
+    TIR_NUM_TRAIN,
+    TOY_TIR_DIR,
+    build_tokenizer,
+    calculator_output,
+    make_tir_splits,
+    prepare_toy_tir,
+    toy_tir_addition,
+)
 
 TOKENIZER = build_tokenizer(TIR_CHARS)
 
@@ -49,6 +61,7 @@ def rollout(turns: dict[str, list[str]], max_turns: int = 2, max_tokens: int = 3
     return out, TOKENIZER.batch_decode(out.completion_ids, skip_special_tokens=True)
 
 
+@pytest.mark.sandbox
 def test_a_call_runs_in_the_sandbox_and_its_output_is_masked():
     out, texts = rollout({"123456+654321=": ["[123456+654321]", "777777"],
                           "4321+98765=": ["103086"],  # answers directly: no tool turn
@@ -70,6 +83,7 @@ def test_one_turn_generates_calls_but_never_runs_them():
     assert out.tool_calls == [0] and out.finish == ["length"]  # no budget left for the tool turn
 
 
+@pytest.mark.sandbox
 def test_a_second_call_is_not_run_and_is_not_an_answer():
     out, texts = rollout({"1000+2000=": ["[1000+2000]", "[3000+1]"]})
     assert texts == ["[1000+2000]=3000\n[3000+1]"] and out.tool_calls == [1] and out.finish == ["max_turns"]
@@ -148,6 +162,7 @@ def test_warm_start_can_use_the_tool_but_rarely_does(toy_tir_workdir):
 
 
 @pytest.mark.slow
+@pytest.mark.sandbox
 def test_grpo_runs_on_the_tir_toy_with_tool_calls(toy_tir_workdir, monkeypatch):
     monkeypatch.chdir(toy_tir_workdir)
     run_dir = run_script(grpo, ["--preset", "toy_tir", "--batch_size", "32", "--num_generations", "4",

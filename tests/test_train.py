@@ -11,10 +11,11 @@ from safetensors.torch import load_file
 
 import grpo
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# One small optimizer step: 4 prompts x G=4, a visible learning rate, no evaluation.
+# One small optimizer step: 4 prompts x G=4, a visible learning rate, no evaluation. The dense toy reward gives
+# distinct completions distinct rewards, so the gradient is not zero whatever toy this machine built (TOY_SEED);
+# toy_addition's 0/1 rewards are often equal in all four groups of a toy that is right or wrong on all of them.
 SMALL = ["--preset", "toy", "--batch_size", "16", "--num_generations", "4", "--eval_steps", "0",
-         "--learning_rate", "1e-3", "--total_steps", "1", "--micro_batch_size", "4"]
+         "--learning_rate", "1e-3", "--total_steps", "1", "--micro_batch_size", "4", "--reward_funcs", "toy_closeness"]
 
 
 def final_weights(run_dir: str, step: int) -> dict[str, torch.Tensor]:
@@ -34,19 +35,31 @@ def sgd_gradient(cwd, run_name: str, argv: list[str], num_processes: int = 1, sc
     `config`: an accelerate config file (conftest.launch)."""
     launch(cwd, script, [*argv, "--learning_rate", str(lr), "--max_grad_norm", "1e9", "--run_name", run_name],
            num_processes, config=config, sgd=True, env=env)
+    assert_mixed_rewards(os.path.join(cwd, "runs", run_name))
     w0 = load_file(os.path.join(cwd, "runs", "toy", "model", "model.safetensors"))
     w1 = final_weights(os.path.join(cwd, "runs", run_name), 1)
     return {name: w0[name] - w1[name] for name in w0}
 
 
-def assert_same_gradient(a: dict, b: dict):
-    assert any(g.abs().max() > 0 for g in a.values())
+def assert_mixed_rewards(run_dir: str):
+    """The precondition of every gradient comparison: some group's rewards differ, else every advantage is 0."""
+    m = read_metrics(run_dir)[-1]
+    assert m["reward/frac_zero_std_groups"] < 1, (
+        f"precondition: every group of {run_dir} has equal rewards, so the gradient is 0 and comparing it says "
+        f"nothing; the toy's completions are all alike (reward/std {m['reward/std']}): use a dense reward")
+
+
+def assert_same_gradient(a: dict, b: dict, atol: float = 5e-7):
+    scale = max(g.abs().max().item() for g in a.values())
+    assert scale > 100 * atol, (f"precondition: the largest gradient entry is {scale:.2e}, too close to the "
+                                f"comparison's tolerance {atol:.0e} for equality to mean anything")
     for name in a:
         # read back as w0 - w1 in float32: a few ulps of weights near 1 (1.2e-7 each) is the floor
-        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=5e-7, msg=name)
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=atol, msg=name)
 
 
 @pytest.mark.slow
+@pytest.mark.precondition
 def test_micro_batch_size_does_not_change_the_gradient(in_toy_workdir):
     grads = {mb: sgd_gradient(in_toy_workdir, f"micro{mb}", SMALL + ["--micro_batch_size", str(mb)])
              for mb in (1, 4, 16)}

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 from conftest import read_metrics, subprocess_env
-from test_train import SMALL, REPO, assert_same_gradient, sgd_gradient
+from test_train import REPO, SMALL, assert_same_gradient, sgd_gradient
 
 from common.vllm_engine import vllm_available
 

@@ -6,7 +6,7 @@ its prompt is written and which reward function grades it.
     load_benchmark("aime25", "aime25.jsonl")    the same from a local file in the hub schema
     register_benchmark(Benchmark(...))          add your own
 
-Graders are reward functions of common/rewards.py (the `fn(prompts, completions, answer=...)`
+Graders are reward functions of common/math_grader.py (the `fn(prompts, completions, answer=...)`
 contract), so a training reward and an evaluation score are computed by the same code.
 
 Each entry's "schema:" comment names what its hub id, split, columns and answer type were checked against,
@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 import datasets
 from huggingface_hub.errors import GatedRepoError
 
-from common.toy import TOY_DIR  # importing common.toy registers the "toy_addition" reward
 from common.data import LOCAL_FORMATS, load_rows
-from common.rewards import LETTERS, RewardFn, get_reward_function
+from common.math_grader import LETTERS
+from common.rewards import RewardFn, get_reward_function
+from common.toy import TOY_DIR  # importing common.toy registers the "toy_addition" reward
 
 MATH_TEMPLATE = "{prompt}\nPlease reason step by step, and put your final answer within \\boxed{}."
 CHOICE_TEMPLATE = "{prompt}\nPlease reason step by step, and put the letter of your final answer within \\boxed{}."
@@ -63,7 +64,7 @@ def register_benchmark(benchmark: Benchmark) -> Benchmark:
 def get_benchmark(name: str) -> Benchmark:
     if name not in BENCHMARKS:
         raise ValueError(f"unknown benchmark {name!r}; known benchmarks: {', '.join(sorted(BENCHMARKS))}. "
-                         f"Add your own with evals.benchmarks.register_benchmark(Benchmark(...)).")
+                         f"Add your own with common.benchmarks.register_benchmark(Benchmark(...)).")
     return BENCHMARKS[name]
 
 
@@ -72,7 +73,7 @@ def get_grader(benchmark: Benchmark) -> RewardFn:
 
 
 def format_choices(question: str, options: list[str]) -> str:
-    """The question followed by one line per option: "A. ...", "B. ..." (common.rewards reads them back)."""
+    """The question followed by one line per option: "A. ...", "B. ..." (common.math_grader reads them back)."""
     if len(options) > len(LETTERS):
         raise ValueError(f"at most {len(LETTERS)} options are supported, got {len(options)}")
     return question.strip() + "\n\n" + "\n".join(f"{LETTERS[i]}. {str(o).strip()}" for i, o in enumerate(options))
@@ -248,3 +249,22 @@ def load_benchmark(name: str | Benchmark, path_override: str | None = None,
     if not examples:
         raise ValueError(f"benchmark {benchmark.name!r}: no questions in {where}")
     return examples
+
+
+def benchmark_problems(spec: str, flag: str, data_dir: str | None = None) -> list[str]:
+    """Names must be registered; a local copy (NAME=FILE, --data_dir) must exist and load with the benchmark's
+    columns. Copies on the hub are checked when they load (the hub is not reachable from every machine)."""
+    problems = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        name, _, path = item.partition("=")
+        try:
+            get_benchmark(name)
+            if path and not os.path.isfile(path):
+                problems.append(f"{flag} {item}: no such file {path!r}; NAME=FILE reads a local copy in the hub schema")
+                continue
+            copy = path or (local_file(name, data_dir) if data_dir else None)
+            if copy:
+                load_benchmark(name, copy)
+        except ValueError as e:
+            problems.append(f"{flag}: {str(e).splitlines()[0]}")
+    return problems

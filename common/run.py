@@ -1,0 +1,244 @@
+"""A training run's set-up and end-of-step bookkeeping: everything in `main` that is not the RL step.
+
+`setup(args)` turns the parsed arguments into a `Run` (plain data: the processes, the run folder, the policy and
+its reference, the data and rewards, the optimizer, the rollout engine, the metrics log); `sample_batch` draws one
+step's batch (common/sampling.py); `end_step` pushes the new weights to the sampler, logs, evaluates and saves.
+Optional features are imported where they are switched on: vLLM, LoRA, the toy task, benchmark evaluation
+(common/evaluation.py).
+"""
+
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from accelerate import Accelerator, PartialState
+from accelerate.utils import broadcast_object_list, gather_object, set_seed
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
+
+from common.batching import RolloutQueue
+from common.checks import check_args, claim_run_dir, record_args, stop_if_nonfinite
+from common.data import load_prompts, resolve_dataset
+from common.rewards import get_reward_function
+from common.rollout import HFEngine
+from common.utils import (
+    MetricsLog,
+    TrainState,
+    batch_metrics,
+    check_weight_sync,
+    find_checkpoint,
+    logp_gap,
+    mean_grad_norm,
+    mean_over_processes,
+    on_cpu,
+    peak_memory_gib,
+    prepare_policy,
+    prepare_reference,
+    save_checkpoint,
+    timed,
+    vllm_installed,
+)
+
+
+@dataclass
+class Run:
+    """What a training run holds; built by `setup`, read by the loop. Row counts are this process's."""
+
+    args: Any
+    accelerator: Accelerator
+    run_dir: str
+    model: torch.nn.Module  # the policy, prepared (DDP, FSDP2 or DeepSpeed); with LoRA, a peft model
+    ref_model: torch.nn.Module | None  # None without a KL term, or with LoRA (the reference is the adapter off)
+    tokenizer: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    engine: Any  # HFEngine or VLLMEngine: generate(), push_weights(), sleep() / wake_up()
+    train_data: Any  # a datasets.Dataset with prompt, prompt_ids and the reward functions' columns
+    eval_data: Any  # held-out prompts for eval/accuracy, or None
+    eval_sets: list  # --eval_benchmarks
+    reward_funcs: list
+    reward_weights: list[float] | None
+    reward_columns: list[str]  # dataset columns passed to the reward functions (answer, ...)
+    queue: RolloutQueue  # --rollout_lag: the batches sampled ahead
+    train_state: TrainState  # the step, saved with the checkpoints
+    log: MetricsLog
+    local_rows: int  # rows of the optimizer batch (--batch_size) on this process
+    local_mini: int  # rows of one mini-batch (one optimizer step) on this process
+    on_policy: bool  # one optimizer step per batch, sampled by these weights: old_logp is the update's logp
+
+    @property
+    def evaluating(self) -> bool:
+        return self.args.eval_steps > 0 and (self.eval_data is not None or len(self.eval_sets) > 0)
+
+
+def setup(args) -> Run:
+    """Check the arguments (before any weights load), claim the run folder, load and prepare everything."""
+    state = PartialState(cpu=on_cpu())  # on a CPU-only machine accelerate forms a gloo group only when told
+    if args.preset:
+        from common.toy import prepare_preset
+
+        with state.main_process_first():
+            prepare_preset(args.preset)  # the toy's model and data, built once
+    check_args(args, state.num_processes)
+    resume = find_checkpoint(args.resume_from) if args.resume_from else None
+    run_name = [args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"]
+    broadcast_object_list(run_name)  # every process writes to the same run folder
+    run_dir = claim_run_dir(args, resume, run_name[0])  # a new folder or the resumed run's, locked while this runs
+    M = args.mini_batch_size or args.batch_size
+    local_rows, local_mini = args.batch_size // state.num_processes, M // state.num_processes
+    accelerator = Accelerator(
+        gradient_accumulation_steps=local_mini // args.micro_batch_size,
+        log_with=None if args.report_to == "none" else args.report_to,
+        project_dir=run_dir,  # tensorboard writes its event files here
+        step_scheduler_with_optimizer=False,  # the scheduler steps once per optimizer step, whatever the process count
+    )
+    set_seed(args.seed)
+
+    tokenizer, model, ref_model = load_models(args)
+    train_data, eval_data, eval_sets = load_data(args, tokenizer, accelerator)
+    reward_funcs = [get_reward_function(name) for name in args.reward_funcs.split(",")]
+    reward_weights = [float(w) for w in args.reward_weights.split(",")] if args.reward_weights else None
+    reward_columns = [c for c in train_data.column_names if c not in ("prompt", "prompt_text", "prompt_ids")]
+
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
+                                  weight_decay=args.weight_decay, fused=True)  # one kernel per step (TRL's default)
+    optimizer_steps = args.total_steps * args.num_iterations * (args.batch_size // M)
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, optimizer_steps)
+    model, optimizer, scheduler = prepare_policy(accelerator, args.micro_batch_size, args.max_grad_norm, model,
+                                                 optimizer, scheduler)
+    if ref_model is not None:
+        ref_model = prepare_reference(accelerator, ref_model)
+    train_state = TrainState()
+    accelerator.register_for_checkpointing(train_state)
+    queue = RolloutQueue(args.rollout_lag)  # --rollout_lag: the batches sampled ahead (each process its own rows)
+    if resume:
+        accelerator.load_state(os.path.join(resume, "state"))
+        queue.load(os.path.join(resume, "state"), accelerator.process_index)
+    engine = rollout_engine(args, accelerator, tokenizer, model)
+
+    if accelerator.is_main_process:
+        accelerator.init_trackers(run_name[0], config={k: v for k, v in asdict(args).items() if v is not None})
+        record_args(run_dir, asdict(args), train_state.step)
+    log = MetricsLog(run_dir, accelerator.is_main_process, resume_step=train_state.step)
+    # On-policy (one optimizer step per batch, no lag, no TIS, the trainer's old_logp), old_logp is the update's own
+    # logp.detach(): no pass. --old_logp_source sampler takes the sampler's log-probs as they are: no pass either.
+    on_policy = (args.num_iterations == 1 and M == args.batch_size and args.rollout_lag == 0 and args.tis_cap == 0
+                 and args.old_logp_source == "trainer")
+    run = Run(args, accelerator, run_dir, model, ref_model, tokenizer, optimizer, scheduler, engine, train_data,
+              eval_data, eval_sets, reward_funcs, reward_weights, reward_columns, queue, train_state, log, local_rows,
+              local_mini, on_policy)
+    if run.evaluating and train_state.step == 0:
+        log.write({"step": 0, **evaluate(run)})
+    return run
+
+
+def load_models(args):
+    """The tokenizer, the policy (with a LoRA adapter when --lora_r > 0) and the frozen reference (or None)."""
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
+    tokenizer = AutoTokenizer.from_pretrained(args.model, padding_side="left")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    ref_model = None
+    if args.lora_r > 0:  # the reference is the base model: the adapter disabled, no second copy
+        from peft import LoraConfig, get_peft_model
+
+        targets = args.lora_target_modules
+        targets = targets if targets == "all-linear" else targets.split(",")
+        model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules=targets,
+                                                 task_type="CAUSAL_LM"))
+    elif args.beta > 0:
+        ref_model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval().requires_grad_(False)
+    return tokenizer, model, ref_model
+
+
+def load_data(args, tokenizer, accelerator):
+    """The training prompts, the held-out prompts (or None) and the --eval_benchmarks sets."""
+    data = resolve_dataset(args.dataset, args.split, args.prompt_column, args.answer_column, args.eval_split)
+    prompt_kwargs = dict(prompt_column=data["prompt_column"], answer_column=data["answer_column"],
+                         template=args.prompt_template, system_prompt=args.system_prompt,
+                         use_chat_template=args.use_chat_template, enable_thinking=args.enable_thinking,
+                         max_prompt_length=args.max_prompt_length)
+    eval_data, eval_sets = None, []
+    with accelerator.main_process_first():  # the main process fills the datasets cache first
+        train_data = load_prompts(tokenizer, data["path"], args.dataset_config or data["name"], data["split"],
+                                  **prompt_kwargs)
+        if args.eval_steps > 0 and args.eval_benchmarks:
+            from common.evaluation import load_eval_sets
+
+            eval_sets = load_eval_sets(args.eval_benchmarks, tokenizer, use_chat_template=args.use_chat_template,
+                                       enable_thinking=args.enable_thinking, system_prompt=args.system_prompt,
+                                       max_prompt_length=args.max_prompt_length)
+        if args.eval_steps > 0 and (args.eval_dataset or data["eval_split"]):
+            spec = resolve_dataset(args.eval_dataset or args.dataset, args.eval_split, args.prompt_column,
+                                   args.answer_column) if args.eval_dataset else data
+            eval_data = load_prompts(tokenizer, spec["path"], args.dataset_config or spec["name"],
+                                     spec["eval_split"] if not args.eval_dataset else spec["split"], **prompt_kwargs)
+            eval_data = eval_data.select(range(min(args.eval_num_prompts, len(eval_data))))
+    return train_data, eval_data, eval_sets
+
+
+def rollout_engine(args, accelerator, tokenizer, model):
+    """vLLM (--rollout_engine vllm, or auto where it is installed) or transformers' generate."""
+    if args.rollout_engine == "vllm" or (args.rollout_engine == "auto" and vllm_installed()):
+        from common.vllm_engine import VLLMEngine
+
+        engine = VLLMEngine(args.model, accelerator=accelerator, tensor_parallel_size=args.vllm_tensor_parallel_size,
+                            gpu_memory_utilization=args.vllm_gpu_memory_utilization, seed=args.seed,
+                            max_model_len=args.max_prompt_length + args.max_completion_length, dtype=args.dtype)
+        engine.push_weights(model)  # a resumed or LoRA-wrapped policy differs from the files on disk
+        return engine
+    return HFEngine(tokenizer, accelerator)
+
+
+def evaluate(run: Run) -> dict:
+    """The --eval_benchmarks and, on held-out prompts, greedy accuracy (the first reward function)."""
+    from common.evaluation import evaluate_training
+
+    return evaluate_training(run.engine, run.model, run.tokenizer, run.args, run.accelerator, run.eval_sets,
+                             run.eval_data, run.reward_funcs[0], run.reward_columns)
+
+
+def progress_bar(run: Run) -> tqdm:
+    """The steps left to train (all of them, or those after the resumed checkpoint's), with a progress bar."""
+    return tqdm(range(run.train_state.step, run.args.total_steps), initial=run.train_state.step,
+                total=run.args.total_steps, disable=not run.accelerator.is_local_main_process, desc=run.args.exp_name)
+
+
+def end_step(run: Run, step: int, step_start: float, batch: dict, metrics: dict, update_metrics: list[dict],
+             grad_norms: list, progress: tqdm) -> None:
+    """After the updates of step `step` (0-based): check and push the weights to the sampler, log the step's
+    metrics, evaluate and save when due. A step whose metrics are not finite stops the run before it is saved."""
+    args, accelerator = run.args, run.accelerator
+    metrics.update(logp_gap(batch["sampler_logp"], batch["old_logp"], batch["mask"]))  # sampler/trainer mismatch
+    check_weight_sync(metrics["rollout/logp_gap_mean"], args.max_logp_gap, step + 1)  # a push that did not land?
+    with timed(metrics, "time/weight_push"):
+        run.engine.push_weights(run.model)
+
+    metrics.update(mean_over_processes(update_metrics, accelerator))  # means over micro-batches, then processes
+    metrics.update(batch_metrics(batch, args.num_generations, accelerator))
+    metrics.update({"step": step + 1, "optim/grad_norm": mean_grad_norm(grad_norms),
+                    "optim/lr": run.scheduler.get_last_lr()[0], "time/step": time.time() - step_start})
+    metrics["time/tokens_per_s"] = metrics["completion/tokens"] / metrics["time/step"]
+    metrics["memory/peak_gib"] = max(gather_object([peak_memory_gib(accelerator.device)]))
+    stop_if_nonfinite(metrics, run.run_dir, run.log)  # a broken update is neither evaluated nor saved
+    run.train_state.step = step + 1
+    if run.evaluating and (step + 1) % args.eval_steps == 0:
+        metrics.update(evaluate(run))
+    if (args.save_steps and (step + 1) % args.save_steps == 0) or step + 1 == args.total_steps:
+        save_checkpoint(accelerator, run.model, run.tokenizer, run.run_dir, step + 1, args.save_total_limit, run.queue)
+    run.log.write(metrics)
+    accelerator.log(metrics, step=step + 1)
+    progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics.get('policy/kl', 0.0):.4f}",
+                         tok_s=f"{metrics['time/tokens_per_s']:.0f}")
+
+
+def finish(run: Run) -> str:
+    """End the trackers, print the run's summary; returns the run folder."""
+    run.accelerator.end_training()
+    run.log.print_summary()
+    return run.run_dir

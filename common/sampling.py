@@ -1,0 +1,112 @@
+"""One step's batch: rollouts, rewards, the tensors the update reads, and the log-probs of the weights that sampled.
+
+`sample_batch(run, index, metrics)` is what `RolloutQueue.next` calls for the batch trained at step `index`: at
+--rollout_lag 0 right before that step, at lag K K steps earlier, with the weights of then. What depends on those
+weights is taken here, at sampling time: the completions, and their behaviour (old) and reference log-probs. The
+advantages depend on the rewards only; the scripts compute them where the step trains the batch.
+"""
+
+import contextlib
+
+import torch
+
+from common.batching import Rollouts, fill_batch, overlong_penalty
+from common.rewards import compute_rewards
+from common.rollout import sample_seed
+from common.utils import completion_logprobs, length_buckets, pad_rows, sharded_parameters, step_prompts, timed
+
+
+def sample_batch(run, index: int, metrics: dict) -> dict:
+    """The batch of step `index` on this process: {input_ids, attention_mask (B, P+T); completion_tokens, mask,
+    sampler_logp, old_logp, ref_logp (B, T); rewards, truncated (B,); per_func: {name: (B,)}}. `mask` marks the
+    tokens the loss sees: the model's own (not tool output), in rows not removed (--mask_truncated; groups that
+    --dynamic_sampling could not fill). On-policy, old_logp is zeros here: the update fills in its own logp."""
+    args, G, local_rows = run.args, run.args.num_generations, run.local_rows
+    if args.dynamic_sampling:  # DAPO: more prompts until the batch holds local_rows // G groups with mixed rewards
+        rollouts, removed = fill_batch(lambda r: sample_round(run, index, r, metrics), local_rows // G, G,
+                                       run.accelerator, args.max_refill_rounds, metrics)
+    else:
+        rollouts, removed = sample_round(run, index, 0, metrics), torch.zeros(local_rows, dtype=torch.bool)
+    removed |= rollouts.truncated & args.mask_truncated  # (B,)
+    batch = to_tensors(rollouts, removed, run.tokenizer.pad_token_id)
+    batch = {k: v.to(run.accelerator.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+    with timed(metrics, "time/logprobs"):
+        batch["old_logp"], batch["ref_logp"] = behaviour_and_reference_logp(run, batch)  # (B, T) each
+    return batch
+
+
+def sample_round(run, index: int, r: int, metrics: dict) -> Rollouts:
+    """G completions for each of this process's prompts of step `index`, and their rewards (whole groups per process,
+    so rewards need no communication); round r > 0 draws other prompts, for --dynamic_sampling."""
+    from common.multiturn import sample_completions, tool_metrics
+
+    args, G, accelerator = run.args, run.args.num_generations, run.accelerator
+    positions, indices = step_prompts(index, args.batch_size, G, args.mini_batch_size, accelerator.num_processes,
+                                      accelerator.process_index, len(run.train_data), args.seed + 1_000_003 * r)
+    rows = run.train_data[indices]  # {column: values}
+    prompt_ids = [p for p in rows["prompt_ids"] for _ in range(G)]
+    seeds = [sample_seed(args.seed, index, position + r * args.batch_size, j) for position in positions
+             for j in range(G)]
+    run.engine.wake_up()
+    with timed(metrics, "time/rollout"):  # --max_turns > 1: tool output is part of a completion, not its actions
+        out = sample_completions(run.engine, run.model, run.tokenizer, prompt_ids, seeds,
+                                 max_tokens=args.max_completion_length, temperature=args.temperature,
+                                 top_p=args.top_p, max_turns=args.max_turns, tool=args.tool)
+    run.engine.sleep()
+    metrics.update(tool_metrics(out) if args.max_turns > 1 else {})  # turns, calls, errors, tool time
+    completions = run.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
+    columns = {c: [v for v in rows[c] for _ in range(G)] for c in run.reward_columns}
+    prompts = [p for p in rows["prompt"] for _ in range(G)]
+    rewards, per_func = compute_rewards(run.reward_funcs, run.reward_weights, prompts, completions, columns)  # (B,)
+    if args.overlong_buffer > 0:  # DAPO: a reward term, falling to -overlong_penalty at the length limit
+        per_func["overlong"] = overlong_penalty(torch.tensor([len(c) for c in out.completion_ids]),
+                                                args.max_completion_length, args.overlong_buffer, args.overlong_penalty)
+        rewards = rewards + per_func["overlong"]  # (B,)
+    truncated = torch.tensor([finish == "length" for finish in out.finish])  # (B,)
+    return Rollouts(prompt_ids, out.completion_ids, out.sampler_logp, rewards, per_func, truncated, out.action_mask)
+
+
+def to_tensors(rollouts: Rollouts, removed: torch.Tensor, pad_token_id: int) -> dict:
+    """[left-padded prompt | right-padded completion] and the per-token tensors of the loss."""
+    prompts = pad_rows(rollouts.prompt_ids, pad_token_id, left=True)  # (B, P)
+    completion_tokens = pad_rows([[1] * len(c) for c in rollouts.completion_ids], 0)  # (B, T) EOS included
+    return {
+        "input_ids": torch.cat([prompts, pad_rows(rollouts.completion_ids, pad_token_id)], dim=1),  # (B, P+T)
+        "attention_mask": torch.cat([(prompts != pad_token_id).long(), completion_tokens], dim=1),  # (B, P+T)
+        "completion_tokens": completion_tokens,
+        "mask": completion_tokens * pad_rows(rollouts.action_mask, 0) * ~removed[:, None],  # (B, T)
+        "sampler_logp": pad_rows(rollouts.sampler_logp, 0.0),  # (B, T)
+        "rewards": rollouts.rewards, "truncated": rollouts.truncated, "per_func": rollouts.per_func,  # (B,)
+    }
+
+
+def behaviour_and_reference_logp(run, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """old_logp: the trainer's log-probs at the weights that sampled (--old_logp_source sampler: the sampler's;
+    on-policy: zeros, filled in by the update with its own); ref_logp: the reference's, or None without a KL term."""
+    args = run.args
+    if run.on_policy:
+        old_logp = torch.zeros_like(batch["sampler_logp"])  # (B, T)
+    elif args.old_logp_source == "sampler":
+        old_logp = batch["sampler_logp"].clone()  # (B, T)
+    else:
+        old_logp = logprobs_of(run, run.model, batch)  # (B, T)
+    if args.beta == 0:
+        return old_logp, None
+    lora_reference = run.ref_model is None  # LoRA: the base model is the adapter turned off
+    with run.accelerator.unwrap_model(run.model).disable_adapter() if lora_reference else contextlib.nullcontext():
+        ref_logp = logprobs_of(run, run.model if lora_reference else run.ref_model, batch)  # (B, T)
+    return old_logp, ref_logp
+
+
+def logprobs_of(run, net, batch: dict, rows: slice | None = None) -> torch.Tensor:
+    """(rows, T) log-probs of the completions under `net`, without gradient: --logprob_batch_size rows per forward,
+    of similar lengths; the rows of a prompt share one forward of it (unless the weights are sharded)."""
+    rows = slice(0, run.local_rows) if rows is None else rows
+    share = not sharded_parameters(run.accelerator)
+    size = run.args.logprob_batch_size or run.args.micro_batch_size
+    with torch.no_grad():
+        buckets = length_buckets(batch["completion_tokens"][rows], size, offset=rows.start)  # similar lengths
+        logp = torch.cat([completion_logprobs(net, batch["input_ids"][s], batch["attention_mask"][s],
+                                              batch["mask"].shape[1], run.args.temperature, share_prompts=share)[0]
+                          for s in buckets])  # (rows, T) by bucket
+        return logp[torch.cat(buckets).argsort()]  # (rows, T) in row order

@@ -1,0 +1,64 @@
+"""The policy update's plumbing, each rule named and written down where it is applied.
+
+The scripts call their estimator once per micro-batch, but the estimator's loss is the whole optimizer batch's
+(ESTIMATORS.md: full-batch semantics). Three rules make the micro-batched, multi-process update equal to one call
+on the whole batch:
+- `batch_stats` returns (totals, per_row): totals are sums over this process's rows, added up over the processes
+  here (`sum_over_processes`); per-row values stay with their rows (a group never straddles processes);
+- `compute_loss` then returns each micro-batch's share of the batch loss, and `backward_share` undoes what
+  accelerate does to a loss (divide by the accumulation steps, average over processes);
+- one optimizer step per mini-batch: accelerate's `accumulate` says when (`sync_gradients`).
+"""
+
+import os
+
+import torch
+
+from common.utils import length_buckets
+
+
+def minibatches(run) -> list[slice]:
+    """This process's rows of each mini-batch (one optimizer step each); the whole batch when there is one."""
+    return [slice(start, start + run.local_mini) for start in range(0, run.local_rows, run.local_mini)]
+
+
+def microbatches(run, batch: dict, mini: slice) -> list[torch.Tensor]:
+    """The rows of `mini` in groups of --micro_batch_size, of similar completion lengths (less padding)."""
+    return length_buckets(batch["completion_tokens"][mini], run.args.micro_batch_size, offset=mini.start)
+
+
+def sum_over_processes(totals: dict[str, torch.Tensor], accelerator) -> dict[str, torch.Tensor]:
+    """Whole-batch totals from each process's sums (an all-reduce per statistic)."""
+    return {k: accelerator.reduce(v, "sum") for k, v in totals.items()}
+
+
+def take(x: torch.Tensor | None, rows) -> torch.Tensor | None:
+    """x[rows], or None for an absent tensor (ref_logp without a KL term, tis_weights without --tis_cap)."""
+    return None if x is None else x[rows]
+
+
+def backward_share(accelerator, loss: torch.Tensor) -> torch.Tensor:
+    """Backward of a micro-batch's share of the optimizer batch's loss; returns the share scaled as the gradient is.
+
+    The shares of all micro-batches on all processes add up to the batch loss, so their gradients must add up too.
+    accelerate divides a loss by the accumulation steps and DDP averages gradients over processes: multiplying by
+    both undoes that. The returned value, averaged over micro-batches and processes, is the batch loss (logged as
+    loss/policy)."""
+    scale = accelerator.gradient_accumulation_steps * accelerator.num_processes
+    accelerator.backward(loss * scale)
+    return (loss * scale).detach()
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of x over the tokens the loss sees."""
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def save_dumps(run, step: int, dumps: list[dict]) -> None:
+    """--dump_stats_steps: the per-row statistics of each optimizer step of `step` (e.g. SNIB's log-weights), one
+    file per process; estimators without per-row statistics write nothing."""
+    if not any(dumps):
+        return
+    os.makedirs(os.path.join(run.run_dir, "stats"), exist_ok=True)
+    name = f"step_{step + 1:06d}.rank{run.accelerator.process_index}.pt"
+    torch.save([{k: v.cpu() for k, v in d.items()} for d in dumps], os.path.join(run.run_dir, "stats", name))
