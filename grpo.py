@@ -22,10 +22,10 @@ from typing import Literal
 import torch
 
 from common.batching import importance_weights
-from common.run import end_step, finish, progress_bar, setup
+from common.run import end_step, finish, launch, progress_bar, setup
 from common.sampling import logprobs_of, sample_batch
 from common.update import backward_share, masked_mean, microbatches, minibatches, save_dumps, sum_over_processes, take
-from common.utils import arg, completion_logprobs, parse_args
+from common.utils import arg, completion_logprobs
 
 
 @dataclass
@@ -239,4 +239,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(parse_args(Args))
+    launch(main, Args)  # parse the arguments, train; Ctrl-C says where to resume

@@ -117,6 +117,9 @@ def scheduler_problems(args) -> list[str]:
     if args.lr_scheduler_type not in known:
         return [f"--lr_scheduler_type {args.lr_scheduler_type!r} is not a transformers scheduler; choose one of "
                 f"{', '.join(known)}"]
+    if args.warmup_steps > 0 and args.lr_scheduler_type == "constant":  # transformers' constant has no warmup
+        return [f"--warmup_steps {args.warmup_steps} with --lr_scheduler_type constant would train at the full rate "
+                f"from step 1; pass --lr_scheduler_type constant_with_warmup (or linear, cosine), or --warmup_steps 0"]
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
     try:
         scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, args.total_steps)
@@ -295,9 +298,11 @@ def resource_problems(args) -> list[str]:
     problems = []
     if args.resume_from and not os.path.exists(args.resume_from):
         problems.append(f"--resume_from {args.resume_from!r}: no such directory")
-    elif args.resume_from and find_checkpoint_quiet(args.resume_from) is None:
-        problems.append(f"--resume_from {args.resume_from!r} is neither a checkpoint (no state/ inside) nor a run "
-                        f"folder with a complete checkpoint under checkpoints/step_N")
+    elif args.resume_from:
+        try:
+            find_checkpoint(args.resume_from)  # a damaged checkpoint, or none
+        except SystemExit as e:
+            problems.append(str(e).removeprefix("error: "))
     found, config = model_problems("--model", args.model)
     problems += found
     if config is not None:
@@ -315,9 +320,6 @@ def resource_problems(args) -> list[str]:
 def ignored_settings(args) -> list[str]:
     """Settings that would change nothing as given: warn rather than refuse (a recipe may carry them)."""
     notes = []
-    if args.warmup_steps > 0 and args.lr_scheduler_type == "constant":
-        notes.append(f"--warmup_steps {args.warmup_steps} is ignored by --lr_scheduler_type constant; use "
-                     f"constant_with_warmup (or another schedule with warmup)")
     if args.learning_rate == 0:
         notes.append("--learning_rate 0: the weights will not change")
     if not args.use_chat_template:

@@ -73,6 +73,31 @@ class Run:
         return self.args.eval_steps > 0 and (self.eval_data is not None or len(self.eval_sets) > 0)
 
 
+ACTIVE_RUN: dict = {}  # the run folder of the run in progress in this process (setup sets it): for `launch`
+
+
+def launch(main, args_cls) -> None:
+    """`python script.py ARGS`: parse the arguments and train. Ctrl-C ends with one line that says where the last
+    checkpoint is and how to resume, instead of a traceback from wherever the loop was."""
+    from accelerate import PartialState
+
+    from common.utils import checkpoint_steps, parse_args
+
+    args = parse_args(args_cls)
+    try:
+        main(args)
+    except KeyboardInterrupt:
+        if not PartialState().is_main_process:
+            raise SystemExit(130) from None
+        run_dir = ACTIVE_RUN.get("run_dir")
+        if run_dir is None:
+            raise SystemExit("interrupted before training started") from None
+        steps = checkpoint_steps(run_dir)
+        last = f"checkpoints/step_{steps[-1]}" if steps else "none yet (see --save_steps)"
+        raise SystemExit(f"interrupted: the last checkpoint of {run_dir} is {last}; resume with the same command "
+                         f"and --resume_from {run_dir}") from None
+
+
 def setup(args) -> Run:
     """Check the arguments (before any weights load), claim the run folder, load and prepare everything."""
     state = PartialState(cpu=on_cpu())  # on a CPU-only machine accelerate forms a gloo group only when told
@@ -86,6 +111,7 @@ def setup(args) -> Run:
     run_name = [args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"]
     broadcast_object_list(run_name)  # every process writes to the same run folder
     run_dir = claim_run_dir(args, resume, run_name[0])  # a new folder or the resumed run's, locked while this runs
+    ACTIVE_RUN["run_dir"] = run_dir
     M = args.mini_batch_size or args.batch_size
     local_rows, local_mini = args.batch_size // state.num_processes, M // state.num_processes
     accelerator = Accelerator(

@@ -10,7 +10,7 @@ import contextlib
 
 import torch
 
-from common.batching import Rollouts, fill_batch, overlong_penalty
+from common.batching import Rollouts
 from common.rewards import compute_rewards
 from common.rollout import sample_seed
 from common.utils import completion_logprobs, length_buckets, pad_rows, sharded_parameters, step_prompts, timed
@@ -23,6 +23,8 @@ def sample_batch(run, index: int, metrics: dict) -> dict:
     --dynamic_sampling could not fill). On-policy, old_logp is zeros here: the update fills in its own logp."""
     args, G, local_rows = run.args, run.args.num_generations, run.local_rows
     if args.dynamic_sampling:  # DAPO: more prompts until the batch holds local_rows // G groups with mixed rewards
+        from common.dapo import fill_batch
+
         rollouts, removed = fill_batch(lambda r: sample_round(run, index, r, metrics), local_rows // G, G,
                                        run.accelerator, args.max_refill_rounds, metrics)
     else:
@@ -59,6 +61,8 @@ def sample_round(run, index: int, r: int, metrics: dict) -> Rollouts:
     prompts = [p for p in rows["prompt"] for _ in range(G)]
     rewards, per_func = compute_rewards(run.reward_funcs, run.reward_weights, prompts, completions, columns)  # (B,)
     if args.overlong_buffer > 0:  # DAPO: a reward term, falling to -overlong_penalty at the length limit
+        from common.dapo import overlong_penalty
+
         per_func["overlong"] = overlong_penalty(torch.tensor([len(c) for c in out.completion_ids]),
                                                 args.max_completion_length, args.overlong_buffer, args.overlong_penalty)
         rewards = rewards + per_func["overlong"]  # (B,)

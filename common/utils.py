@@ -458,6 +458,7 @@ def save_checkpoint(accelerator, model, tokenizer, run_dir: str, step: int, save
             tokenizer.save_pretrained(os.path.join(tmp, "model"))
     accelerator.wait_for_everyone()  # every process's files are in tmp before it becomes the checkpoint
     if accelerator.is_main_process:
+        write_manifest(tmp)
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -529,16 +530,62 @@ def _merged_copy(peft_model):
     return copy.deepcopy(peft_model).merge_and_unload()
 
 
+MANIFEST = "manifest.json"  # in each checkpoint: every file's size, written last (common.utils.save_checkpoint)
+
+
+def write_manifest(ckpt: str) -> None:
+    files = {os.path.relpath(os.path.join(d, f), ckpt): os.path.getsize(os.path.join(d, f))
+             for d, _, names in os.walk(ckpt) for f in names}
+    with open(os.path.join(ckpt, MANIFEST), "w") as f:
+        json.dump(files, f, indent=0, sort_keys=True)
+
+
+def checkpoint_damage(ckpt: str) -> str | None:
+    """Why a checkpoint cannot be resumed from (a file missing, truncated or unreadable), or None. Checks the sizes
+    its manifest recorded (older checkpoints without one: no empty file) and the header of every safetensors file."""
+    from safetensors import safe_open
+
+    try:
+        with open(os.path.join(ckpt, MANIFEST)) as f:
+            expected = json.load(f)
+    except (OSError, ValueError):
+        expected = {os.path.relpath(os.path.join(d, f), ckpt): None for d, _, names in os.walk(ckpt) for f in names}
+    for name, size in sorted(expected.items()):
+        path = os.path.join(ckpt, name)
+        if not os.path.isfile(path):
+            return f"{name} is missing"
+        if os.path.getsize(path) != size and (size is not None or os.path.getsize(path) == 0):
+            return f"{name} has {os.path.getsize(path)} bytes, {size or 'more'} expected"
+        if name.endswith(".safetensors"):
+            try:
+                with safe_open(path, "pt"):
+                    pass
+            except Exception as e:
+                return f"{name} cannot be read ({str(e).splitlines()[0]})"
+    return None
+
+
 def find_checkpoint(path: str) -> str:
-    """A checkpoint folder, or a run folder (its latest complete checkpoint)."""
+    """A checkpoint folder, or a run folder (its latest intact checkpoint, with a warning when a later one is
+    damaged). A damaged checkpoint is refused with the reason: resuming from it would crash inside load_state."""
     if os.path.isdir(os.path.join(path, "state")):
+        damage = checkpoint_damage(path)
+        if damage:
+            raise SystemExit(f"error: --resume_from {path!r} is damaged: {damage}; pass the run folder to resume "
+                             f"from its latest intact checkpoint, or an earlier checkpoints/step_N")
         return path
     ckpt_dir = os.path.join(path, "checkpoints")
     steps = checkpoint_steps(path)
     if not steps:
         raise SystemExit(f"error: --resume_from {path!r} is neither a checkpoint (no state/ inside) nor a run "
                          f"folder with complete checkpoints under checkpoints/step_N")
-    return os.path.join(ckpt_dir, f"step_{steps[-1]}")
+    for step in reversed(steps):
+        ckpt = os.path.join(ckpt_dir, f"step_{step}")
+        damage = checkpoint_damage(ckpt)
+        if damage is None:
+            return ckpt
+        warn(f"checkpoint {ckpt} is damaged ({damage}); trying the one before it")
+    raise SystemExit(f"error: --resume_from {path!r}: every checkpoint under {ckpt_dir} is damaged")
 
 
 class MetricsLog:

@@ -13,7 +13,8 @@ import grpo
 import gspo
 import p3o
 import snib
-from common.batching import RolloutQueue, Rollouts, fill_batch, importance_weights, overlong_penalty
+from common.batching import RolloutQueue, Rollouts, importance_weights
+from common.dapo import fill_batch, overlong_penalty
 from common.utils import parse_args
 
 SCRIPTS = {"grpo": grpo, "gspo": gspo, "snib": snib, "ctpo": ctpo, "p3o": p3o}

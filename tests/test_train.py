@@ -1,6 +1,7 @@
 """End-to-end runs of grpo.py on the toy task (CPU): invariances, resume, LoRA, learning (bad input: test_rails.py)."""
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -117,6 +118,28 @@ def test_resume_continues_exactly(in_toy_workdir, monkeypatch):
 
 
 @pytest.mark.slow
+def test_a_damaged_checkpoint_is_refused_or_skipped_for_the_intact_one_before(in_toy_workdir, capsys):
+    """One file of the last checkpoint's state truncated to 0 bytes (a full disk, a killed copy): resuming the run
+    folder warns and resumes from the checkpoint before it, to the same final weights; naming the damaged checkpoint
+    itself is refused in one line, before any weights load."""
+    argv = SMALL + ["--total_steps", "4", "--save_steps", "2"]
+    straight = run_script(grpo, argv + ["--run_name", "intact"])
+    damaged = os.path.join("runs", "damaged")
+    shutil.copytree(straight, damaged)
+    state = os.path.join(damaged, "checkpoints", "step_4", "state")
+    victim = sorted(f for f in os.listdir(state) if f.endswith(".safetensors"))[0]
+    open(os.path.join(state, victim), "w").close()
+    with pytest.raises(SystemExit) as refused:
+        run_script(grpo, argv + ["--resume_from", os.path.join(damaged, "checkpoints", "step_4")])
+    assert f"state/{victim} has 0 bytes" in str(refused.value) and "is damaged" in str(refused.value)
+    capsys.readouterr()
+    resumed = run_script(grpo, argv + ["--resume_from", damaged])
+    assert f"checkpoints/step_4 is damaged (state/{victim} has 0 bytes" in capsys.readouterr().err
+    assert_same_weights(final_weights(straight, 4), final_weights(resumed, 4), atol=0)
+    assert [m["step"] for m in read_metrics(resumed)] == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
 def test_lora_trains_the_adapter_and_uses_the_base_as_reference(in_toy_workdir):
     run = run_script(grpo, SMALL + ["--lora_r", "4", "--lora_alpha", "8", "--lora_target_modules", "q_proj,v_proj",
                                     "--beta", "0.1", "--total_steps", "2", "--run_name", "lora"])
@@ -141,6 +164,29 @@ def test_a_cpu_run_from_the_command_line_prints_no_library_warning(toy_workdir):
     output = proc.stdout + proc.stderr
     assert "WARNING" not in output and "Warning" not in output, output[-2000:]
     assert "final checkpoint:" in proc.stdout
+
+
+@pytest.mark.slow
+def test_ctrl_c_prints_one_line_with_the_checkpoint_and_how_to_resume(toy_workdir):
+    """SIGINT (Ctrl-C) once the step-2 checkpoint exists: no traceback, one line naming it and the resume flag."""
+    import signal
+    import time
+
+    run_dir = os.path.join(toy_workdir, "runs", "ctrl_c")
+    proc = subprocess.Popen([sys.executable, os.path.join(REPO, "grpo.py"), "--preset", "toy", "--total_steps", "10000",
+                             "--save_steps", "2", "--eval_steps", "0", "--batch_size", "16", "--num_generations", "4",
+                             "--micro_batch_size", "16", "--run_name", "ctrl_c"], cwd=toy_workdir, env=subprocess_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not os.path.isdir(os.path.join(run_dir, "checkpoints", "step_2")) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and "Traceback" not in out + err, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("interrupted: the last checkpoint of runs/ctrl_c is checkpoints/step_"), err[-3000:]
+    assert last.endswith("resume with the same command and --resume_from runs/ctrl_c"), last
 
 
 def test_toy_learns(in_toy_workdir):
