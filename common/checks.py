@@ -13,6 +13,7 @@ Everything here reads inputs and files; nothing touches advantages, ratios, clip
 import dataclasses
 import fcntl
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -71,7 +72,6 @@ RESUME_MAY_CHANGE = {"run_name", "output_dir", "resume_from", "resume_overrides"
                      "dump_stats_steps", "micro_batch_size", "logprob_batch_size", "gradient_checkpointing",
                      "rollout_engine", "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size", "max_logp_gap"}
 SCHEDULES_WITHOUT_END = {"constant", "constant_with_warmup"}  # total_steps does not shape their learning rate
-FIRST_ROWS = 100  # rows of local data whose prompts are checked to be text
 
 
 def _changed(args, name: str) -> bool:
@@ -168,6 +168,9 @@ def model_problems(flag: str, path: str) -> tuple[list[str], object]:
         hint = f"; did you mean {inner}?" if os.path.isfile(os.path.join(inner, "config.json")) else ""
         problem = f"cannot load {flag} {path!r}: the folder has no config.json (not a save_pretrained folder){hint}"
         return [problem], None
+    if os.path.isdir(path) and not any(f.endswith((".safetensors", ".bin", ".pt", ".pth")) for f in os.listdir(path)):
+        return [f"cannot load {flag} {path!r}: the folder has a config.json but no weights (*.safetensors or *.bin); "
+                f"pass the folder save_pretrained wrote the model to"], None
     try:
         config = AutoConfig.from_pretrained(path)
         AutoTokenizer.from_pretrained(path)
@@ -213,9 +216,10 @@ def lora_problems(args, config) -> list[str]:
 
 
 def data_problems(flag: str, path: str, name: str | None, split: str, prompt_column: str,
-                  answer_column: str | None) -> list[str]:
-    """A local file or folder: it exists, has rows, the columns, and text prompts in its first rows. Hub datasets
-    cannot be reached from every machine: they are checked when they load (after the model)."""
+                  answer_column: str | None, answers_needed: bool = True) -> list[str]:
+    """A local file or folder: it exists, has rows, the columns, text in every prompt, and (when a reward function
+    reads `answer`) an answer in some row. Hub datasets cannot be reached from every machine: they are checked when
+    they load (after the model)."""
     if not os.path.exists(path):
         if looks_local(path):
             return [f"{flag} {path!r}: no such file or directory"]
@@ -232,10 +236,14 @@ def data_problems(flag: str, path: str, name: str | None, split: str, prompt_col
         if column is not None and column not in rows.column_names:
             return [f"{flag} {path!r} has no column {column!r} (its columns: {', '.join(rows.column_names)}); "
                     f"name the right one with {column_flag}"]
-    for i, value in enumerate(rows.select(range(min(FIRST_ROWS, len(rows))))[prompt_column]):
-        if not isinstance(value, str):
-            return [f"{flag} {path!r}: row {i} of --prompt_column {prompt_column!r} is {type(value).__name__} "
-                    f"{value!r}; prompts must be text"]
+    for i, value in enumerate(rows[prompt_column]):
+        if not isinstance(value, str) or not value.strip():
+            what = "empty" if isinstance(value, str) else f"{type(value).__name__} {value!r}"
+            return [f"{flag} {path!r}: row {i} of --prompt_column {prompt_column!r} is {what}; prompts must be text"]
+    if answers_needed and answer_column is not None:
+        if all(a is None or (isinstance(a, str) and not a.strip()) for a in rows[answer_column]):
+            return [f"{flag} {path!r}: --answer_column {answer_column!r} is empty in every row, so every reward "
+                    f"would be 0; name the column that holds the reference answers"]
     return []
 
 
@@ -308,13 +316,39 @@ def resource_problems(args) -> list[str]:
     if config is not None:
         problems += lora_problems(args, config)
     data = resolve_dataset(args.dataset, args.split, args.prompt_column, args.answer_column, args.eval_split)
-    problems += data_problems("--dataset", data["path"], args.dataset_config or data["name"], data["split"],
-                              data["prompt_column"], data["answer_column"])
+    funcs = [get_reward_function(n.strip()) for n in args.reward_funcs.split(",")]  # argument_problems: all exist
+    answers_needed = any("answer" in inspect.signature(fn).parameters for fn in funcs)
+    found = data_problems("--dataset", data["path"], args.dataset_config or data["name"], data["split"],
+                          data["prompt_column"], data["answer_column"], answers_needed)
+    problems += found
+    if not found and os.path.exists(data["path"]):
+        problems += dry_call_problems(args, funcs, data)
     if args.eval_steps > 0 and args.eval_dataset:
         spec = resolve_dataset(args.eval_dataset, args.eval_split, args.prompt_column, args.answer_column)
         problems += data_problems("--eval_dataset", spec["path"], args.dataset_config or spec["name"], spec["split"],
                                   data["prompt_column"], data["answer_column"])
     return problems
+
+
+def dry_call_problems(args, funcs: list, data: dict, num_rows: int = 2) -> list[str]:
+    """The reward functions called as the loop calls them, on the first rows of the local data with their reference
+    answers as completions: a function that cannot take the call, or returns the wrong number of values or a
+    non-finite one, is found before any weights load."""
+    from common.rewards import RewardError, compute_rewards
+
+    rows = load_rows(data["path"], args.dataset_config or data["name"], data["split"])
+    rows = rows.select(range(min(num_rows, len(rows))))
+    columns = {c: rows[c] for c in rows.column_names if c not in ("prompt", "prompt_text", "prompt_ids")}  # as the loop
+    if data["answer_column"] is not None:
+        columns["answer"] = rows[data["answer_column"]]
+    completions = [str(a) if a is not None else "" for a in columns.get("answer", [""] * len(rows))]
+    weights = [float(w) for w in str(args.reward_weights).split(",")] if args.reward_weights else None
+    try:
+        compute_rewards(funcs, weights, rows[data["prompt_column"]], completions, columns)
+    except (RewardError, TypeError, ValueError) as e:
+        return [f"--reward_funcs: a trial call on the first {len(rows)} rows of {data['path']} failed: "
+                f"{str(e).splitlines()[0]}"]
+    return []
 
 
 def ignored_settings(args) -> list[str]:

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 from common.batching import RolloutQueue
 from common.checks import check_args, claim_run_dir, record_args, stop_if_nonfinite
 from common.data import load_prompts, resolve_dataset
-from common.rewards import get_reward_function
+from common.rewards import RewardError, get_reward_function
 from common.rollout import HFEngine
 from common.utils import (
     MetricsLog,
@@ -83,19 +83,23 @@ def launch(main, args_cls) -> None:
 
     from common.utils import checkpoint_steps, parse_args
 
+    def where_to_resume() -> str:
+        run_dir = ACTIVE_RUN["run_dir"]
+        steps = checkpoint_steps(run_dir)
+        last = f"checkpoints/step_{steps[-1]}" if steps else "none yet (see --save_steps)"
+        return f"the last checkpoint of {run_dir} is {last}; resume with the same command and --resume_from {run_dir}"
+
     args = parse_args(args_cls)
     try:
         main(args)
     except KeyboardInterrupt:
         if not PartialState().is_main_process:
             raise SystemExit(130) from None
-        run_dir = ACTIVE_RUN.get("run_dir")
-        if run_dir is None:
+        if "run_dir" not in ACTIVE_RUN:
             raise SystemExit("interrupted before training started") from None
-        steps = checkpoint_steps(run_dir)
-        last = f"checkpoints/step_{steps[-1]}" if steps else "none yet (see --save_steps)"
-        raise SystemExit(f"interrupted: the last checkpoint of {run_dir} is {last}; resume with the same command "
-                         f"and --resume_from {run_dir}") from None
+        raise SystemExit(f"interrupted: {where_to_resume()}") from None
+    except RewardError as e:  # a reward function broke on a sample: its message names both
+        raise SystemExit(f"error: {e}\n{where_to_resume()}") from None
 
 
 def setup(args) -> Run:

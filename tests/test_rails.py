@@ -45,6 +45,8 @@ BAD_FILES = {
     "word_decay.yaml": "weight_decay: lots\n",
     "bool_word.yaml": "use_chat_template: maybe\n",
     "template_int.yaml": "prompt_template: 12\n",
+    "no_answers.jsonl": '{"prompt": "1+1=", "answer": ""}\n{"prompt": "2+2=", "answer": null}\n',
+    "empty_prompt.jsonl": '{"prompt": "1+1=", "answer": "2"}\n{"prompt": " ", "answer": "4"}\n',
 }
 
 TRAIN_CASES = [
@@ -121,6 +123,12 @@ TRAIN_CASES = [
     ("grpo", ["--dataset", "bad/empty.jsonl"], "--dataset 'bad/empty.jsonl'"),
     ("grpo", ["--dataset", "bad/notes.txt"], "--dataset 'bad/notes.txt': unsupported file type"),
     ("grpo", ["--dataset", "bad/ints.jsonl"], "row 0 of --prompt_column 'prompt' is int 12; prompts must be text"),
+    ("grpo", ["--dataset", "bad/empty_prompt.jsonl"], "row 1 of --prompt_column 'prompt' is empty; prompts must be"),
+    ("grpo", ["--dataset", "bad/no_answers.jsonl"], "--answer_column 'answer' is empty in every row, so every reward"),
+    ("grpo", ["--model", "bad/weightless"], "cannot load --model 'bad/weightless': the folder has a config.json but no "
+                                            "weights"),
+    ("grpo", ["--reward_funcs", "os:getcwd"],
+     "--reward_funcs: a trial call on the first 2 rows of runs/toy/train.jsonl failed: reward function 'getcwd'"),
     ("grpo", ["--prompt_column", "question"], "has no column 'question' (its columns: prompt, answer); name the "
                                               "right one with --prompt_column"),
     ("grpo", ["--answer_column", "solution"], "name the right one with --answer_column"),
@@ -239,6 +247,8 @@ def quick_toy(tmp_path_factory):
     bad.mkdir()
     for name, text in BAD_FILES.items():
         (bad / name).write_text(text)
+    tokenizer.save_pretrained(bad / "weightless")  # a model folder with its config and tokenizer, but no weights
+    build_model(tokenizer, seed=0).config.save_pretrained(bad / "weightless")
     return workdir
 
 

@@ -173,10 +173,10 @@ def test_ctrl_c_prints_one_line_with_the_checkpoint_and_how_to_resume(toy_workdi
     import time
 
     run_dir = os.path.join(toy_workdir, "runs", "ctrl_c")
-    proc = subprocess.Popen([sys.executable, os.path.join(REPO, "grpo.py"), "--preset", "toy", "--total_steps", "10000",
-                             "--save_steps", "2", "--eval_steps", "0", "--batch_size", "16", "--num_generations", "4",
-                             "--micro_batch_size", "16", "--run_name", "ctrl_c"], cwd=toy_workdir, env=subprocess_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    argv = ["--preset", "toy", "--total_steps", "10000", "--save_steps", "2", "--eval_steps", "0", "--batch_size", "16",
+            "--num_generations", "4", "--micro_batch_size", "16", "--run_name", "ctrl_c"]
+    proc = subprocess.Popen([sys.executable, os.path.join(REPO, "grpo.py"), *argv], cwd=toy_workdir,
+                            env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     while not os.path.isdir(os.path.join(run_dir, "checkpoints", "step_2")) and time.monotonic() < deadline:
         assert proc.poll() is None, proc.communicate()[1][-3000:]
