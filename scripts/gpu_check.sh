@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# GPU acceptance in one command (issue 33). On a GPU machine, from the repository root, with .whl/ built by
+# scripts/gpu_wheels.sh carried along:
+#
+#     bash scripts/gpu_check.sh [REPORT_DIR]          # default: $OUT (the device tool's) or gpu_report/
+#
+# Installs the carried wheels, then runs `pytest -m "gpu and not vllm"` (tests/test_gpu.py: one RL step of each script
+# on CUDA in bf16 and fp32, with and without LoRA; FSDP2 in one process; the toy trained 200 steps; the chunked
+# LM-head log-probs against the naive form in bf16), then the realistic-shape benchmark against TRL when TRL is
+# there. Writes REPORT_DIR/report.md with the device, each part's result and the figures.
+# GPU_CHECK_REHEARSAL=1 runs it all without a GPU: the GPU tests are collected and skipped, the benchmark is not run.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+report=${1:-${OUT:-gpu_report}}
+mkdir -p "$report"
+md="$report/report.md"
+rehearsal=${GPU_CHECK_REHEARSAL:-0}
+
+if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    if [ "$rehearsal" != 1 ]; then
+        echo "error: no CUDA device here (torch.cuda.is_available() is False); run this on a GPU machine," \
+             "or GPU_CHECK_REHEARSAL=1 to rehearse it on the CPU" >&2
+        exit 2
+    fi
+fi
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+    if [ "$rehearsal" = 1 ]; then  # the wheels are for the device's Python 3.12: check they install there, use ours
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --only-binary=:all: \
+            --python-version 3.12 --implementation cp --target /tmp/site-rehearsal .whl/*.whl \
+            || { echo "error: the carried wheels in .whl/ do not install for Python 3.12" >&2; exit 3; }
+    else
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            .whl/*.whl || { echo "error: the carried wheels in .whl/ do not install" >&2; exit 3; }
+        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    fi
+fi
+export PYTHONUNBUFFERED=1
+
+{
+    echo "# GPU acceptance report"
+    echo
+    echo "- date: $(date -u +%Y-%m-%dT%H:%MZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+    python3 -c "import torch, transformers, accelerate, peft; d = torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none (rehearsal)'; print(f'- device: {d}; torch {torch.__version__}, transformers {transformers.__version__}, accelerate {accelerate.__version__}, peft {peft.__version__}')"
+} > "$md"
+nvidia-smi > "$report/nvidia-smi.txt" 2>&1 || true
+
+start=$SECONDS
+python3 -m pytest tests/test_gpu.py -m "gpu and not vllm" -p no:cacheprovider -rs -s --durations=0 \
+    --junitxml "$report/junit.xml" > "$report/pytest.log" 2>&1
+rc=$?
+summary=$(tail -n 1 "$report/pytest.log")
+{
+    echo "- tests/test_gpu.py: exit $rc, $summary ($((SECONDS - start)) s); log: pytest.log, junit.xml"
+    grep -E "^V=.*peak CUDA memory" "$report/pytest.log" | sed 's/^/  - /'
+    if python3 -c "import vllm" 2>/dev/null; then
+        echo "- vLLM is installed: run \`python3 -m pytest -m \"gpu and vllm\"\` too"
+    else
+        echo "- not run: the vLLM-on-GPU tests (-m \"gpu and vllm\"): vLLM is not installed here and cannot be carried" \
+             "(it brings its own torch)"
+    fi
+} >> "$md"
+
+if [ "$rehearsal" != 1 ] && python3 -c "import trl" 2>/dev/null; then
+    timeout 480 python3 benchmarks/step_time.py --shape qwen3 --algo grpo --trl --steps 3 --repeat 1 \
+        --output_dir "$report/bench" --out "$report/step_time.json" > "$report/step_time.txt" 2>&1
+    echo "- benchmarks/step_time.py --shape qwen3 --trl: exit $?, see step_time.txt" >> "$md"
+else
+    echo "- not run: the benchmark against TRL ($([ "$rehearsal" = 1 ] && echo rehearsal || echo 'trl not importable'))" >> "$md"
+fi
+cat "$md"
+exit $rc

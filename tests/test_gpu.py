@@ -1,0 +1,82 @@
+"""GPU acceptance (scripts/gpu_check.sh runs this on a GPU machine): the scripts on CUDA, bf16 and fp32, with and
+without LoRA, FSDP2 in one process, the toy learning on the GPU, and the chunked LM-head log-probs against the naive
+form on CUDA in bf16 (values, gradients, peak memory). Models and data are built here (the toy; a random model of a
+large vocabulary): nothing is downloaded. Every test is marked `gpu` and skipped where there is no CUDA device, so the
+CPU machines collect them (they import and are wired) without running them."""
+
+import os
+
+import pytest
+import torch
+from conftest import REPO, launch, read_metrics, run_script
+from test_train import SMALL
+
+import ctpo
+import grpo
+import gspo
+import p3o
+import snib
+from benchmarks.logprobs_memory import make_batch, naive_completion_logprobs, tiny_model
+from common.utils import completion_logprobs
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (scripts/gpu_check.sh)")]
+SCRIPTS = {"grpo": grpo, "gspo": gspo, "snib": snib, "ctpo": ctpo, "p3o": p3o}
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_one_rl_step_on_cuda(in_toy_workdir, name, dtype, lora):
+    """One stale step (two mini-batches, two passes: every estimator's batch statistics), with its KL term."""
+    run_name = f"gpu_{name}_{dtype}_{'lora' if lora else 'full'}"
+    argv = SMALL + ["--dtype", dtype, "--mini_batch_size", "8", "--num_iterations", "2", "--beta", "0.05",
+                    "--run_name", run_name] + (["--lora_r", "4"] if lora else [])
+    run = run_script(SCRIPTS[name], argv)
+    m = read_metrics(run)[-1]
+    assert all(v == v for v in m.values() if isinstance(v, float)), m  # no NaN anywhere
+    assert 0 < m["memory/peak_gib"] < 4, m  # torch.cuda.max_memory_allocated, not the process's RSS
+    assert m["policy/kl"] >= 0 and m["optim/grad_norm"] > 0, m
+
+
+def test_fsdp2_in_one_process(in_toy_workdir):
+    """configs/accelerate/fsdp2.yaml on one GPU: the policy's parameters are DTensors, the step completes."""
+    launch(in_toy_workdir, "grpo.py", SMALL + ["--run_name", "gpu_fsdp2", "--beta", "0.05"], num_processes=1,
+           config=os.path.join(REPO, "configs", "accelerate", "fsdp2.yaml"))
+    m = read_metrics(os.path.join(in_toy_workdir, "runs", "gpu_fsdp2"))[-1]
+    assert m["optim/grad_norm"] > 0 and m["memory/peak_gib"] > 0, m
+
+
+def test_toy_learns_on_the_gpu(in_toy_workdir):
+    """200 steps of the toy preset on CUDA: held-out greedy accuracy rises by the CPU test's bar or more."""
+    run = run_script(grpo, ["--preset", "toy", "--total_steps", "200", "--eval_steps", "100", "--run_name",
+                            "gpu_learns"])
+    evals = [m["eval/accuracy"] for m in read_metrics(run) if "eval/accuracy" in m]
+    assert len(evals) == 3 and evals[-1] >= evals[0] + 0.04, evals
+
+
+@pytest.mark.parametrize("V", [32_000, 152_064])
+def test_chunked_head_logprobs_match_naive_in_bf16_and_use_less_memory(V):
+    """bf16 on CUDA: the same log-probs, entropies and gradients as the naive log-softmax over (B, T, V), with a
+    lower peak of CUDA memory (the naive form holds fp32 logits of the whole batch)."""
+    T, device = 64, torch.device("cuda")
+    model = tiny_model(V, torch.bfloat16).to(device)
+    input_ids, attention_mask, mask = (t.to(device) for t in make_batch(V, 4, 32, T))
+    results = {}
+    for label, fn in [("naive", naive_completion_logprobs), ("chunked", completion_logprobs)]:
+        model.zero_grad()
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        logp, entropy = fn(model, input_ids, attention_mask, T, 0.9, entropy_grad=True)
+        (logp * mask).sum().add((entropy * mask).sum()).backward()
+        peak = torch.cuda.max_memory_allocated(device) - base
+        results[label] = (logp.detach(), entropy.detach(), {n: p.grad.clone() for n, p in model.named_parameters()},
+                          peak)
+    (lp_n, ent_n, grad_n, peak_n), (lp_c, ent_c, grad_c, peak_c) = results["naive"], results["chunked"]
+    m = mask.bool()
+    torch.testing.assert_close(lp_c[m], lp_n[m], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ent_c[m], ent_n[m], atol=1e-4, rtol=1e-4)
+    for n in grad_n:
+        torch.testing.assert_close(grad_c[n], grad_n[n], atol=2e-2, rtol=2e-2, msg=n)
+    assert peak_c < peak_n, (peak_c, peak_n)
+    print(f"V={V}: peak CUDA memory above the model, naive {peak_n / 2**20:.0f} MiB, chunked {peak_c / 2**20:.0f} MiB")
