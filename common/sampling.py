@@ -40,8 +40,6 @@ def sample_batch(run, index: int, metrics: dict) -> dict:
 def sample_round(run, index: int, r: int, metrics: dict) -> Rollouts:
     """G completions for each of this process's prompts of step `index`, and their rewards (whole groups per process,
     so rewards need no communication); round r > 0 draws other prompts, for --dynamic_sampling."""
-    from common.multiturn import sample_completions, tool_metrics
-
     args, G, accelerator = run.args, run.args.num_generations, run.accelerator
     positions, indices = step_prompts(index, args.batch_size, G, args.mini_batch_size, accelerator.num_processes,
                                       accelerator.process_index, len(run.train_data), args.seed + 1_000_003 * r)
@@ -50,24 +48,36 @@ def sample_round(run, index: int, r: int, metrics: dict) -> Rollouts:
     seeds = [sample_seed(args.seed, index, position + r * args.batch_size, j) for position in positions
              for j in range(G)]
     run.engine.wake_up()
-    with timed(metrics, "time/rollout"):  # --max_turns > 1: tool output is part of a completion, not its actions
-        out = sample_completions(run.engine, run.model, run.tokenizer, prompt_ids, seeds,
-                                 max_tokens=args.max_completion_length, temperature=args.temperature,
-                                 top_p=args.top_p, max_turns=args.max_turns, tool=args.tool)
+    with timed(metrics, "time/rollout"):
+        if args.max_turns == 1:  # one generate call: every token is the model's
+            completion_ids, sampler_logp = run.engine.generate(run.model, prompt_ids, seeds,
+                                                               max_tokens=args.max_completion_length,
+                                                               temperature=args.temperature, top_p=args.top_p)
+            action_mask = [[1] * len(c) for c in completion_ids]
+            eos = run.tokenizer.eos_token_id
+            finish = ["eos" if c and c[-1] == eos else "length" for c in completion_ids]
+        else:  # tool turns (common/multiturn.py): tool output is part of a completion, not its actions
+            from common.multiturn import sample_completions, tool_metrics
+
+            out = sample_completions(run.engine, run.model, run.tokenizer, prompt_ids, seeds,
+                                     max_tokens=args.max_completion_length, temperature=args.temperature,
+                                     top_p=args.top_p, max_turns=args.max_turns, tool=args.tool)
+            metrics.update(tool_metrics(out))  # turns, calls, errors, tool time
+            completion_ids, sampler_logp, action_mask, finish = (out.completion_ids, out.sampler_logp,
+                                                                 out.action_mask, out.finish)
     run.engine.sleep()
-    metrics.update(tool_metrics(out) if args.max_turns > 1 else {})  # turns, calls, errors, tool time
-    completions = run.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
+    completions = run.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     columns = {c: [v for v in rows[c] for _ in range(G)] for c in run.reward_columns}
     prompts = [p for p in rows["prompt"] for _ in range(G)]
     rewards, per_func = compute_rewards(run.reward_funcs, run.reward_weights, prompts, completions, columns)  # (B,)
     if args.overlong_buffer > 0:  # DAPO: a reward term, falling to -overlong_penalty at the length limit
         from common.dapo import overlong_penalty
 
-        per_func["overlong"] = overlong_penalty(torch.tensor([len(c) for c in out.completion_ids]),
+        per_func["overlong"] = overlong_penalty(torch.tensor([len(c) for c in completion_ids]),
                                                 args.max_completion_length, args.overlong_buffer, args.overlong_penalty)
         rewards = rewards + per_func["overlong"]  # (B,)
-    truncated = torch.tensor([finish == "length" for finish in out.finish])  # (B,)
-    return Rollouts(prompt_ids, out.completion_ids, out.sampler_logp, rewards, per_func, truncated, out.action_mask)
+    truncated = torch.tensor([f == "length" for f in finish])  # (B,)
+    return Rollouts(prompt_ids, completion_ids, sampler_logp, rewards, per_func, truncated, action_mask)
 
 
 def to_tensors(rollouts: Rollouts, removed: torch.Tensor, pad_token_id: int) -> dict:
