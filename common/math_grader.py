@@ -344,6 +344,10 @@ def _sentence_answer(sentence: str) -> str | None:
 READ_CHARS = 100_000
 
 
+# Control characters a tokenizer can decode (NUL, escape, ...): "\boxed{3\x00}" is the answer 3. Tab and newline stay.
+_CONTROL = dict.fromkeys([*range(0, 9), *range(11, 32), 127])
+
+
 def extract_answer(text: str) -> str | None:
     """The final answer of a completion, or None when it gives none.
 
@@ -351,11 +355,11 @@ def extract_answer(text: str) -> str | None:
     final-answer marker ("The final answer is", "Answer:", ``#### x``, ...), then the trailing
     expression (``_trailing_expression``). Text inside a closed ``<think>...</think>`` block is
     ignored: numbers from the scratch work there are not the answer; of the rest, the last
-    ``READ_CHARS`` characters are read.
+    ``READ_CHARS`` characters are read, control characters other than tab and newline dropped.
     """
     if "</think>" in text:
         text = text.rsplit("</think>", 1)[1]
-    text = _ascii_math(text[-READ_CHARS:])
+    text = _ascii_math(text[-READ_CHARS:].translate(_CONTROL))
     boxed = _final_boxes(text)
     if boxed is not None:
         return boxed.strip()

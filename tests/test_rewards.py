@@ -475,3 +475,10 @@ def test_reward_metrics_must_have_one_value_per_completion():
 
     with pytest.raises(RewardError, match="returned 1 values of metric 'odd' for 2 completions"):
         compute_rewards([bad_metrics], None, PROMPTS, COMPLETIONS, COLUMNS)
+
+
+def test_control_characters_are_dropped_before_grading():
+    """A NUL (or an escape, a carriage return) that a tokenizer decodes inside the answer does not make it wrong."""
+    assert extract_answer("so \\boxed{3\x00}") == "3"
+    assert math_accuracy(["q", "q", "q"], ["\\boxed{3\x00}", "The answer is \x1b4.", "\\boxed{\\frac{1}{2}}\r"],
+                         answer=["3", "4", "0.5"]) == [1.0, 1.0, 1.0]
