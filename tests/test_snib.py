@@ -351,9 +351,10 @@ def test_stale_updates_do_not_depend_on_micro_batches_or_processes(in_toy_workdi
     for name, update in runs.items():
         assert_same_update(update, whole, name)
     m = read_metrics(os.path.join(in_toy_workdir, "runs", f"snib_{variant}_p1_m8"))[-1]
-    # stale enough that per-micro-batch or per-process statistics would differ (the toy of TOY_VERSION 2, measured:
-    # ess 0.9887, weight_max 1.067, raw_logweight_std 0.088)
-    assert m["snib/ess"] < 0.995 and m["snib/weight_max"] > 1.03 and m["snib/raw_logweight_std"] > 0.04, (
+    # stale enough that per-micro-batch or per-process statistics would differ by far more than the tolerance
+    # (measured with the dense reward: TOY_SEED=1, ess 0.9957-0.9960, weight_max 1.061-1.070, raw_logweight_std
+    # 0.043-0.050; on the seed-0 toy a per-micro-batch statistic changed the update by up to ~2e-4, atol is 2.4e-7)
+    assert m["snib/ess"] < 0.998 and m["snib/weight_max"] > 1.02 and m["snib/raw_logweight_std"] > 0.02, (
         f"precondition: the step's ratios stayed too close to 1 for per-micro-batch statistics to differ: {m}")
 
 
