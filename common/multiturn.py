@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from common.rollout import single_turn
+
 # The prompt of SimpleTIR (Xue et al. 2025, arXiv:2509.02479), whose TIR setting CTPO (section 4.1) trains in: the
 # authors' repository github.com/ltzheng/SimpleTIR (commit e7b5b44), recipe/simpletir/config/simpletir_trainer.yaml
 # `data.prompt`, verbatim; their dataset puts it before the question, in the user turn (recipe/simpletir/utils/
@@ -255,11 +257,9 @@ def sample_completions(engine, model, tokenizer, prompt_ids: list[list[int]], se
     or "length"), exactly as before tools existed. max_turns > 1: multi_turn_generate with `TOOLS[tool]`, each block
     run by common.sandbox.run_python."""
     if max_turns == 1:
-        ids, logps = engine.generate(model, prompt_ids, seeds, max_tokens=max_tokens, temperature=temperature,
-                                     top_p=top_p)
         out = MultiTurnRollout.empty(len(prompt_ids))
-        out.completion_ids, out.sampler_logp, out.action_mask = ids, logps, [[1] * len(c) for c in ids]
-        out.finish = ["eos" if c and c[-1] == tokenizer.eos_token_id else "length" for c in ids]
+        out.completion_ids, out.sampler_logp, out.action_mask, out.finish = single_turn(
+            engine, model, tokenizer, prompt_ids, seeds, max_tokens=max_tokens, temperature=temperature, top_p=top_p)
         return out
     from common.sandbox import run_python
 

@@ -188,3 +188,12 @@ class HFEngine:
 
     def sleep(self) -> None:
         pass
+
+
+def single_turn(engine, model, tokenizer, prompt_ids: list[list[int]], seeds: list[int], *, max_tokens: int,
+                temperature: float, top_p: float) -> tuple[list, list, list, list]:
+    """One generate call: (completion ids, sampler log-probs, action mask, finish) per row; every token is the model's
+    and `finish` is "eos" or "length" (the token budget)."""
+    ids, logps = engine.generate(model, prompt_ids, seeds, max_tokens=max_tokens, temperature=temperature, top_p=top_p)
+    finish = ["eos" if c and c[-1] == tokenizer.eos_token_id else "length" for c in ids]
+    return ids, logps, [[1] * len(c) for c in ids], finish

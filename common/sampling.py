@@ -12,7 +12,7 @@ import torch
 
 from common.batching import Rollouts
 from common.rewards import compute_rewards
-from common.rollout import sample_seed
+from common.rollout import sample_seed, single_turn
 from common.utils import completion_logprobs, length_buckets, pad_rows, sharded_parameters, step_prompts, timed
 
 
@@ -50,12 +50,9 @@ def sample_round(run, index: int, r: int, metrics: dict) -> Rollouts:
     run.engine.wake_up()
     with timed(metrics, "time/rollout"):
         if args.max_turns == 1:  # one generate call: every token is the model's
-            completion_ids, sampler_logp = run.engine.generate(run.model, prompt_ids, seeds,
-                                                               max_tokens=args.max_completion_length,
-                                                               temperature=args.temperature, top_p=args.top_p)
-            action_mask = [[1] * len(c) for c in completion_ids]
-            eos = run.tokenizer.eos_token_id
-            finish = ["eos" if c and c[-1] == eos else "length" for c in completion_ids]
+            completion_ids, sampler_logp, action_mask, finish = single_turn(
+                run.engine, run.model, run.tokenizer, prompt_ids, seeds, max_tokens=args.max_completion_length,
+                temperature=args.temperature, top_p=args.top_p)
         else:  # tool turns (common/multiturn.py): tool output is part of a completion, not its actions
             from common.multiturn import sample_completions, tool_metrics
 
