@@ -67,10 +67,7 @@ class Run:
     local_rows: int  # rows of the optimizer batch (--batch_size) on this process
     local_mini: int  # rows of one mini-batch (one optimizer step) on this process
     on_policy: bool  # one optimizer step per batch, sampled by these weights: old_logp is the update's logp
-
-    @property
-    def evaluating(self) -> bool:
-        return self.args.eval_steps > 0 and (self.eval_data is not None or len(self.eval_sets) > 0)
+    evaluating: bool  # --eval_steps > 0 and something to evaluate on (held-out prompts or --eval_benchmarks)
 
 
 ACTIVE_RUN: dict = {}  # the run folder of the run in progress in this process (setup sets it): for `launch`
@@ -158,7 +155,7 @@ def setup(args) -> Run:
                  and args.old_logp_source == "trainer")
     run = Run(args, accelerator, run_dir, model, ref_model, tokenizer, optimizer, scheduler, engine, train_data,
               eval_data, eval_sets, reward_funcs, reward_weights, reward_columns, queue, train_state, log, local_rows,
-              local_mini, on_policy)
+              local_mini, on_policy, evaluating=args.eval_steps > 0 and (eval_data is not None or len(eval_sets) > 0))
     if run.evaluating and train_state.step == 0:
         log.write({"step": 0, **evaluate(run)})
     return run
