@@ -4,10 +4,9 @@
     L   = -(1/B) sum_i (1/L_i) sum_t mask * [min(r_t A_i, clip(r_t, 1-eps, 1+eps_high) A_i) - beta * kl_t]
 
 Differs from DeepSeekMath's description:
-- old_logp is the trainer's (not the sampler's; on-policy, the update's own); the sampler/trainer gap is
-  logged and can be corrected with truncated importance sampling (--tis_cap, off by default).
-- Ablations of "Towards Understanding the Optimization Landscape of GRPO and its Variants" (the landscape paper):
-  --advantage sign (CL), --train_on positive|negative (PL / NL), --loss_agg token-sum-norm (TNCL); verl's token-mean.
+- old_logp is the trainer's, not the sampler's; their gap is logged, and corrected with --tis_cap (off by default).
+- the ablations of "Towards Understanding the Optimization Landscape of GRPO and its Variants": --advantage sign,
+  --train_on positive|negative, --loss_agg token-sum-norm | token-mean (verl's); docs/estimators/grpo.md.
 
 Run:
     python grpo.py --preset toy                                  # CPU, minutes
@@ -21,11 +20,12 @@ from typing import Literal
 
 import torch
 
+from common.args import arg
 from common.batching import importance_weights
+from common.logprobs import completion_logprobs
 from common.run import end_step, finish, launch, progress_bar, setup
 from common.sampling import logprobs_of, sample_batch
 from common.update import backward_share, masked_mean, microbatches, minibatches, save_dumps, sum_over_processes, take
-from common.utils import arg, completion_logprobs
 
 
 @dataclass
@@ -130,14 +130,9 @@ def batch_stats(current_logp, old_logp, advantages, mask, args: Args) -> tuple[d
     log-probs at the current weights, without gradient, for estimators whose statistics depend on them
     (on-policy it is old_logp: no extra pass).
     """
-    keep = kept_rows(advantages, mask, args)  # (B,)
+    sign = {"positive": advantages > 0, "negative": advantages < 0}.get(args.train_on, True)  # (B,) PL / NL, or all
+    keep = (mask.sum(-1) > 0) & sign  # (B,)  kept: a valid token (removed rows have none) and the sign
     return {"num_rows": keep.sum().float(), "num_tokens": (mask.sum(-1) * keep).sum().float()}, {}
-
-
-def kept_rows(advantages: torch.Tensor, mask: torch.Tensor, args: Args) -> torch.Tensor:
-    """Rows with a valid token (ESTIMATORS.md: removed rows have none); PL / NL: of one advantage sign."""
-    sign = {"positive": advantages > 0, "negative": advantages < 0}.get(args.train_on, True)  # (B,) or all
-    return (mask.sum(-1) > 0) & sign  # (B,)
 
 
 def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, num_rows=None, tis_weights=None,
@@ -146,7 +141,8 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, num_row
     denominator over the whole optimizer batch when called per micro-batch; `tis_weights` (B, T)
     multiply the policy term per token (TIS or masked IS, per token or per sequence: common.batching)."""
     mask = mask.float()  # (B, T)
-    keep = kept_rows(advantages, mask, args).float()  # (B,)
+    sign = {"positive": advantages > 0, "negative": advantages < 0}.get(args.train_on, True)  # (B,) PL / NL, or all
+    keep = ((mask.sum(-1) > 0) & sign).float()  # (B,)  kept: a valid token and the sign
     if num_rows is None:
         num_rows, num_tokens = keep.sum(), (mask.sum(-1) * keep).sum()
     ratio = torch.exp(logp - old_logp)  # (B, T)  r_t

@@ -19,11 +19,12 @@ from typing import Literal
 
 import torch
 
+from common.args import arg
 from common.batching import importance_weights
+from common.logprobs import completion_logprobs
 from common.run import end_step, finish, launch, progress_bar, setup
 from common.sampling import logprobs_of, sample_batch
 from common.update import backward_share, masked_mean, microbatches, minibatches, save_dumps, sum_over_processes, take
-from common.utils import arg, completion_logprobs
 
 
 @dataclass

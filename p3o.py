@@ -1,17 +1,15 @@
 """P3O: Policy-on Policy-off Policy Optimization (Fakoor et al. 2019, arXiv:1905.01756) with the batch ESS of
-"Trust the Batch, On- or Off-Policy: Adaptive Policy Optimization for RL Post-Training", as in the FeynRL framework's
-algs/P3O/p3o.py (https://github.com/FeynRL-project/FeynRL).
+"Trust the Batch, On- or Off-Policy: Adaptive Policy Optimization for RL Post-Training" (code: FeynRL's
+algs/P3O/p3o.py, github.com/FeynRL-project/FeynRL).
 
     A_i = z-score,   r_t = exp(logp_t - old_logp_t),   ESS = (sum r)^2 / (n sum r^2) over the batch's n valid tokens
     L   = (1/n) sum_{i,t} mask [-sg(min(r_t, ESS)) A_i logp_t + (1-ESS) kl_old_t + beta kl_ref_t - entropy_coeff H_t]
 
 Differs from grpo.py:
-- no clip: the batch ESS caps a detached score-function weight and sets the weight of a KL to the behaviour
-  policy, kl_old_t = (logp - old_logp) + exp(clamp(old_logp - logp, -10, 10)) - 1; a token mean over the batch.
-- ESS counts every valid token of the optimizer batch on all processes (batch_stats at the current weights,
-  all-reduced). --ess_scope micro_batch (FeynRL's choice, a departure from ESTIMATORS.md) takes it from each
-  micro-batch's own tokens; the loss stays a token mean over the optimizer batch, as FeynRL's normalize_loss.
-- --entropy_coeff > 0: the loop asks completion_logprobs for the entropy with its gradient and passes it on.
+- no clip: the batch ESS caps a detached score-function weight and weighs a KL to the behaviour policy,
+  kl_old_t = (logp - old_logp) + exp(clamp(old_logp - logp, -10, 10)) - 1; a token mean over the batch.
+- ESS over every valid token of the optimizer batch, all processes; --ess_scope micro_batch: each micro-batch's own
+  (FeynRL's choice, a departure from ESTIMATORS.md).
 
 Run:
     python p3o.py --preset toy                                   # CPU, minutes
@@ -25,11 +23,12 @@ from typing import Literal
 
 import torch
 
+from common.args import arg
 from common.batching import importance_weights
+from common.logprobs import completion_logprobs
 from common.run import end_step, finish, launch, progress_bar, setup
 from common.sampling import logprobs_of, sample_batch
 from common.update import backward_share, masked_mean, microbatches, minibatches, save_dumps, sum_over_processes, take
-from common.utils import arg, completion_logprobs
 
 
 @dataclass
@@ -144,14 +143,11 @@ def ess_sums(current_logp, old_logp, mask) -> dict[str, torch.Tensor]:
 
 def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, sum_r=None, sum_r2=None, num_tokens=None,
                  tis_weights=None, entropy=None):
-    """P3O loss with full-batch semantics. `sum_r`, `sum_r2`, `num_tokens` (default: this batch's) are the
-    optimizer batch's sums over valid tokens, at the current weights (with --ess_scope micro_batch only
-    `num_tokens` is given: the ESS is this batch's own); `tis_weights` (B, T) multiply the policy term per token
-    (TIS / MIS, token or sequence mode: common.batching; never the trust region);
-    `entropy` (B, T) must carry its gradient when entropy_coeff > 0."""
+    """P3O loss with full-batch semantics: `sum_r`, `sum_r2`, `num_tokens` (default: this batch's) are the optimizer
+    batch's sums over valid tokens at the current weights; `tis_weights` (B, T) scale the policy term, not the trust
+    region; `entropy` (B, T) carries its gradient when entropy_coeff > 0."""
     if args.entropy_coeff > 0 and (entropy is None or (logp.requires_grad and not entropy.requires_grad)):
-        raise ValueError("--entropy_coeff > 0 needs the entropy with its gradient: "
-                         "completion_logprobs(..., entropy_grad=True)")
+        raise ValueError("--entropy_coeff > 0 needs the entropy's gradient: completion_logprobs(entropy_grad=True)")
     own = ess_sums(logp.detach(), old_logp, mask) if sum_r is None else dict(
         sum_r=sum_r, sum_r2=sum_r2, num_tokens=num_tokens)  # the batch's, or these rows' own
     num_tokens = own["num_tokens"] if num_tokens is None else num_tokens  # the token mean's denominator

@@ -20,11 +20,12 @@ from typing import Literal
 
 import torch
 
+from common.args import arg
 from common.batching import importance_weights
+from common.logprobs import completion_logprobs
 from common.run import end_step, finish, launch, progress_bar, setup
 from common.sampling import logprobs_of, sample_batch
 from common.update import backward_share, masked_mean, microbatches, minibatches, save_dumps, sum_over_processes, take
-from common.utils import arg, completion_logprobs
 
 
 @dataclass
@@ -150,10 +151,8 @@ def batch_stats(current_logp, old_logp, advantages, mask, args: Args) -> tuple[d
 
 def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, num_rows=None, log_weight=None, log_wbar=None,
                  fg_coeff=None, group_ess=None, tis_weights=None):
-    """SNIB loss with full-batch semantics. Per micro-batch, SNIB-sg's sg(log wbar_g) is batch_stats' `log_wbar`, and
-    SNIB-fg adds its gradient through wbar, -(1/B) C_g sum_{j in g} (w_j / n_g) du_j, row by row with value 0 (C_g omits
-    KL and TIS: with those, wbar is in-graph). `log_weight` (u_i, no gradient) is for --dump_stats_steps only.
-    `tis_weights` (B, T) scale a row by their masked token mean (sequence TIS: its weight); empty rows leave B, wbar."""
+    """SNIB loss with full-batch semantics: sg(log wbar_g) is batch_stats' `log_wbar`; SNIB-fg adds the gradient through
+    wbar as -(1/B) C_g sum_{j in g} (w_j / n_g) du_j with value 0 (docs/estimators/snib.md), in-graph with KL or TIS."""
     if log_wbar is None:  # the full batch: its own statistics
         totals, rows = batch_stats(logp.detach, old_logp, advantages, mask, args)
         return compute_loss(logp, old_logp, ref_logp, advantages, mask, args, tis_weights=tis_weights, **totals, **rows)

@@ -1,5 +1,5 @@
 """Time of one no-grad log-prob pass (the reference / old log-probs) over a toy batch, by rows per forward and with
-or without shared prompts (common.utils.shared_prompt_cache): what --logprob_batch_size and prompt sharing buy.
+or without shared prompts (common.logprobs.shared_prompt_cache): what --logprob_batch_size and prompt sharing buy.
 
     python benchmarks/logprob_passes.py                       # toy model, 32 prompts x G = 8, one thread
     python benchmarks/logprob_passes.py --sizes 64,256 --repeat 50
@@ -24,9 +24,10 @@ from accelerate import Accelerator  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from common.data import load_prompts  # noqa: E402
+from common.logprobs import completion_logprobs
 from common.rollout import HFEngine  # noqa: E402
 from common.toy import TOY_DIR, TOY_PRESET, prepare_toy  # noqa: E402
-from common.utils import completion_logprobs, pad_rows  # noqa: E402
+from common.utils import pad_rows  # noqa: E402
 
 
 def main():

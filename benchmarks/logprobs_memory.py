@@ -11,7 +11,7 @@ process's peak resident set (resource.getrusage ru_maxrss) over its level just b
 Variants:
     naive   log_softmax(logits.float() / T) over the whole (B, T, V) at once, then gather
     rowwise the implementation before issue 6: the same, one row (T, V) at a time
-    lean    common.utils.completion_logprobs: for this Qwen3, the chunked LM head (common/logprobs.py
+    lean    common.logprobs.completion_logprobs: for this Qwen3, the chunked LM head (common/logprobs.py
             HeadLogprobs): no (B, T + 1, V) logits at all; for heads it cannot replace, TokenLogprobs on the
             model's logits (chunks of positions, custom backward writing the gradient into the logits)
 
@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common.utils import completion_logprobs
+from common.logprobs import completion_logprobs
 
 QWEN3_VOCAB = 151_936
 

@@ -48,7 +48,7 @@ trl==1.16.0 and transformers 5.19) on the same work, every setting taken from th
 
 Where the two do different work by design (the ratio includes it):
 - grpo.py's rollout engine prefills each distinct prompt once for its G samples
-  (common.utils.shared_prompt_cache); TRL's transformers path prefills every row.
+  (common.logprobs.shared_prompt_cache); TRL's transformers path prefills every row.
 - grpo.py's no-grad passes (reference; old log-probs when off-policy) run --logprob_batch_size rows per forward
   (the toy preset: 256, the whole batch) and compute each distinct prompt once (shared_prompt_cache); TRL runs
   them per micro-batch, every row in full. `-- --logprob_batch_size 64` measures grpo.py without the larger
@@ -58,7 +58,7 @@ Where the two do different work by design (the ratio includes it):
 - TRL's update makes the (B, T, V) logits of every micro-batch (no Liger kernel); grpo.py's log-probs and entropy
   come from the last hidden states through the head's weight in chunks of positions, at completion tokens only,
   and its micro-batches hold rows of similar length, each forward as wide as its longest row
-  (common.utils.completion_logprobs, length_buckets).
+  (common.logprobs.completion_logprobs, length_buckets).
 Both take the update's own log-probs, detached, as the old log-probs when the update is on-policy.
 
 On a shared CPU, compare cpu/step, use --repeat 3 (interleaved runs, medians) and read the load average
@@ -85,7 +85,9 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ALGOS = ("grpo", "gspo", "snib", "ctpo", "p3o")
+sys.path.insert(0, REPO)
+from evals import ALGORITHMS as ALGOS  # noqa: E402  every estimator script at the project root
+
 KEYS = ("time/rollout", "time/logprobs", "time/update", "time/weight_push", "time/step", "cpu/step",
         "time/tokens_per_s", "completion/length_mean")
 
@@ -101,16 +103,16 @@ def run_script(algo: str, argv: list[str], threads: int) -> dict:
     import torch
 
     import common.utils
-    from common.utils import parse_args
+    from common.args import parse_args
 
     torch.set_num_threads(threads)
-    cpu, write = {}, common.utils.MetricsLog.write
+    cpu, write = {}, common.checkpoints.MetricsLog.write
 
     def timed_write(log, metrics):  # the process's CPU seconds at the end of each step
         cpu[metrics["step"]] = time.process_time()
         write(log, metrics)
 
-    common.utils.MetricsLog.write = timed_write
+    common.checkpoints.MetricsLog.write = timed_write
     module = importlib.import_module(algo)
     run_dir = module.main(parse_args(module.Args, argv))
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
@@ -129,9 +131,10 @@ def trl_config_and_data(argv: list[str], threads: int):
     from trl import GRPOConfig
 
     import grpo
+    from common.args import parse_args
     from common.data import load_prompts, resolve_dataset
     from common.toy import TOY_DIR, prepare_toy
-    from common.utils import parse_args, step_prompts
+    from common.utils import step_prompts
 
     args = parse_args(grpo.Args, argv)
     if args.preset == "toy":

@@ -2,7 +2,7 @@
 
     check_args(args, P)           every flag's range, every name and path, the data's first rows and the model's
                                   config, before any weights load; one line per problem, naming the flag and the fix
-    claim_run_dir(args, ...)      a new run folder (a used one is refused) or the resumed run's, locked by this run;
+    claim_run_dir(args, name)     a new run folder (a used one is refused) or the resumed run's, locked by this run;
                                   a resume with changed settings is refused unless --resume_overrides names them
     record_args(run_dir, ...)     args.json once, and one line per start in args_history.jsonl
     stop_if_nonfinite(...)        a non-finite loss or gradient norm stops the run before anything is saved
@@ -25,9 +25,11 @@ from accelerate import PartialState
 from accelerate.utils import broadcast_object_list
 from transformers import AutoConfig, AutoTokenizer, SchedulerType, get_scheduler
 
+from common.args import preset_defaults
+from common.checkpoints import latest_checkpoint
 from common.data import LOCAL_FORMATS, load_rows, looks_local, resolve_dataset
 from common.rewards import get_reward_function
-from common.utils import TRACKER_MODULES, find_checkpoint, preset_defaults, vllm_installed, warn
+from common.utils import TRACKER_MODULES, vllm_installed, warn
 
 # (field, holds, what it must be and why). Fields a script does not have are skipped, so one table serves all five.
 TRAIN_RANGES = [
@@ -65,15 +67,6 @@ TRAIN_RANGES = [
     ("eval_num_samples", lambda v: v >= 1, "must be at least 1"),
     ("dump_stats_steps", lambda v: v >= 0, "must be >= 0 (0: off)"),
 ]  # an estimator's own fields declare their bounds in its Args: arg(..., at_least=0) (field_bound_problems)
-# Settings a resumed run may change without --resume_overrides: they change neither the data, the samples'
-# distribution, the optimisation nor the estimator (micro-batching and process count are tested invariances).
-RESUME_MAY_CHANGE = {"run_name", "output_dir", "resume_from", "resume_overrides", "preset", "report_to", "save_steps",
-                     "save_total_limit", "eval_steps", "eval_num_prompts", "eval_benchmarks", "eval_num_samples",
-                     "dump_stats_steps", "micro_batch_size", "logprob_batch_size", "gradient_checkpointing",
-                     "rollout_engine", "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size", "max_logp_gap"}
-SCHEDULES_WITHOUT_END = {"constant", "constant_with_warmup"}  # total_steps does not shape their learning rate
-
-
 def _changed(args, name: str) -> bool:
     """Set by the user: different from the preset's value, or from the field's default."""
     default = preset_defaults(args.preset).get(name, type(args).__dataclass_fields__[name].default)
@@ -164,7 +157,7 @@ def model_problems(flag: str, path: str) -> tuple[list[str], object]:
         return [f"cannot load {flag} {path!r}: no such directory; pass a folder written by save_pretrained "
                 f"(a training checkpoint's model/) or a hub id"], None
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
-        inner = os.path.join(find_checkpoint_quiet(path) or path, "model")
+        inner = os.path.join(latest_checkpoint(path) or path, "model")
         hint = f"; did you mean {inner}?" if os.path.isfile(os.path.join(inner, "config.json")) else ""
         problem = f"cannot load {flag} {path!r}: the folder has no config.json (not a save_pretrained folder){hint}"
         return [problem], None
@@ -181,38 +174,9 @@ def model_problems(flag: str, path: str) -> tuple[list[str], object]:
     return [], config
 
 
-def find_checkpoint_quiet(path: str) -> str | None:
-    try:
-        return find_checkpoint(path)
-    except SystemExit:
-        return None
-
-
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else ""
-
-
-def lora_problems(args, config) -> list[str]:
-    """LoRA targets against the module names of the model, built on the meta device (no weights)."""
-    if args.lora_r == 0 or args.lora_target_modules == "all-linear":
-        return []
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
-
-    try:
-        with init_empty_weights():
-            skeleton = AutoModelForCausalLM.from_config(config)
-    except Exception:  # an architecture we cannot build without its code: peft will say it at load time
-        return []
-    names = [name for name, _ in skeleton.named_modules()]
-    missing = [t for t in args.lora_target_modules.split(",")
-               if not any(n == t or n.endswith("." + t) for n in names)]
-    if not missing:
-        return []
-    leaves = sorted({n.rsplit(".", 1)[-1] for n, m in skeleton.named_modules() if isinstance(m, torch.nn.Linear)})
-    return [f"--lora_target_modules: {', '.join(missing)} not in {config.model_type}; its linear layers are "
-            f"{','.join(leaves)} (or pass all-linear)"]
 
 
 def data_problems(flag: str, path: str, name: str | None, split: str, prompt_column: str,
@@ -256,14 +220,13 @@ def argument_problems(args, num_processes: int) -> list[str]:
         problems.append(f"--overlong_buffer {args.overlong_buffer} must be below --max_completion_length "
                         f"{args.max_completion_length} (DAPO: a buffer of the last tokens before the limit)")
     if args.max_turns > 1:
+        from common.multiturn import multiturn_problems
+
         problems += multiturn_problems(args.tool)
-    if args.lora_r > 0 and args.lora_alpha <= 0:
-        problems.append(f"--lora_alpha {args.lora_alpha} must be > 0 with --lora_r {args.lora_r} (the update is "
-                        f"scaled by alpha / r)")
-    if args.lora_r > 0 and os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true"):
-        # accelerate's fsdp2_prepare_model: "FSDP requires a single root module" on a peft model (seen on the toy)
-        problems.append(f"--lora_r {args.lora_r} with FSDP is not supported here (accelerate cannot wrap the peft "
-                        f"model); launch LoRA with configs/accelerate/ddp.yaml or zero3.yaml")
+    if args.lora_r > 0:
+        from common.lora import lora_argument_problems
+
+        problems += lora_argument_problems(args)
     if args.report_to not in ("none", *TRACKER_MODULES):
         problems.append(f"--report_to {args.report_to!r}: choose none or one of {sorted(TRACKER_MODULES)}")
     elif args.report_to != "none" and importlib.util.find_spec(TRACKER_MODULES[args.report_to]) is None:
@@ -287,34 +250,25 @@ def argument_problems(args, num_processes: int) -> list[str]:
     return problems
 
 
-def multiturn_problems(tool: str) -> list[str]:
-    """A known --tool, and a sandbox this machine can start (bubblewrap)."""
-    from common.multiturn import TOOLS
-    from common.sandbox import SandboxUnavailable, isolation
-
-    if tool not in TOOLS:
-        return [f"--tool {tool!r}: choose one of {sorted(TOOLS)}"]
-    try:
-        isolation()
-    except SandboxUnavailable as e:
-        return [f"--max_turns > 1 runs model-written code: {e}"]
-    return []
-
-
-def resource_problems(args) -> list[str]:
-    """Paths, the model's config and tokenizer (no weights), LoRA targets, the local data's first rows."""
+def resource_problems(args) -> tuple[list[str], object]:
+    """Paths, the model's config and tokenizer (no weights), LoRA targets, the local data's first rows. Returns the
+    problems and the model's config (None where it did not load)."""
     problems = []
     if args.resume_from and not os.path.exists(args.resume_from):
         problems.append(f"--resume_from {args.resume_from!r}: no such directory")
     elif args.resume_from:
+        from common.resume import find_checkpoint
+
         try:
             find_checkpoint(args.resume_from)  # a damaged checkpoint, or none
         except SystemExit as e:
             problems.append(str(e).removeprefix("error: "))
     found, config = model_problems("--model", args.model)
     problems += found
-    if config is not None:
-        problems += lora_problems(args, config)
+    if config is not None and args.lora_r > 0:
+        from common.lora import lora_target_problems
+
+        problems += lora_target_problems(args, config)
     data = resolve_dataset(args.dataset, args.split, args.prompt_column, args.answer_column, args.eval_split)
     funcs = [get_reward_function(n.strip()) for n in args.reward_funcs.split(",")]  # argument_problems: all exist
     answers_needed = any("answer" in inspect.signature(fn).parameters for fn in funcs)
@@ -327,7 +281,7 @@ def resource_problems(args) -> list[str]:
         spec = resolve_dataset(args.eval_dataset, args.eval_split, args.prompt_column, args.answer_column)
         problems += data_problems("--eval_dataset", spec["path"], args.dataset_config or spec["name"], spec["split"],
                                   data["prompt_column"], data["answer_column"])
-    return problems
+    return problems, config
 
 
 def dry_call_problems(args, funcs: list, data: dict, num_rows: int = 2) -> list[str]:
@@ -389,12 +343,8 @@ def ignored_settings(args) -> list[str]:
     return notes
 
 
-def model_length_notes(args) -> list[str]:
-    try:
-        limit = getattr(AutoConfig.from_pretrained(args.model), "max_position_embeddings", None)
-    except Exception:
-        return []
-    total = args.max_prompt_length + args.max_completion_length
+def model_length_notes(args, config) -> list[str]:
+    limit, total = getattr(config, "max_position_embeddings", None), args.max_prompt_length + args.max_completion_length
     if limit is not None and total > limit:
         return [f"--max_prompt_length + --max_completion_length = {total} exceeds the model's "
                 f"max_position_embeddings {limit}"]
@@ -411,8 +361,8 @@ def check_args(args, num_processes: int) -> None:
     if state.is_main_process:
         problems = argument_problems(args, num_processes)
         if not problems:  # files and the model only once the flags make sense
-            problems = resource_problems(args)
-        verdict = [problems, [] if problems else ignored_settings(args) + model_length_notes(args)]
+            problems, config = resource_problems(args)
+        verdict = [problems, [] if problems else ignored_settings(args) + model_length_notes(args, config)]
     broadcast_object_list(verdict)
     problems, notes = verdict
     for note in notes:
@@ -429,40 +379,45 @@ LOCK = ".lock"
 _held_locks: dict[str, int] = {}  # run folder -> the open lock file of this process (released when it exits)
 
 
-def claim_run_dir(args, resume: str | None, run_name: str) -> str:
-    """The run's folder, locked for this run by the main process: a new folder (refused if another run's files are
-    in it) or, with --resume_from, the resumed run's (refused if its settings changed without --resume_overrides).
-    The verdict is broadcast, so all processes stop together."""
-    outcome = [None, None]  # run folder, error
+def claim_run_dir(args, run_name: str) -> tuple[str, str | None]:
+    """The run's folder, locked for this run by the main process, and the checkpoint to resume from (or None): a new
+    folder (refused if another run's files are in it) or, with --resume_from, the resumed run's (refused if its
+    settings changed without --resume_overrides). The verdict is broadcast, so all processes stop together."""
+    outcome = [None, None, None]  # run folder, checkpoint, error
     if PartialState().is_main_process:
         try:
-            outcome[0] = _claim(args, resume, run_name)
+            outcome[:2] = _claim(args, run_name)
         except SystemExit as e:
-            outcome[1] = str(e)
+            outcome[2] = str(e)
     broadcast_object_list(outcome)
-    if outcome[1]:
-        raise SystemExit(outcome[1])
-    return outcome[0]
+    if outcome[2]:
+        raise SystemExit(outcome[2])
+    return outcome[0], outcome[1]
 
 
-def _claim(args, resume: str | None, run_name: str) -> str:
-    run_dir = os.path.dirname(os.path.dirname(resume)) if resume else os.path.join(args.output_dir, run_name)
+def _claim(args, run_name: str) -> tuple[str, str | None]:
+    if args.resume_from:
+        from common.resume import check_resume, find_checkpoint
+
+        resume = find_checkpoint(args.resume_from)  # its latest intact checkpoint
+        run_dir = os.path.dirname(os.path.dirname(resume))
+        lock_run_dir(run_dir)
+        check_resume(run_dir, args)
+        return run_dir, resume
+    run_dir = os.path.join(args.output_dir, run_name)
     try:
         os.makedirs(run_dir, exist_ok=True)
     except OSError as e:
         raise SystemExit(f"error: cannot make the run folder {run_dir!r} ({e.strerror}); pass another --output_dir "
                          f"or --run_name") from None
     lock_run_dir(run_dir)
-    if resume:
-        check_resume(run_dir, args)
-        return run_dir
     used = sorted(set(os.listdir(run_dir)) - {LOCK})
     if used:
         release_run_dir(run_dir)
-        again = (f", continue it with --resume_from {run_dir}" if find_checkpoint_quiet(run_dir) else "")
+        again = f", continue it with --resume_from {run_dir}" if latest_checkpoint(run_dir) else ""
         raise SystemExit(f"error: the run folder {run_dir} is in use ({', '.join(used[:4])}"
                          f"{', ...' if len(used) > 4 else ''}); pass another --run_name{again}, or delete the folder")
-    return run_dir
+    return run_dir, None
 
 
 def lock_run_dir(run_dir: str) -> None:
@@ -487,43 +442,6 @@ def release_run_dir(run_dir: str) -> None:
     fd = _held_locks.pop(run_dir, None)
     if fd is not None:
         os.close(fd)  # closing the file drops the flock
-
-
-def recorded_args(run_dir: str) -> dict | None:
-    """The settings of the run's latest start: the last line of args_history.jsonl, else args.json."""
-    history = os.path.join(run_dir, "args_history.jsonl")
-    if os.path.isfile(history):
-        with open(history) as f:
-            lines = [line for line in f if line.strip()]
-        if lines:
-            return json.loads(lines[-1])["args"]
-    if os.path.isfile(os.path.join(run_dir, "args.json")):
-        with open(os.path.join(run_dir, "args.json")) as f:
-            return json.load(f)
-    return None
-
-
-def check_resume(run_dir: str, args) -> None:
-    """A resumed run continues the same experiment: refuse changed data, geometry, optimisation or estimator
-    settings unless --resume_overrides names each of them."""
-    old = recorded_args(run_dir)
-    if old is None:
-        warn(f"{run_dir} has no args.json: cannot check that the resumed run keeps its settings")
-        return
-    may_change = set(RESUME_MAY_CHANGE) | set(filter(None, args.resume_overrides.split(",")))
-    if old.get("lr_scheduler_type") in SCHEDULES_WITHOUT_END:
-        may_change.add("total_steps")
-    new = {k: v for k, v in vars(args).items()}
-    changed = [k for k in new if k in old and k not in may_change and old[k] != new[k]]
-    if changed:
-        release_run_dir(run_dir)
-        what = ", ".join(f"--{k} {old[k]!r} -> {new[k]!r}" for k in changed)
-        raise SystemExit(f"error: --resume_from {run_dir}: {what} changed since the run started; a resume continues "
-                         f"the same run: pass the run's values, or --resume_overrides {','.join(changed)} to change "
-                         f"them anyway, or start a new run")
-    overridden = [k for k in filter(None, args.resume_overrides.split(",")) if k in old and old[k] != new[k]]
-    if overridden:
-        warn(f"resuming {run_dir} with changed " + ", ".join(f"--{k} {old[k]!r} -> {new[k]!r}" for k in overridden))
 
 
 def record_args(run_dir: str, args: dict, step: int) -> None:
@@ -551,7 +469,7 @@ def stop_if_nonfinite(metrics: dict, run_dir: str, log) -> None:
     if not bad:
         return
     log.write(metrics)
-    last = find_checkpoint_quiet(run_dir)
+    last = latest_checkpoint(run_dir)
     where = (f"the last good checkpoint is {last} (--resume_from {run_dir} continues from it, e.g. with a lower "
              f"--learning_rate)" if last else "no checkpoint was saved before it (see --save_steps)")
     raise SystemExit(f"error: step {metrics['step']}: {bad[0]} is {metrics[bad[0]]}; training broke and stopped "

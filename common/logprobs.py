@@ -7,12 +7,15 @@ and, where the model's head allows it, no (B, T, V) logits at all.
                    of positions exist at a time, in the forward and again in the backward.
     TokenLogprobs  from logits the model made, for heads HeadLogprobs cannot stand in for (fused_head says which).
 
-common.utils.completion_logprobs picks between them.
+    completion_logprobs   the log-probs of a batch's completion tokens: picks between them, runs the forward on
+                          the columns the rows use, and (no-grad passes) shares each prompt's forward among its G
+                          completions (shared_prompt_cache)
 """
 
 import contextlib
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 LOGPROB_CHUNK_ELEMENTS = 2**24  # fp32 scratch of one chunk of positions x vocabulary (64 MiB per buffer)
 # Causal LMs whose forward ends in `logits = self.lm_head(hidden_states[:, slice_indices, :])` and returns them as
@@ -224,3 +227,74 @@ def _position_chunks(B: int, T: int, V: int):
     for i in range(0, B, b):
         for j in range(0, T, t):
             yield slice(i, i + b), slice(j, min(j + t, T))  # logits have T + 1 positions: stop at T
+
+
+def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int,
+                        temperature: float, entropy_grad: bool = False,
+                        share_prompts: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of each completion token under softmax(logits / T), and the entropy there (with its
+    gradient only if `entropy_grad`: an entropy bonus needs it, logging does not).
+
+    input_ids = [left-padded prompt | right-padded completion], (B, P + T). Returns two (B, T) in fp32, 0 at padding.
+    The forward runs on the columns these rows use (the longest prompt and completion among them: rows of similar
+    length together waste little, see length_buckets). Where the model's head is a plain linear map (fused_head),
+    the log-probs come from the last hidden states through the head's weight, a chunk of positions at a time, and
+    only at completion tokens: no (B, T, V) logits (common.logprobs.HeadLogprobs); otherwise from the logits, with
+    no fp32 (B, T, V) tensor (TokenLogprobs).
+    `share_prompts` (no-grad passes only): rows with the same prompt share one forward of it (shared_prompt_cache).
+    """
+    T, P = num_completion_tokens, input_ids.shape[1] - num_completion_tokens
+    mask = attention_mask[:, P:]  # (B, T)
+    T_b, P_b = max(int(mask.sum(-1).max()), 1), int(attention_mask[:, :P].sum(-1).max())  # columns in use
+    input_ids, attention_mask, mask = input_ids[:, P - P_b:P + T_b], attention_mask[:, P - P_b:P + T_b], mask[:, :T_b]
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding must not shift positions
+    cache = None
+    if share_prompts and not torch.is_grad_enabled():
+        cache = shared_prompt_cache(model, input_ids, attention_mask, P_b - 1)
+    start = 0 if cache is None else P_b - 1  # with the prompts' cache, run from each prompt's last token on
+    targets, head = input_ids[:, -T_b:], fused_head(model)  # (B, T_b)
+    entropy_grad = entropy_grad and torch.is_grad_enabled()
+    with contextlib.nullcontext() if head is None else head_logprobs(head, targets, mask, temperature, entropy_grad):
+        out = model(input_ids=input_ids[:, start:], attention_mask=attention_mask, position_ids=position_ids[:, start:],
+                    past_key_values=cache, use_cache=cache is not None,
+                    logits_to_keep=T_b + 1).logits  # head: (B, T_b, 2); else (B, T_b + 1, V), t < T_b predicts token t
+    if head is not None:
+        logp, entropy = out.unbind(-1)  # (B, T_b) each
+        entropy = entropy if entropy_grad else entropy.detach()  # its gradient is 0 anyway (HeadLogprobs)
+    else:  # nothing else holds these logits: the backward may overwrite them with their gradient (a second
+        # backward through a retained graph then fails with autograd's in-place error instead of a wrong gradient)
+        logp, entropy = TokenLogprobs.apply(out, targets, temperature, entropy_grad, True)
+        logp, entropy = logp * mask, entropy * mask  # (B, T_b) 0 at padding, as the head's path gives
+    pad = (0, T - T_b)  # back to the batch's T columns
+    return torch.nn.functional.pad(logp, pad), torch.nn.functional.pad(entropy, pad)
+
+
+def length_buckets(mask: torch.Tensor, size: int, offset: int = 0) -> list[torch.Tensor]:
+    """Rows offset + i of `mask` (rows, T) in groups of `size`, longest completions first: each group's forward
+    runs on its own longest row's columns (completion_logprobs), so rows of similar length together waste little
+    padding. A micro-batch's gradient adds up the same whatever rows it holds (the loss normalisers are the
+    optimizer batch's), so only the order of floating-point sums changes."""
+    order = torch.argsort(mask.sum(-1), descending=True, stable=True) + offset  # (rows,)
+    return list(order.split(size))
+
+
+def shared_prompt_cache(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, length: int):
+    """The KV cache of the first `length` columns of every (left-padded) row, computed once per distinct prefix
+    (GRPO's G completions of a prompt share it) and indexed out to all rows; None, for a plain forward, when no
+    prefix repeats or the model's cache is not plain key/value layers (e.g. linear attention's states). Used by
+    the no-grad log-prob passes and by HFEngine's prefill."""
+    if length < 1:
+        return None
+    position_ids = (attention_mask[:, :length].cumsum(-1) - 1).clamp(min=0)  # (B, length)
+    prefix = torch.cat([input_ids[:, :length], attention_mask[:, :length]], dim=1)  # (B, 2 * length)
+    distinct, row_of = torch.unique(prefix, dim=0, return_inverse=True)  # (u, 2 * length), (B,)
+    if len(distinct) == len(prefix):
+        return None
+    first = torch.full((len(distinct),), len(prefix), device=prefix.device).scatter_reduce(
+        0, row_of, torch.arange(len(prefix), device=prefix.device), "amin")  # (u,) one row of each prefix
+    cache = model(input_ids=input_ids[first, :length], attention_mask=attention_mask[first, :length],
+                  position_ids=position_ids[first, :length], use_cache=True, logits_to_keep=1).past_key_values
+    if not all(isinstance(layer, DynamicLayer) for layer in getattr(cache, "layers", [None])):
+        return None
+    cache.batch_select_indices(row_of)  # (B,) rows
+    return cache

@@ -17,10 +17,10 @@ how requests were batched.
 import contextlib
 
 import torch
-from accelerate.utils import DistributedType
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteriaList
 
-from common.utils import sharded_parameters, shared_prompt_cache
+from common.logprobs import shared_prompt_cache
+from common.utils import sharded_parameters
 
 # HFEngine: rows x (longest prompt + max_tokens) per `generate` call. Bounds the KV cache (Qwen3-4B in bf16:
 # ~19 GB at 2**17 tokens); short sequences go in one call, which is what makes a CPU run fast.
@@ -65,33 +65,6 @@ class SeededSampler(LogitsProcessor):
         return logp + gumbel.to(logp.device)
 
 
-class StopRows(StoppingCriteria):
-    """Per row: stop at its own token budget, or after the token that completes one of the `stop` strings in the
-    completion's text (as vLLM's stop strings: the prompt's text is not searched, and a string that ends inside a
-    token keeps that whole token). Records where each row stopped, since `generate` pads a stopped row afterwards.
-
-    Each step decodes only the last len(longest stop string) + STOP_WINDOW_SLACK tokens of each row: a string
-    completed by this step's token lies within them unless that many tokens decode to nothing (special tokens)."""
-
-    STOP_WINDOW_SLACK = 16
-
-    def __init__(self, tokenizer, stop: list[str], budgets: list[int], prompt_width: int):
-        self.tokenizer, self.stop, self.budgets, self.width = tokenizer, stop, budgets, prompt_width
-        self.window = max(map(len, stop), default=0) + self.STOP_WINDOW_SLACK
-        self.lengths: list[int | None] = [None] * len(budgets)  # tokens kept per row, once stopped
-
-    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
-        n = input_ids.shape[1] - self.width  # tokens generated so far
-        for row, tail in enumerate(input_ids[:, -min(n, self.window):].tolist()):
-            if self.lengths[row] is None and (n >= self.budgets[row] or self.completes_stop(tail)):
-                self.lengths[row] = n
-        return torch.tensor([length is not None for length in self.lengths], device=input_ids.device)
-
-    def completes_stop(self, tail: list[int]) -> bool:
-        text = self.tokenizer.decode(tail, skip_special_tokens=True) if self.stop else ""
-        return any(s in text for s in self.stop)
-
-
 class HFEngine:
     """transformers `generate` on the training model itself, so new weights need no push."""
 
@@ -124,7 +97,12 @@ class HFEngine:
         config = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos, pad_token_id=pad,
                                   bos_token_id=None)
         completions, logps = [], []
-        with self.gathered_parameters(model):
+        gather = contextlib.nullcontext()
+        if self.sharded():  # ZeRO-3: the full weights, gathered once for the whole generation
+            from common.sharding import gathered_for_generation
+
+            gather = gathered_for_generation(self.accelerator, model)
+        with gather:
             for i in range(0, len(prompt_ids), batch_size):
                 chunk = prompt_ids[i : i + batch_size]
                 width = max(len(p) for p in chunk)
@@ -134,7 +112,9 @@ class HFEngine:
                 input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
                 sampler = SeededSampler(seeds[i : i + batch_size], temperature, top_p)
                 processors, criteria = LogitsProcessorList([sampler]), StoppingCriteriaList()
-                if per_row or stop:
+                if per_row or stop:  # tool rollouts (common/multiturn.py): a budget per row, stop strings
+                    from common.multiturn import StopRows
+
                     criteria.append(StopRows(self.tokenizer, stop or [], budgets[i : i + batch_size], width))
                 # each distinct prompt, but its last token, prefilled once for all its rows (vLLM: prefix caching)
                 cache = None if self.sharded() else shared_prompt_cache(unwrapped, input_ids, attention_mask, width - 1)
@@ -164,21 +144,6 @@ class HFEngine:
     def collective(self) -> bool:
         """Whether every process must make each generate call, with as many rows (FSDP, ZeRO-3: synced_gpus)."""
         return self.sharded()
-
-    def zero3(self) -> bool:
-        return (self.accelerator.distributed_type == DistributedType.DEEPSPEED
-                and self.accelerator.state.deepspeed_plugin.zero_stage == 3)
-
-    @contextlib.contextmanager
-    def gathered_parameters(self, model):
-        """Under ZeRO-3, gather the full weights once for the whole generation (much faster than per forward)."""
-        if not self.zero3():
-            yield
-            return
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(list(model.parameters())):
-            yield
 
     def push_weights(self, model) -> None:
         pass

@@ -19,16 +19,14 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
 from common.batching import RolloutQueue
+from common.checkpoints import MetricsLog, TrainState, save_checkpoint
 from common.checks import check_args, claim_run_dir, record_args, stop_if_nonfinite
 from common.data import load_prompts, resolve_dataset
 from common.rewards import RewardError, get_reward_function
 from common.rollout import HFEngine
 from common.utils import (
-    MetricsLog,
-    TrainState,
     batch_metrics,
     check_weight_sync,
-    find_checkpoint,
     logp_gap,
     mean_grad_norm,
     mean_over_processes,
@@ -36,7 +34,6 @@ from common.utils import (
     peak_memory_gib,
     prepare_policy,
     prepare_reference,
-    save_checkpoint,
     timed,
     vllm_installed,
 )
@@ -78,7 +75,8 @@ def launch(main, args_cls) -> None:
     checkpoint is and how to resume, instead of a traceback from wherever the loop was."""
     from accelerate import PartialState
 
-    from common.utils import checkpoint_steps, parse_args
+    from common.args import parse_args
+    from common.checkpoints import checkpoint_steps
 
     def where_to_resume() -> str:
         run_dir = ACTIVE_RUN["run_dir"]
@@ -108,10 +106,9 @@ def setup(args) -> Run:
         with state.main_process_first():
             prepare_preset(args.preset)  # the toy's model and data, built once
     check_args(args, state.num_processes)
-    resume = find_checkpoint(args.resume_from) if args.resume_from else None
     run_name = [args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"]
     broadcast_object_list(run_name)  # every process writes to the same run folder
-    run_dir = claim_run_dir(args, resume, run_name[0])  # a new folder or the resumed run's, locked while this runs
+    run_dir, resume = claim_run_dir(args, run_name[0])  # a new folder, or the resumed run's and its checkpoint
     ACTIVE_RUN["run_dir"] = run_dir
     M = args.mini_batch_size or args.batch_size
     local_rows, local_mini = args.batch_size // state.num_processes, M // state.num_processes
@@ -172,12 +169,9 @@ def load_models(args):
         model.gradient_checkpointing_enable()
     ref_model = None
     if args.lora_r > 0:  # the reference is the base model: the adapter disabled, no second copy
-        from peft import LoraConfig, get_peft_model
+        from common.lora import add_lora
 
-        targets = args.lora_target_modules
-        targets = targets if targets == "all-linear" else targets.split(",")
-        model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules=targets,
-                                                 task_type="CAUSAL_LM"))
+        model = add_lora(model, args)
     elif args.beta > 0:
         ref_model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval().requires_grad_(False)
     return tokenizer, model, ref_model

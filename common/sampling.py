@@ -11,9 +11,10 @@ import contextlib
 import torch
 
 from common.batching import Rollouts
+from common.logprobs import completion_logprobs, length_buckets
 from common.rewards import compute_rewards
 from common.rollout import sample_seed, single_turn
-from common.utils import completion_logprobs, length_buckets, pad_rows, sharded_parameters, step_prompts, timed
+from common.utils import pad_rows, sharded_parameters, step_prompts, timed
 
 
 def sample_batch(run, index: int, metrics: dict) -> dict:

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from common.utils import length_buckets
+from common.logprobs import length_buckets
 
 
 def minibatches(run) -> list[slice]:

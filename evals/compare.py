@@ -1,6 +1,6 @@
 """Run several estimators on the same task and seeds, then tabulate and plot held-out accuracy.
 
-    python -m evals.compare --algos grpo,gspo,snib,ctpo,p3o --preset toy --seeds 3
+    python -m evals.compare --preset toy --seeds 3                # every estimator
     python -m evals.compare --algos grpo,snib --preset toy --seeds 3 --extra "--num_iterations 4" --tag mu4
     python -m evals.compare --preset toy --seeds 3 --vary rollout_lag=0,1,2,4 --tag lag
 
@@ -23,12 +23,14 @@ from dataclasses import dataclass, field
 
 from transformers import HfArgumentParser
 
+from evals import ALGORITHMS
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @dataclass
 class CompareArgs:
-    algos: str = field(default="grpo,gspo,snib,ctpo,p3o", metadata={"help": "comma-separated script names"})
+    algos: str = field(default=",".join(ALGORITHMS), metadata={"help": "comma-separated script names (default: all)"})
     preset: str = field(default="toy", metadata={"help": "--preset passed to every run"})
     seeds: int = field(default=3, metadata={"help": "seeds 1..N per algorithm"})
     extra: str = field(default="", metadata={"help": "extra flags for every run, e.g. '--num_iterations 4'"})
@@ -37,7 +39,7 @@ class CompareArgs:
     vary: str = field(default="", metadata={"help": "FLAG=V1,V2,...: each run once per value, e.g. rollout_lag=0,1,2"})
 
 
-ALGOS = ("grpo", "gspo", "snib", "ctpo", "p3o")
+ALGOS = ALGORITHMS  # every estimator script at the project root (evals/__init__.py)
 RUNNING: set[subprocess.Popen] = set()  # the runs in progress, stopped when one of them fails
 
 
@@ -64,8 +66,8 @@ def run_argv(algo: str, seed: int, args: CompareArgs, out_dir: str, value: str |
 def check_compare_args(args: CompareArgs, out_dir: str) -> list[str]:
     """The algorithms, counts and extra flags, each script's own validation of its flags, and unused run folders:
     all before the first run starts (a typo must not surface minutes later, in a log file)."""
+    from common.args import PRESET_NAMES, parse_args
     from common.checks import argument_problems, resource_problems
-    from common.utils import PRESET_NAMES, parse_args
 
     algos = [a.strip() for a in args.algos.split(",") if a.strip()]
     problems = [f"--algos: no script {a}.py; choose from {','.join(ALGOS)}" for a in algos if a not in ALGOS]
@@ -95,7 +97,7 @@ def check_compare_args(args: CompareArgs, out_dir: str) -> list[str]:
                 problems.append(f"{algo}: {e}")
                 continue
             found = argument_problems(run_args, 1)
-            problems += [f"{algo}: {p}" for p in found or resource_problems(run_args)]
+            problems += [f"{algo}: {p}" for p in found or resource_problems(run_args)[0]]
     runs = [os.path.join(out_dir, run_label(algo, seed, args, v)) for algo in algos for v in values
             for seed in range(1, args.seeds + 1)]
     used = [run for run in runs if os.path.isdir(run) and set(os.listdir(run)) - {".lock"}]

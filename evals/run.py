@@ -29,6 +29,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.benchmarks import benchmark_problems
+from common.checkpoints import format_seconds
 from common.checks import range_problems
 from common.data import looks_local
 from common.evaluation import (
@@ -39,7 +40,7 @@ from common.evaluation import (
     summarize,
 )
 from common.rollout import HFEngine
-from common.utils import format_seconds, on_cpu
+from common.utils import on_cpu
 
 
 @dataclass
@@ -105,7 +106,7 @@ MODEL_HELP = ("Pass a hub id, a folder written by save_pretrained, a LoRA adapte
 
 def resolve_model_dir(path: str) -> str:
     """A run folder -> its latest checkpoint; a checkpoint -> its model/ (weights merged for LoRA)."""
-    from common.utils import find_checkpoint
+    from common.resume import find_checkpoint
 
     if os.path.isdir(os.path.join(path, "checkpoints")):
         try:
@@ -273,6 +274,6 @@ def eval_summary(results: dict, output: str) -> str:
 
 
 if __name__ == "__main__":
-    from common.utils import parse_args
+    from common.args import parse_args
 
     main(parse_args(EvalArgs))

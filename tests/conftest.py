@@ -1,6 +1,7 @@
 """Shared fixtures: the toy model and data, built once per test session in a temporary folder (TOY_SEED=N builds
-it from another seed: common/toy.py), and the skip rule of tests that need the code sandbox."""
+it from another seed: common/toy.py), and the skip rules of tests that need the code sandbox or a peer."""
 
+import importlib.util
 import json
 import os
 import re
@@ -18,19 +19,23 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `sandbox` run model-written code in bubblewrap (common/sandbox.py). Where no sandbox can start
-    they are skipped, with the reason naming the fix, unless REQUIRE_SANDBOX=1 (CI sets it): then they run and fail,
-    so a CI machine that lost bubblewrap cannot pass by skipping them."""
-    marked = [item for item in items if item.get_closest_marker("sandbox")]
-    if not marked or os.environ.get("REQUIRE_SANDBOX") == "1":
-        return
-    from common.sandbox import SandboxUnavailable, isolation
+    """Tests marked `sandbox` run model-written code in bubblewrap (common/sandbox.py); tests marked `peer` compare
+    an estimator with a peer's own code (TRL, from requirements-test.txt). Where the sandbox cannot start or the peer
+    is not installed they are skipped, with the reason naming the fix, unless REQUIRE_SANDBOX=1 / REQUIRE_PEERS=1
+    (CI sets both): then they run and fail, so a CI machine that lost either cannot pass by skipping them."""
+    sandboxed = [item for item in items if item.get_closest_marker("sandbox")]
+    if sandboxed and os.environ.get("REQUIRE_SANDBOX") != "1":
+        from common.sandbox import SandboxUnavailable, isolation
 
-    try:
-        isolation()
-    except SandboxUnavailable as e:
-        for item in marked:
-            item.add_marker(pytest.mark.skip(reason=f"no code sandbox on this machine: {e}".replace("\n", " ")))
+        try:
+            isolation()
+        except SandboxUnavailable as e:
+            for item in sandboxed:
+                item.add_marker(pytest.mark.skip(reason=f"no code sandbox on this machine: {e}".replace("\n", " ")))
+    peers = [item for item in items if item.get_closest_marker("peer")]
+    if peers and os.environ.get("REQUIRE_PEERS") != "1" and importlib.util.find_spec("trl") is None:
+        for item in peers:
+            item.add_marker(pytest.mark.skip(reason="TRL is not installed: pip install -r requirements-test.txt"))
 
 
 @pytest.fixture(scope="session")
@@ -55,7 +60,7 @@ def in_toy_workdir(toy_workdir, monkeypatch):
 
 def run_script(module, argv: list[str]) -> str:
     """Run `module.main` in this process, as `python script.py ARGV` would; returns the run folder."""
-    from common.utils import parse_args
+    from common.args import parse_args
 
     AcceleratorState._reset_state(True)
     GradientState._reset_state()

@@ -1,6 +1,7 @@
 """common/batching.py by hand (importance weights, overlong penalty, dynamic sampling, the lag queue), and rows
 removed from the loss in every estimator (ESTIMATORS.md, "Options shared by all five")."""
 
+import importlib
 import math
 import os
 from dataclasses import replace
@@ -8,16 +9,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-import ctpo
-import grpo
-import gspo
-import p3o
-import snib
+from common.args import parse_args
 from common.batching import RolloutQueue, Rollouts, importance_weights
 from common.dapo import fill_batch, overlong_penalty
-from common.utils import parse_args
+from evals import ALGORITHMS
 
-SCRIPTS = {"grpo": grpo, "gspo": gspo, "snib": snib, "ctpo": ctpo, "p3o": p3o}
+SCRIPTS = {name: importlib.import_module(name) for name in ALGORITHMS}
 
 
 def test_token_tis_and_mis_by_hand():

@@ -9,10 +9,12 @@ import torch
 from accelerate import Accelerator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from common.args import parse_args
 from common.data import load_prompts, resolve_dataset
+from common.logprobs import completion_logprobs
 from common.rollout import HFEngine, sample_seed
 from common.toy import TOY_DIR
-from common.utils import completion_logprobs, pad_rows, parse_args, step_prompts
+from common.utils import pad_rows, step_prompts
 
 ROWS = [{"q": "1+2=", "a": "3", "level": 1}, {"q": "10+20=", "a": "30", "level": 2}]
 
@@ -115,7 +117,7 @@ def test_default_generate_batch_is_a_token_budget(toy, monkeypatch):
 
 
 def test_repeated_prompts_are_prefilled_once(toy, monkeypatch):
-    """G samples of a prompt share one prefill of it (common.utils.shared_prompt_cache); the samples and their
+    """G samples of a prompt share one prefill of it (common.logprobs.shared_prompt_cache); the samples and their
     log-probs are those of a plain `generate`, left padding included."""
     import common.rollout
 

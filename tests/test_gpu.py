@@ -4,6 +4,7 @@ form on CUDA in bf16 (values, gradients, peak memory). Models and data are built
 large vocabulary): nothing is downloaded. Every test is marked `gpu` and skipped where there is no CUDA device, so the
 CPU machines collect them (they import and are wired) without running them."""
 
+import importlib
 import os
 
 import pytest
@@ -11,17 +12,13 @@ import torch
 from conftest import REPO, launch, read_metrics, run_script
 from test_train import SMALL
 
-import ctpo
-import grpo
-import gspo
-import p3o
-import snib
 from benchmarks.logprobs_memory import make_batch, naive_completion_logprobs, tiny_model
-from common.utils import completion_logprobs
+from common.logprobs import completion_logprobs
+from evals import ALGORITHMS
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (scripts/gpu_check.sh)")]
-SCRIPTS = {"grpo": grpo, "gspo": gspo, "snib": snib, "ctpo": ctpo, "p3o": p3o}
+SCRIPTS = {name: importlib.import_module(name) for name in ALGORITHMS}
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
@@ -49,7 +46,7 @@ def test_fsdp2_in_one_process(in_toy_workdir):
 
 def test_toy_learns_on_the_gpu(in_toy_workdir):
     """200 steps of the toy preset on CUDA: held-out greedy accuracy rises by the CPU test's bar or more."""
-    run = run_script(grpo, ["--preset", "toy", "--total_steps", "200", "--eval_steps", "100", "--run_name",
+    run = run_script(SCRIPTS["grpo"], ["--preset", "toy", "--total_steps", "200", "--eval_steps", "100", "--run_name",
                             "gpu_learns"])
     evals = [m["eval/accuracy"] for m in read_metrics(run) if "eval/accuracy" in m]
     assert len(evals) == 3 and evals[-1] >= evals[0] + 0.04, evals

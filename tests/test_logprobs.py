@@ -1,4 +1,4 @@
-"""common.utils.completion_logprobs against the naive fp32 log-softmax over (B, T, V): same values (at completion
+"""common.logprobs.completion_logprobs against the naive fp32 log-softmax over (B, T, V): same values (at completion
 tokens; 0 at padding) and same gradients, with padding, temperature, entropy_grad on/off, several chunkings, on the
 toy model (tied embeddings), a random model with a large vocabulary and a LoRA-wrapped model (LoRA on the head), by
 both paths: "head" (hidden states x head weight, common.logprobs.HeadLogprobs) and "logits" (TokenLogprobs, the
@@ -13,9 +13,9 @@ from transformers import AutoModelForCausalLM
 
 import common.logprobs
 from benchmarks.logprobs_memory import make_batch, naive_completion_logprobs, tiny_model
-from common.logprobs import HeadLogprobs, TokenLogprobs, fused_head
+from common.logprobs import HeadLogprobs, TokenLogprobs, completion_logprobs, fused_head, length_buckets
 from common.toy import TOY_DIR
-from common.utils import completion_logprobs, length_buckets, pad_rows
+from common.utils import pad_rows
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 

@@ -22,6 +22,7 @@ from accelerate import Accelerator
 from conftest import subprocess_env
 
 from common import multiturn
+from common.logprobs import completion_logprobs
 from common.multiturn import (
     FINAL_ANSWER_PREAMBLE,
     TIR_PROMPT_TEMPLATE,
@@ -32,7 +33,7 @@ from common.multiturn import (
     turn_seed,
 )
 from common.rollout import HFEngine
-from common.utils import completion_logprobs, pad_rows
+from common.utils import pad_rows
 from common.vllm_engine import vllm_available
 
 ToolResult = namedtuple("ToolResult", "output error seconds")  # as common.sandbox.ToolResult

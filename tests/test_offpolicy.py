@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import grpo
 import snib
-from common.utils import completion_logprobs, step_prompts
+from common.logprobs import completion_logprobs
+from common.utils import step_prompts
 
 TOY = os.path.join("runs", "toy")
 

@@ -134,9 +134,9 @@ def test_reference_kl_and_entropy_bonus_by_hand():
 def test_entropy_bonus_needs_an_entropy_with_gradient():
     logp, _, mask = spread_batch()
     args = replace(ARGS, entropy_coeff=0.01)
-    with pytest.raises(ValueError, match="entropy with its gradient"):
+    with pytest.raises(ValueError, match="the entropy.s gradient"):
         p3o.compute_loss(logp, logp.detach(), None, torch.zeros(2), mask, args)
-    with pytest.raises(ValueError, match="entropy with its gradient"):  # completion_logprobs' default: detached
+    with pytest.raises(ValueError, match="the entropy.s gradient"):  # completion_logprobs' default: detached
         p3o.compute_loss(logp, logp.detach(), None, torch.zeros(2), mask, args, entropy=torch.ones(2, 3))
     p3o.compute_loss(logp, logp.detach(), None, torch.zeros(2), mask, ARGS, entropy=torch.ones(2, 3))  # coeff 0: fine
 

@@ -21,9 +21,10 @@ from conftest import read_metrics, run_script, subprocess_env
 from safetensors.torch import load_file
 
 from common import checks
+from common.args import parse_args
 from common.toy import TOY_DIR, TOY_VERSION, build_model, build_tokenizer, default_seed, make_splits
-from common.utils import parse_args
 from common.vllm_engine import vllm_available
+from evals import ALGORITHMS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--preset", "toy", "--batch_size", "16", "--num_generations", "4", "--micro_batch_size", "4",
@@ -216,7 +217,7 @@ PLOT_CASES = [  # (files of the run folder, extra flags, message)
     ({"metrics.jsonl": '{"step": 1, "reward/mean": 0.5}\n'}, ["--colour", "red"], "unknown arguments --colour red"),
 ]
 COMPARE_CASES = [
-    (["--algos", "grpo,ppo"], "--algos: no script ppo.py; choose from grpo,gspo,snib,ctpo,p3o"),
+    (["--algos", "grpo,ppo"], "--algos: no script ppo.py; choose from " + ",".join(ALGORITHMS)),
     (["--algos", ""], "--algos is empty"),
     (["--seeds", "0"], "--seeds 0 must be at least 1"),
     (["--jobs", "0"], "--jobs 0 must be at least 1"),
@@ -416,7 +417,7 @@ def test_a_nan_loss_stops_the_run_without_saving(workdir, monkeypatch, capsys):
 def test_non_finite_weights_are_never_saved(workdir, tmp_path):
     from accelerate import Accelerator
 
-    from common.utils import save_checkpoint
+    from common.checkpoints import save_checkpoint
 
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, seed=0)

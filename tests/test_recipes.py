@@ -11,11 +11,13 @@ import re
 import pytest
 import yaml
 
-from common import checks, utils
+from common import args as arguments
+from common import checks
+from evals import ALGORITHMS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = sorted(glob.glob(os.path.join(REPO, "configs", "recipes", "*.yaml")))
-SCRIPTS = ("grpo", "gspo", "snib", "ctpo", "p3o")
+SCRIPTS = ALGORITHMS
 
 
 def sandboxed(path: str):
@@ -52,7 +54,7 @@ def test_recipe_parses_and_sets_only_fields_of_its_script(path):
         recipe = yaml.safe_load(f)
     fields = {f.name: f for f in dataclasses.fields(args_cls)}
     assert set(recipe) <= set(fields), f"not fields of {script_of(path)}.Args: {sorted(set(recipe) - set(fields))}"
-    args = utils.parse_args(args_cls, ["--config", path])
+    args = arguments.parse_args(args_cls, ["--config", path])
     defaults = args_cls()
     for key, value in recipe.items():
         if isinstance(getattr(defaults, key), float):  # `1e-6` without a dot is a string to YAML
@@ -74,7 +76,7 @@ def test_recipe_says_what_it_reproduces_and_how_to_launch_it(path):
 
 @pytest.mark.parametrize("path", [sandboxed(p) for p in RECIPES])
 def test_recipe_batch_geometry_fits_the_processes_of_its_launch_config(path):
-    args = utils.parse_args(importlib.import_module(script_of(path)).Args, ["--config", path])
+    args = arguments.parse_args(importlib.import_module(script_of(path)).Args, ["--config", path])
     accelerate_config = re.search(r"--config_file (\S+)", header(path)).group(1)
     with open(os.path.join(REPO, accelerate_config)) as f:
         num_processes = yaml.safe_load(f)["num_processes"]
@@ -90,14 +92,14 @@ def test_a_recipe_with_an_unknown_key_is_rejected(tmp_path):
     recipe = tmp_path / "typo.yaml"
     recipe.write_text("learning_rate: 1.0e-5\nlearning_rat: 1.0e-5\n")
     with pytest.raises(SystemExit, match=r"typo.yaml sets \['learning_rat'\], which are not fields of Args"):
-        utils.parse_args(snib.Args, ["--config", str(recipe)])
+        arguments.parse_args(snib.Args, ["--config", str(recipe)])
 
 
 def test_the_command_line_overrides_a_recipe():
     import snib
 
     path = os.path.join(REPO, "configs", "recipes", "snib_qwen3_4b.yaml")
-    args = utils.parse_args(snib.Args, ["--config", path, "--beta", "0.5", "--reward_noise", "0.2"])
+    args = arguments.parse_args(snib.Args, ["--config", path, "--beta", "0.5", "--reward_noise", "0.2"])
     assert (args.beta, args.reward_noise, args.lora_r) == (0.5, 0.2, 16)
 
 

@@ -1,0 +1,86 @@
+"""Arguments: a script's `Args` fields (`arg`), --preset defaults, and the parser (`parse_args`), which reads a
+--config recipe (common/recipes.py) under the command line."""
+
+import argparse
+import copy
+import dataclasses
+import difflib
+import sys
+import types
+
+from transformers import HfArgumentParser
+
+PRESET_NAMES = ("toy", "toy_tir")  # --preset: common/toy.py PRESETS, imported only when one is asked for
+
+
+def preset_defaults(preset: str | None) -> dict:
+    """The defaults a --preset sets (none without one)."""
+    if preset is None:
+        return {}
+    from common.toy import PRESETS
+
+    return PRESETS[preset]
+
+
+def arg(default, help: str, at_least: float | None = None):
+    """A field of a script's `Args` dataclass with its --help line; `at_least`: the smallest value the estimator
+    accepts, checked before anything loads (common/checks.py). Parse with `parse_args` (`ArgParser`)."""
+    metadata = {"help": help} if at_least is None else {"help": help, "at_least": at_least}
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+class ArgParser(HfArgumentParser):
+    """HfArgumentParser, which passes a field's metadata to argparse, less the keys that are not argparse's."""
+
+    @staticmethod
+    def _parse_dataclass_field(parser, field: dataclasses.Field):
+        if "at_least" in field.metadata:
+            field = copy.copy(field)
+            field.metadata = types.MappingProxyType({k: v for k, v in field.metadata.items() if k != "at_least"})
+        HfArgumentParser._parse_dataclass_field(parser, field)
+
+
+def parse_args(args_cls, argv: list[str] | None = None):
+    """HfArgumentParser with two layers of defaults under the command line: --preset NAME, then --config FILE.yaml."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    pre.add_argument("--preset")
+    known, _ = pre.parse_known_args(argv)
+    defaults = {}
+    if known.preset is not None:
+        if known.preset not in PRESET_NAMES:
+            raise SystemExit(f"error: unknown --preset {known.preset!r}; choose one of {sorted(PRESET_NAMES)}")
+        defaults.update(preset_defaults(known.preset))
+    recipe = {}
+    if known.config is not None:
+        from common.recipes import read_recipe
+
+        recipe = read_recipe(known.config)
+        fields = {f.name for f in dataclasses.fields(args_cls)}
+        unknown = sorted(set(recipe) - fields)
+        if unknown:
+            raise SystemExit(f"error: {known.config} sets {unknown}, which are not fields of {args_cls.__name__}")
+        defaults.update(recipe)
+    parser = ArgParser(args_cls)
+    parser.set_defaults(**defaults)
+    i = argv.index("--config") if "--config" in argv else None
+    rest = argv if i is None else argv[:i] + argv[i + 2 :]
+    args, unknown = parser.parse_args_into_dataclasses(args=[a for a in rest if not a.startswith("--config=")],
+                                                       return_remaining_strings=True)
+    if unknown:
+        raise SystemExit(f"error: unknown arguments {' '.join(unknown)}{did_you_mean(unknown, args_cls)}; "
+                         f"--help lists the flags")
+    if recipe:  # argparse checked the command line's values; a YAML file's reach the dataclass as they are
+        from common.recipes import type_problems
+
+        problems = type_problems(args, recipe, known.config)
+        if problems:
+            raise SystemExit("\n".join(f"error: {p}" for p in problems))
+    return args
+
+
+def did_you_mean(unknown: list[str], args_cls) -> str:
+    flags = [f"--{f.name}" for f in dataclasses.fields(args_cls)]
+    close = [m for u in unknown if u.startswith("--") for m in difflib.get_close_matches(u.split("=")[0], flags, 1)]
+    return f" (did you mean {', '.join(close)}?)" if close else ""

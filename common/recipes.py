@@ -1,0 +1,63 @@
+"""--config FILE.yaml: a recipe, read and type-checked (imported only when a recipe is given)."""
+
+import types
+import typing
+
+import yaml
+
+
+def read_recipe(path: str) -> dict:
+    """A --config YAML file: a mapping of field names to values, or a one-line error naming the file."""
+    try:
+        with open(path) as f:
+            recipe = yaml.safe_load(f)
+    except OSError as e:
+        raise SystemExit(f"error: --config {path!r}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        line = f" at line {where.line + 1}" if where is not None else ""
+        raise SystemExit(f"error: --config {path!r} is not valid YAML{line}: {getattr(e, 'problem', e)}") from None
+    if recipe is not None and not isinstance(recipe, dict):
+        raise SystemExit(f"error: --config {path!r} must be a mapping of Args fields (name: value), "
+                         f"not a {type(recipe).__name__}")
+    return recipe or {}
+
+
+def type_problems(args, recipe: dict, config: str | None) -> list[str]:
+    """Values whose type is not the field's: argparse converts only strings, so a YAML list, float or mapping
+    reaches the dataclass as it is (and a Literal's choices are not checked on defaults)."""
+    problems = []
+    for name, kind in typing.get_type_hints(type(args)).items():
+        value = getattr(args, name)
+        if not _is_instance(value, kind):
+            source = f" (from {config})" if config and name in recipe else ""
+            hint = (f"; write it as one comma-separated string, e.g. {','.join(map(str, value))}"
+                    if isinstance(value, list) else "")
+            problems.append(f"--{name} must be {_describe_type(kind)}, got {type(value).__name__} {value!r}"
+                            f"{source}{hint}")
+    return problems
+
+
+def _is_instance(value, kind) -> bool:
+    origin, options = typing.get_origin(kind), typing.get_args(kind)
+    if origin is typing.Literal:
+        return value in options
+    if origin in (typing.Union, types.UnionType):
+        return any(_is_instance(value, option) for option in options)
+    if kind is type(None):
+        return value is None
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+def _describe_type(kind) -> str:
+    origin, options = typing.get_origin(kind), typing.get_args(kind)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(map(str, options))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe_type(option) for option in options)
+    return {str: "a string", int: "an integer", float: "a number", bool: "true or false",
+            type(None): "null"}.get(kind, getattr(kind, "__name__", str(kind)))
