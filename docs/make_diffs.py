@@ -1,0 +1,94 @@
+"""Write the code the docs quote from the scripts, so a page cannot drift from the code it shows.
+
+A page holds a generated block between two HTML comments (invisible on GitHub and on the site):
+
+    <!-- begin: diff -u grpo.py gspo.py -->      the unified diff of grpo.py and gspo.py, as `diff -u` prints it
+    <!-- begin: algo grpo.py -->                  grpo.py's `# ALGO LOGIC` section, from that line up to `def main(`
+    ```diff / ```python ... ```
+    <!-- end -->
+
+An excerpt (`<!-- excerpt: diff -u grpo.py gspo.py -->` before a ```diff block) is not rewritten: each of its `-` / `+`
+lines must be a line of the live diff. tests/test_docs.py runs `check()`; after changing a script, run
+
+    python docs/make_diffs.py          # rewrite every generated block in README.md and docs/
+    python docs/make_diffs.py --check  # exit 1 and name each stale block
+"""
+
+import difflib
+import glob
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BLOCK = re.compile(r"(<!-- begin: (diff -u grpo\.py (\w+)\.py|algo (\w+)\.py) -->\n)(.*?)(<!-- end -->)", re.S)
+EXCERPT = re.compile(r"<!-- excerpt: diff -u grpo\.py (\w+)\.py -->\n```diff\n(.*?)```", re.S)
+
+
+def read_lines(script: str) -> list[str]:
+    with open(os.path.join(ROOT, script)) as f:
+        return f.read().splitlines()
+
+
+def live_diff(name: str) -> list[str]:
+    """`diff -u grpo.py NAME.py` (3 lines of context), without the files' dates."""
+    return list(difflib.unified_diff(read_lines("grpo.py"), read_lines(f"{name}.py"), "grpo.py", f"{name}.py",
+                                     lineterm=""))
+
+
+def algo_section(name: str) -> list[str]:
+    """The script's `# ALGO LOGIC` section: compute_advantages, batch_stats, compute_loss and their helpers."""
+    lines = read_lines(f"{name}.py")
+    start = next(i for i, line in enumerate(lines) if line.startswith("# ALGO LOGIC"))
+    end = next(i for i, line in enumerate(lines) if line.startswith("def main("))
+    return lines[start:end]
+
+
+def rendered(match: re.Match) -> str:
+    diff_of, algo_of = match.group(3), match.group(4)
+    body, lang = (live_diff(diff_of), "diff") if diff_of else (algo_section(algo_of), "python")
+    while body and not body[-1].strip():
+        body.pop()
+    return match.group(1) + f"```{lang}\n" + "\n".join(body) + "\n```\n" + match.group(6)
+
+
+def pages() -> list[str]:
+    return [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(ROOT, "docs", "**", "*.md"),
+                                                                recursive=True))]
+
+
+def check() -> list[str]:
+    """Every stale generated block and every excerpt line that is not in the live diff, one message each."""
+    problems = []
+    for path in pages():
+        with open(path) as f:
+            text = f.read()
+        rel = os.path.relpath(path, ROOT)
+        for match in BLOCK.finditer(text):
+            if match.group(0) != rendered(match):
+                problems.append(f"{rel}: the block '{match.group(2)}' is stale: run python docs/make_diffs.py")
+        for name, excerpt in EXCERPT.findall(text):
+            diff = set(live_diff(name))
+            for line in excerpt.splitlines():
+                if line[:1] in "+-" and line not in diff:
+                    problems.append(f"{rel}: excerpt line not in diff -u grpo.py {name}.py: {line}")
+    return problems
+
+
+def write() -> None:
+    for path in pages():
+        with open(path) as f:
+            text = f.read()
+        new = BLOCK.sub(rendered, text)
+        if new != text:
+            with open(path, "w") as f:
+                f.write(new)
+            print("wrote", os.path.relpath(path, ROOT))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--check"]:
+        found = check()
+        print("\n".join(found) or "every generated block is current")
+        sys.exit(1 if found else 0)
+    write()

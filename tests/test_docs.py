@@ -1,0 +1,123 @@
+"""README.md and docs/: the README stays a five-minute read, every page is in the site's nav, every relative link
+and anchor resolves (on GitHub and on the MkDocs site alike), and the code the pages quote is the live code.
+
+The site itself is built by CI's docs stage (`mkdocs build --strict`, requirements-docs.txt); these checks need
+neither mkdocs nor the network.
+"""
+
+import glob
+import importlib.util
+import os
+import re
+
+import pytest
+import yaml
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = os.path.join(REPO, "docs")
+README = os.path.join(REPO, "README.md")
+PAGES = sorted(glob.glob(os.path.join(DOCS, "**", "*.md"), recursive=True))
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+
+
+def read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def rel(path: str) -> str:
+    return os.path.relpath(path, REPO)
+
+
+def nav_pages(nav) -> list[str]:
+    """The .md files an mkdocs nav names, at any depth."""
+    if isinstance(nav, str):
+        return [nav]
+    if isinstance(nav, list):
+        return [page for item in nav for page in nav_pages(item)]
+    if isinstance(nav, dict):
+        return [page for value in nav.values() for page in nav_pages(value)]
+    return []
+
+
+def slug(heading: str) -> str:
+    """A heading's anchor as GitHub and MkDocs' toc both make it for the headings used here."""
+    text = re.sub(r"[`*_]", "", heading.strip().lower())
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def anchors(path: str) -> set[str]:
+    text = FENCE.sub("", read(path))
+    return {slug(m) for m in re.findall(r"^#{1,6} (.+)$", text, re.M)}
+
+
+def test_readme_is_a_five_minute_read():
+    lines = read(README).count("\n")
+    assert lines <= 250, f"README.md has {lines} lines (at most 250): move the detail to a page of docs/"
+
+
+def test_readme_keeps_the_lines_ci_runs():
+    """.ci/run greps README.md for its test lines (`in_new_venv NAME 'PATTERN'`) and runs them as written: each must
+    match a line of a code block. The toy line is the quick start."""
+    readme = read(README)
+    code_lines = [line for block in FENCE.findall(readme) for line in block.splitlines()]
+    patterns = re.findall(r"^in_new_venv \S+ '([^']+)'", read(os.path.join(REPO, ".ci", "run")), re.M)
+    assert len(patterns) >= 2, "found no in_new_venv lines in .ci/run"
+    toy = r"^pip install -r requirements-\S+\.txt && python grpo\.py --preset toy$"
+    for pattern in [*patterns, toy]:
+        first = next((line for line in readme.splitlines() if re.search(pattern, line)), None)
+        assert first is not None, f"README.md has no line matching {pattern}"
+        assert first in code_lines, f"README.md's first line matching {pattern} is not in a code block: {first}"
+
+
+def test_every_page_is_in_the_nav_and_every_nav_entry_exists():
+    config = yaml.safe_load(read(os.path.join(REPO, "mkdocs.yml")))
+    assert config["docs_dir"] == "docs"
+    nav = nav_pages(config["nav"])
+    on_disk = {os.path.relpath(page, DOCS) for page in PAGES}
+    assert not on_disk - set(nav), f"pages missing from mkdocs.yml's nav: {sorted(on_disk - set(nav))}"
+    assert not set(nav) - on_disk, f"nav entries with no page: {sorted(set(nav) - on_disk)}"
+    assert len(nav) == len(set(nav)), "a page is listed twice in the nav"
+
+
+@pytest.mark.parametrize("page", [README, *PAGES], ids=rel)
+def test_relative_links_resolve(page):
+    broken = []
+    for target in LINK.findall(FENCE.sub("", read(page))):
+        if re.match(r"[a-z]+:", target):  # https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        resolved = os.path.normpath(os.path.join(os.path.dirname(page), path)) if path else page
+        if not os.path.exists(resolved):
+            broken.append(f"{target}: no file {rel(resolved)}")
+        elif page != README and not resolved.startswith(DOCS + os.sep):
+            broken.append(f"{target}: outside docs/, which the site does not have (name the file in `code` instead)")
+        elif anchor and resolved.endswith(".md") and anchor not in anchors(resolved):
+            broken.append(f"{target}: no heading #{anchor} in {rel(resolved)}")
+    assert not broken, f"{rel(page)}: " + "; ".join(broken)
+
+
+def test_quoted_code_is_the_live_code():
+    """The `diff -u grpo.py X.py` blocks and grpo.py's ALGO LOGIC on the estimator pages, the README's excerpt."""
+    spec = importlib.util.spec_from_file_location("make_diffs", os.path.join(DOCS, "make_diffs.py"))
+    make_diffs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_diffs)
+    problems = make_diffs.check()
+    assert not problems, "\n".join(problems)
+    for name in ("gspo", "snib", "ctpo", "p3o"):
+        page = read(os.path.join(DOCS, "estimators", f"{name}.md"))
+        assert f"<!-- begin: diff -u grpo.py {name}.py -->" in page, f"docs/estimators/{name}.md quotes no diff"
+
+
+def differ_table(path: str) -> list[str]:
+    lines = read(path).splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| | grpo |"))  # a column per estimator
+    end = next(i for i in range(start, len(lines)) if not lines[i].startswith("|"))
+    return lines[start:end]
+
+
+def test_the_readme_table_of_differences_is_the_docs_table():
+    readme, docs = differ_table(README), differ_table(os.path.join(DOCS, "estimators", "index.md"))
+    assert readme == docs, "README.md's 'How the five differ' table and docs/estimators/index.md's must be equal"
