@@ -2,7 +2,8 @@
 
 Each input is a unit repeated n times between a prefix and a suffix (long runs of spaces, "\\)", unclosed
 "\\boxed{", digits, "answer is" ...: what a policy that degenerates writes). Every text rule (``extract_answer``,
-``extract_gold``, the normalisation ``_prepared`` on either side, ``extract_choice``, ``format_reward``) is timed at
+``extract_gold``, the normalisation ``_prepared`` on either side, ``extract_choice`` without and with the prompt's
+options, ``options_of``, ``format_reward``) is timed at
 n = SMALL and n = 4 * SMALL: a linear rule takes about 4x as long, a quadratic one 16x. Rules that grow faster
 than ``--ratio`` and take more than ``--min_ms`` are printed; any exception is printed with its input.
 Then the end-to-end check: ``math_accuracy`` on 1 MB versions of every input, through the worker processes.
@@ -26,15 +27,19 @@ from common import math_grader as rewards  # noqa: E402
 UNITS = [" ", "\n", "\t", "  \n", "\\)", "\\]", " \\)", "\\quad", "\\quad ", "1", "12 ", "1,", "1.", "1 = ", "= ",
          "\\boxed{", "\\boxed{1} ", "{", "}", "$", "$1$ ", ". ", "**", "\\text{a}", "\\text{ and } ", "\\text{ for }",
          ", ", "x", "(", "(1, ", "%", "\\%", "\\frac{", "^{", "answer is ", "Answer: ", "#### ", "A. ", "(A) ", "a.m.",
+         "Option ", "Choice_", "A: ", "\nA. ",
          "- ", "\\left(", "\\!", "\\\\", "½", "５", "<think>", "</think>", "\u2212"]
 AFFIXES = [("", ""), ("1", "x\\text{a}"), ("The answer is ", "."), ("\\boxed{", ""), ("", "\\boxed{3}"),
            ("x = ", "\\text{ for } k"), ("answer is", "x"), ("<think>", "</think> 7")]
+OPTIONS = {"A": "x^2/4", "B": "$x^2/8$", "C": "0.5", "D": "True, Not Given"}  # options a completion may name
 RULES = {
     "extract_answer": rewards.extract_answer,
     "extract_gold": rewards.extract_gold,
     "prepared(pred)": lambda text: rewards._prepared(text, "1"),
     "prepared(gold)": lambda text: rewards._prepared("1", text),
     "extract_choice": rewards.extract_choice,
+    "extract_choice(options)": lambda text: rewards.extract_choice(text, "ABCD", OPTIONS),
+    "options_of": rewards.options_of,
     "format_reward": lambda text: rewards.format_reward(["q"], [text]),
 }
 

@@ -13,8 +13,9 @@ English number ("twelve", "two hundred and five", "one half") is read as that nu
 without case; only the final answer counts. math-verify runs in worker processes with a
 hard time limit per sample (``TIME_LIMIT_S``): a sample over it gets reward 0 and is counted as
 ``math_accuracy/timeouts``. ``choice_accuracy`` grades multiple choice: the option letter of
-``\\boxed{C}``, "the answer is (C)" or "Answer: C". The evaluation package (evals/) grades with these
-same functions.
+``\\boxed{C}``, "the answer is (C)", "Answer: C", "Choice_C" or "Option C", or the one option whose text the answer
+is ("the answer is x^2/8"), with the options read from the prompt ("A. x", "A: x", "(A) x"; see ``options_of``).
+The evaluation package (evals/) grades with these same functions.
 """
 
 import atexit
@@ -819,24 +820,88 @@ def math_accuracy(prompts: list[str], completions: list[str], answer: list, **_)
     return Rewards([float(v) for v in verdicts], {"timeouts": [float(t) for t in timed_out]})
 
 
-# Multiple choice: the options are lines "A. ..." in the prompt (see common/benchmarks.py format_choices).
+# Multiple choice. The options are lines of the prompt: "A. x" (common/benchmarks.py format_choices), "A: x", "A) x",
+# "(A) x", the first one perhaps after "Options:" (MMLU-Pro's prompt: "Options: A. x\nB. y").
 LETTERS = "ABCDEFGHIJ"
-_OPTION_LINE = re.compile(r"^([A-J])\. ", re.MULTILINE)
-_CHOICE_PATTERNS = [  # most explicit first; within a pattern the last match wins
-    re.compile(r"answer\s*+(?:is|:)[:*\s]*+\(?\s*+([A-J])\b(?![.,']?\w)", re.IGNORECASE),  # possessive: linear
-    re.compile(r"\(([A-J])\)"),
+_OPTION_LINE = re.compile(r"^[ \t]*+(?:(?i:answer[ \t]++)?(?i:options|choices)[ \t]*+:[ \t]*+)?"
+                          r"(?:\(([A-J])\)|([A-J])[.:)])[ \t]++([^\n]*)", re.MULTILINE)
+_CHOICE_PATTERNS = [  # most explicit first; within a pattern the last match wins. Possessive quantifiers: linear time
+    # "The answer is (C)", "Answer: C", "The answer is Choice_B", "answer: option (B)", "the correct option is B" (not
+    # "each option:\nA. ...")
+    re.compile(r"(?:answer\s*+(?:is|:)|\b(?:correct|right|best|final)\s++(?:option|choice)\s++is)[:*\s]*+"
+               r"(?:(?:option|choice)[\s_]*+)?\(?\s*+([A-J])\b(?![.,']?\w)", re.IGNORECASE),
+    # "(C)", "Option B", "Choice_B", "option (B)" ("options A and B" is no choice)
+    re.compile(r"\(([A-J])\)|\b(?i:option|choice)[ \t_]*+([A-J])\b(?![.,']?\w)"),
     re.compile(r"\b([A-J])\b(?=\s*(?:[.):*]|$))", re.MULTILINE),  # a lone letter closing a sentence or line
 ]
+# What a completion that names the option's text writes after the marker: "the answer is x^2/8", "Answer: True, False"
+_ANSWER_MARKER = re.compile(r"answer\s*+(?:is|:)", re.IGNORECASE)
+_LINE_REST = re.compile(r"[:*\s]*+([^\n]{1,300})")
+_OPTION_MARKUP = re.compile(r"\*\*|\$|\\[()\[\]]")
 
 
-def extract_choice(text: str, letters: str = LETTERS) -> str | None:
+def options_of(prompt: str) -> dict[str, str]:
+    """The options a prompt lists, letter -> text: its last run of option lines "A. ...", "B. ..." that starts at A
+    (a few-shot prompt lists the options of every example; a question may hold lines such as "I. ..." or "C: ...")."""
+    found = [(m[1] or m[2], m[3]) for m in _OPTION_LINE.finditer(prompt)]
+    starts = [i for i, (letter, _) in enumerate(found) if letter == "A"]
+    if not starts:
+        return {}
+    options = {}
+    for letter, text in found[starts[-1] :]:
+        if letter != LETTERS[len(options)]:
+            break
+        options[letter] = text
+    return options
+
+
+def _option_key(text: str) -> str:
+    """An option's text as compared: without markup ("**", "$", "\\text{}"), spaces or a final period, in lower case."""
+    text = _OPTION_MARKUP.sub("", _TEXT.sub(r"\1", text))
+    return " ".join(text.split()).rstrip(".").strip().lower()
+
+
+def _named_option(answer: str | None, options: dict[str, str]) -> str | None:
+    """The letter of the one option whose text `answer` is ("x^2/8" for "B. $x^2/8$"), or None: equal once
+    normalised (``_option_key``), or equal by the grader's comparisons that need no parsing (``_quick_verdict``: "0.50"
+    for "0.5", "\\frac{1}{2}" for "\\dfrac12"); math-verify is not called, as it can run for long (see ``_Pool``)."""
+    if not answer or len(answer) > 300:
+        return None
+    key = _option_key(answer)
+    if not key:
+        return None
+    matches = set()
+    for letter, text in options.items():
+        if len(text) <= 300 and (key == _option_key(text) or _quick_verdict(*_prepared(answer, text))):
+            matches.add(letter)
+    return matches.pop() if len(matches) == 1 else None
+
+
+def _marked_option(text: str, options: dict[str, str]) -> str | None:
+    """The option whose text follows the last "the answer is" / "Answer:": the expression there (as
+    ``extract_answer`` reads it), the sentence, or the rest of the line."""
+    markers = list(_ANSWER_MARKER.finditer(text))
+    if not markers:
+        return None
+    end = markers[-1].end()
+    rest = _LINE_REST.match(text, end)
+    candidates = [_answer_after(text, end, words_allowed=True)]
+    if rest:
+        candidates += [rest[1].split(". ")[0], rest[1]]
+    return next((letter for c in candidates if (letter := _named_option(c, options))), None)
+
+
+def extract_choice(text: str, letters: str = LETTERS, options: dict[str, str] | None = None) -> str | None:
     """The option letter a completion chose, or None.
 
     Looks, in order, for the last ``\\boxed{C}`` (also ``\\boxed{\\text{(C)}}``), "the answer is (C)" /
-    "Answer: C", the last "(C)", then the last letter standing alone at the end of a sentence or
-    line. Only letters in `letters` count, so "I" and "A" as words do not. A closed ``<think>``
-    block is ignored, as in ``extract_answer``.
+    "Answer: C" / "the answer is Choice_C" / "the correct option is C", then (with `options`, letter -> text, as
+    ``options_of`` reads them from the prompt) a box or "the answer is ..." that holds one option's text instead of
+    its letter, then the last "(C)" / "Option C" / "Choice C", then the last letter standing alone at the end of a
+    sentence or line. Only letters in `letters` count, so "I" and "A" as words do not. A closed ``<think>`` block is
+    ignored, as in ``extract_answer``, and so are control characters.
     """
+    text = text.translate(_CONTROL)
     if "</think>" in text:
         text = text.rsplit("</think>", 1)[1]
     boxed = _last_boxed(text)
@@ -844,8 +909,16 @@ def extract_choice(text: str, letters: str = LETTERS) -> str | None:
         inner = _TEXT.sub(r"\1", boxed).strip().strip("()$*. ").strip()
         if inner and inner[0] in letters and (len(inner) == 1 or not inner[1].isalnum()):
             return inner[0]
-    for pattern in _CHOICE_PATTERNS:
-        found = [m for m in pattern.findall(text) if m in letters]
+    found = [letter for m in _CHOICE_PATTERNS[0].finditer(text) if (letter := m[1]) in letters]
+    if found:
+        return found[-1]
+    if options:
+        if boxed is not None and (letter := _named_option(boxed, options)) and letter in letters:
+            return letter
+        if (letter := _marked_option(text, options)) and letter in letters:
+            return letter
+    for pattern in _CHOICE_PATTERNS[1:]:
+        found = [letter for m in pattern.finditer(text) if (letter := m[m.lastindex]) in letters]
         if found:
             return found[-1]
     return None
@@ -855,14 +928,15 @@ def extract_choice(text: str, letters: str = LETTERS) -> str | None:
 def choice_accuracy(prompts: list[str], completions: list[str], answer: list[str], **_) -> list[float]:
     """1.0 when the completion picks the reference option letter, else 0.0.
 
-    The valid letters are read from the option lines "A. ..." of the prompt (A-J if it has none);
-    `answer` holds the letter ("C", or "(C)") or its index (2, as MMLU stores it).
+    The valid letters, and the options' texts, are read from the option lines of the prompt ("A. ...", "A: ...",
+    "(A) ...": ``options_of``; A-J if it has none); `answer` holds the letter ("C", or "(C)") or its index (2, as
+    MMLU stores it).
     """
     rewards = []
     for p, c, a in zip(prompts, completions, answer):
-        letters = "".join(_OPTION_LINE.findall(p)) or LETTERS
+        options = options_of(p)
         gold = LETTERS[a] if isinstance(a, int) else str(a).strip().strip("()").strip()[:1].upper()
-        rewards.append(float(extract_choice(c, letters) == gold))
+        rewards.append(float(extract_choice(c, "".join(options) or LETTERS, options) == gold))
     return rewards
 
 

@@ -15,12 +15,14 @@ import torch
 import common.math_grader as rewards_module
 from common.math_grader import (
     TIME_LIMIT_S,
+    choice_accuracy,
     extract_answer,
     extract_choice,
     extract_gold,
     format_reward,
     is_equivalent,
     math_accuracy,
+    options_of,
 )
 from common.rewards import REWARD_FUNCTIONS, RewardError, Rewards, compute_rewards, get_reward_function, register_reward
 
@@ -433,12 +435,102 @@ def test_only_the_end_of_a_completion_is_read():
     assert math_accuracy(["q"], [long_answer], answer=["3"]) == [0.0]  # too long to be an answer: not parsed
 
 
+# --- multiple choice (issue 31) ------------------------------------------------------------
+
+# The prompt's options in the forms prompts list them, with the letters read back.
+@pytest.mark.parametrize("prompt", [
+    "Which is the focus?\n\nA. x^2/4\nB. $x^2/8$\nC. 0.5\nD. True, Not Given",  # common/benchmarks.py format_choices
+    "Which is the focus?\nA: x^2/4\nB: $x^2/8$\nC: 0.5\nD: True, Not Given",  # colons (read as A-J before)
+    "Which is the focus?\n(A) x^2/4\n(B) $x^2/8$\n(C) 0.5\n(D) True, Not Given",  # (A) (read as A-J before)
+    "Which is the focus?\nA) x^2/4\nB) $x^2/8$\nC) 0.5\nD) True, Not Given",
+    "Question: Which is the focus?\nOptions: A. x^2/4\nB. $x^2/8$\nC. 0.5\nD. True, Not Given\n",  # MMLU-Pro (A lost)
+    "Question: 1+1?\nOptions: A. 2\nB. 3\nAnswer: The answer is (A).\n\n"  # a few-shot prompt: the last list counts
+    "Question: Which is the focus?\nOptions: A. x^2/4\nB. $x^2/8$\nC. 0.5\nD. True, Not Given\nAnswer: ",
+])
+def test_options_of_the_prompt(prompt):
+    assert options_of(prompt) == {"A": "x^2/4", "B": "$x^2/8$", "C": "0.5", "D": "True, Not Given"}
+    assert choice_accuracy([prompt] * 3, ["The answer is A", "The answer is J", "the answer is x^2/8"],
+                           answer=["A", "J", "B"]) == [1.0, 0.0, 1.0]
+
+
+def test_options_of_other_lines():
+    assert options_of("no options listed") == {}
+    assert options_of("Which hold?\nI. x > 0\nII. y > 0\nA. I only\nB. II only") == {"A": "I only", "B": "II only"}
+    assert options_of("A: Hello.\nB: Hi.\nWho spoke first?\nA. Ann\nB. Bob\nC. Cy") == {"A": "Ann", "B": "Bob",
+                                                                                      "C": "Cy"}
+    assert options_of("A. x\nB. y\nD. z") == {"A": "x", "B": "y"}  # stops where the letters stop following
+
+
+OPTIONS = {"A": "x^2/4", "B": "$x^2/8$", "C": "0.5", "D": "True, Not Given"}
+
+
+# The forms issue 31 names, as models write them. "before" is what extract_choice read at 0979451.
+@pytest.mark.parametrize("text, letter", [
+    ("The answer is Choice_B", "B"),  # before: None
+    ("The answer is Choice_B.", "B"),  # before: None
+    ("Choice_B", "B"),  # before: None
+    ("Choice B", "B"),
+    ("Option B", "B"),
+    ("I pick Option B because it fits", "B"),  # before: None
+    ("Option B is right; options A and C are not.", "B"),  # before: C
+    ("The correct option is B because the parabola opens upwards", "B"),  # before: None
+    ("Answer: Choice B", "B"),
+    ("Option (B)", "B"),
+    ("The answer is Option (B).", "B"),
+    ("(B) x^2/8", "B"),
+    ("the answer is B: x^2/8", "B"),
+    ("The answer is **B. $x^2/8$**", "B"),
+    ("Let's check each option:\nA. wrong\nB. wrong\nC. right\nSo C.", "C"),  # an option list, not "option: A"
+])
+def test_extract_choice_forms(text, letter):
+    assert extract_choice(text) == letter
+    assert extract_choice(text, "ABCD", OPTIONS) == letter
+
+
+# A completion that names the option's text: the one option whose text matches (with the prompt's options only).
+@pytest.mark.parametrize("text, letter", [
+    ("the answer is x^2/8", "B"),  # before: None
+    (r"so the focus is at \boxed{x^2/8}", "B"),  # before: None
+    ("The answer is $x^2/8$.", "B"),
+    ("After checking (A) and (C), the answer is x^2/8, since the focus is at 2.", "B"),  # before: C
+    ("Answer: true, not given", "D"),
+    ("The answer is 0.50.", "C"),  # equal as numbers (_quick_verdict)
+    (r"The answer is \boxed{\text{True, Not Given}}", "D"),
+    ("The answer is x^2/16", None),  # no option's text
+    ("The answer is 1/2", None),  # equal to C only by math-verify, which is not called here
+])
+def test_extract_choice_option_text(text, letter):
+    assert extract_choice(text, "ABCD", OPTIONS) == letter
+
+
+def test_option_text_must_name_one_option():
+    assert extract_choice("the answer is 5", "ABC", {"A": "5", "B": "$5$", "C": "6"}) is None  # two options say 5
+    assert extract_choice("the answer is 5", "ABC", {"A": "5", "B": "7", "C": "6"}) == "A"
+    assert extract_choice("the answer is \x005", "ABC", {"A": "5", "B": "7", "C": "6"}) == "A"  # a NUL is dropped
+
+
 def test_choice_extraction_is_linear():
     """extract_choice runs in the caller: "answer is" then 1,000,000 spaces took minutes (cubic backtracking)."""
     start = time.perf_counter()
     assert extract_choice("answer is" + " " * MB + "x") is None
     assert extract_choice("The answer is" + "\n" * MB + "(B)") == "B"
     assert extract_choice("(A) " * (MB // 4) + "answer: C") == "C"
+    assert time.perf_counter() - start < 1.0
+
+
+@pytest.mark.parametrize("text", ["Option " * (MB // 7) + "B", "the answer is " * (MB // 14) + "x^2/8",
+                                  "Choice_A " * (MB // 9) + "Choice_B", "the answer is" + " " * MB + "x^2/8"])
+def test_choice_forms_are_linear(text):
+    """The forms of issue 31 (Option B, Choice_B, an option's text after "the answer is") on 1 MB inputs."""
+    start = time.perf_counter()
+    assert extract_choice(text, "ABCD", OPTIONS) == "B"
+    assert time.perf_counter() - start < 1.0
+
+
+def test_option_lines_are_read_in_linear_time():
+    start = time.perf_counter()
+    assert options_of("A. " * (MB // 3)) == {"A": "A. " * (MB // 3 - 1)}
+    assert options_of("\n(A) " * (MB // 5)) == {"A": ""}
     assert time.perf_counter() - start < 1.0
 
 
