@@ -827,9 +827,10 @@ _OPTION_LINE = re.compile(r"^[ \t]*+(?:(?i:answer[ \t]++)?(?i:options|choices)[ 
                           r"(?:\(([A-J])\)|([A-J])[.:)])[ \t]++([^\n]*)", re.MULTILINE)
 _CHOICE_PATTERNS = [  # most explicit first; within a pattern the last match wins. Possessive quantifiers: linear time
     # "The answer is (C)", "Answer: C", "The answer is Choice_B", "answer: option (B)", "the correct option is B" (not
-    # "each option:\nA. ...")
-    re.compile(r"(?:answer\s*+(?:is|:)|\b(?:correct|right|best|final)\s++(?:option|choice)\s++is)[:*\s]*+"
-               r"(?:(?:option|choice)[\s_]*+)?\(?\s*+([A-J])\b(?![.,']?\w)", re.IGNORECASE),
+    # "each option:\nA. ..."), "The correct answer should be:\n\nG. ..." after "the correct answer is: A" (MMLU-Pro
+    # deepseek-11304), "The answer is \( B \)." (gpt4o-7691)
+    re.compile(r"(?:answer\s*+(?:is|:|(?:should|would)\s++be)|\b(?:correct|right|best|final)\s++(?:option|choice)\s++is)"
+               r"[:*\s$]*+(?:\\[(\[]\s*+)?(?:(?:option|choice)[\s_]*+)?\(?\s*+([A-J])\b(?![.,']?\w)", re.IGNORECASE),
     # "(C)", "Option B", "Choice_B", "option (B)" ("options A and B" is no choice)
     re.compile(r"\(([A-J])\)|\b(?i:option|choice)[ \t_]*+([A-J])\b(?![.,']?\w)"),
     re.compile(r"\b([A-J])\b(?=\s*(?:[.):*]|$))", re.MULTILINE),  # a lone letter closing a sentence or line

@@ -10,6 +10,13 @@ the raw agreement is printed too. Run it with -s to see the figures and each dis
     OMP_NUM_THREADS=1 python -m pytest tests/test_grader_realdata.py -q -s -p no:cacheprovider
 
 It takes about 35 s on 2 cores (not marked slow: it guards the training reward).
+
+Multiple choice (issue 31): tests/data/choice_realdata.jsonl.gz (built by tests/data/make_choice_realdata.py) holds
+560 MMLU-Pro outputs of gpt-4o and deepseek-chat with the gold letter, graded with ``choice_accuracy``; the label is
+whether the chosen letter is the gold one, the chosen letter being MMLU-Pro's own regex extraction except on the rows
+where ours reads another letter, which were read by hand (tests/data/CHOICE_DISAGREEMENTS.md). Under a second:
+
+    python -m pytest tests/test_grader_realdata.py -q -s -p no:cacheprovider -k choice
 """
 
 import gzip
@@ -19,7 +26,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import common.math_grader as rewards_module
-from common.math_grader import extract_answer, math_accuracy
+from common.math_grader import choice_accuracy, extract_answer, extract_choice, math_accuracy, options_of
 
 DATA = Path(__file__).parent / "data"
 # Measured by the command above at the commit that adds this test (branch grader-wip): where the label is right,
@@ -76,3 +83,67 @@ def test_agreement_with_real_labels(monkeypatch):
     assert right / kept >= MEASURED[0] / MEASURED[1]
     for name, (agree, rows_right) in MEASURED_PER_SET.items():
         assert per_set[name][2] / per_set[name][3] >= agree / rows_right, name
+
+
+# Measured by the command in the docstring at the commit that adds choice_realdata.jsonl.gz. The reward
+# (choice_accuracy) agrees with the corrected label on 280 of 280 gpt-4o rows and 280 of 280 deepseek-chat rows (100%);
+# with MMLU-Pro's own labels, uncorrected, on 271 of 280 (96.79%) and 267 of 280 (95.36%). The letter read
+# (extract_choice) is the letter the completion chose on 280 of 280 and 279 of 280 (99.64%: deepseek-7711 chose no
+# option, and we read G from its list of options; its reward is 0 either way). Thresholds sit just below the measured
+# figures (one row of 280); a change that lowers a figure must be read against the rows the test prints.
+CHOICE_MEASURED = {"mmlu-pro/gpt4o": {"reward": (280, 280), "letter": (280, 280)},
+                   "mmlu-pro/deepseek": {"reward": (280, 280), "letter": (279, 280)}}
+CHOICE_THRESHOLD = {"mmlu-pro/gpt4o": {"reward": 0.996, "letter": 0.996},
+                    "mmlu-pro/deepseek": {"reward": 0.996, "letter": 0.992}}
+
+
+def choice_verdicts() -> dict[str, tuple[str, str]]:
+    """id -> (verdict, chosen letter or "none"), from the rows "| `id` | verdict | chosen | ..." of
+    CHOICE_DISAGREEMENTS.md."""
+    text = (DATA / "CHOICE_DISAGREEMENTS.md").read_text()
+    return {m[1]: (m[2].strip(), m[3].strip())
+            for m in re.finditer(r"^\|\s*`([^`]+)`\s*\|([^|]+)\|([^|]+)\|", text, re.MULTILINE)}
+
+
+def test_choice_agreement_with_real_labels():
+    with gzip.open(DATA / "choice_realdata.jsonl.gz", "rt", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
+    verdicts = choice_verdicts()
+    assert set(verdicts) <= {r["id"] for r in rows}, "CHOICE_DISAGREEMENTS.md names ids that are not in the data"
+    assert {v for v, _ in verdicts.values()} <= {"ours right", "theirs right", "ambiguous"}
+    unjudged = []
+    for row in rows:
+        options = options_of(row["question"])
+        ours = extract_choice(row["completion"], "".join(options), options)
+        if ours != row["pred"] and row["id"] not in verdicts:
+            unjudged.append(f"{row['id']}: ours {ours}, MMLU-Pro {row['pred']}, gold {row['answer']}")
+    assert not unjudged, "read these by hand and add them to CHOICE_DISAGREEMENTS.md:\n" + "\n".join(unjudged)
+
+    rewards = choice_accuracy([r["question"] for r in rows], [r["completion"] for r in rows],
+                              answer=[r["answer"] for r in rows])
+    # per set: reward agrees with MMLU-Pro's label, rows, reward agrees with the corrected label, rows kept, letter read
+    # is the letter chosen
+    per_set = defaultdict(lambda: [0, 0, 0, 0, 0])
+    for row, reward in zip(rows, rewards):
+        counts = per_set[row["set"]]
+        counts[0] += reward == row["label"]
+        counts[1] += 1
+        verdict, chosen = verdicts.get(row["id"], (None, row["pred"] or "none"))
+        if verdict == "ambiguous":
+            continue
+        label = float(chosen == row["answer"])
+        options = options_of(row["question"])
+        read = extract_choice(row["completion"], "".join(options), options) or "none"
+        counts[2] += reward == label
+        counts[3] += 1
+        counts[4] += read == chosen
+        if reward != label or read != chosen:
+            print(f"  disagrees: {row['id']} label {label:.0f}, chosen {chosen}, read {read}, gold {row['answer']}")
+    for name, (raw, total, right, kept, letters) in sorted(per_set.items()):
+        print(f"{name:18s} reward vs MMLU-Pro's label {raw}/{total} = {raw / total:.2%}, vs the corrected label "
+              f"{right}/{kept} = {right / kept:.2%}; letter read = letter chosen {letters}/{kept} = "
+              f"{letters / kept:.2%}")
+    assert set(per_set) == set(CHOICE_MEASURED) and all(c[1] == 280 for c in per_set.values())
+    for name, threshold in CHOICE_THRESHOLD.items():
+        assert per_set[name][2] / per_set[name][3] >= threshold["reward"], name
+        assert per_set[name][4] / per_set[name][3] >= threshold["letter"], name

@@ -481,6 +481,10 @@ OPTIONS = {"A": "x^2/4", "B": "$x^2/8$", "C": "0.5", "D": "True, Not Given"}
     ("the answer is B: x^2/8", "B"),
     ("The answer is **B. $x^2/8$**", "B"),
     ("Let's check each option:\nA. wrong\nB. wrong\nC. right\nSo C.", "C"),  # an option list, not "option: A"
+    (r"The answer is \( B \).", "B"),  # before: None (MMLU-Pro gpt4o-7691)
+    (r"The answer is \( D. 0.39 \).", "D"),
+    ("the correct answer is:\n\nA. x\n\nHowever, this does not match. The correct answer should be:\n\nC. y",
+     "C"),  # before: A (MMLU-Pro deepseek-11304)
 ])
 def test_extract_choice_forms(text, letter):
     assert extract_choice(text) == letter
