@@ -11,6 +11,8 @@ Differs from grpo.py (Ahmadian et al. for the baseline and the reward, TRL 1.16'
 - one ratio per completion, s_i, the product of its token ratios, PPO-clipped (eps 0.2): on policy the gradient is
   REINFORCE's, A_i grad log pi(y_i), a sum over tokens; a mean over completions; no ablation switches.
 - TIS / MIS: a completion's term times the mean of its tokens' weights (as gspo.py); the KL, in A_i, with it.
+- --rollout_lag K: s_i and KL_i are those of the weights of step s - K; tool-output tokens (mask 0) leave s_i and
+  KL_i; a removed row leaves the mean over rows, its reward stays in its group's baseline (as GRPO's group mean).
 
 Run:
     python rloo.py --preset toy                                  # CPU, minutes
