@@ -14,6 +14,7 @@ from http.server import HTTPServer
 import pytest
 import torch
 from conftest import REPO, free_port, launch, read_metrics, run_script, subprocess_env
+from safetensors.torch import load_file
 from test_train import SMALL, assert_same_weights, final_weights
 
 import grpo
@@ -195,6 +196,32 @@ def test_at_lag_0_server_mode_takes_exactly_the_colocated_steps(in_toy_workdir, 
         assert {k: a[k] for k in same} == {k: b[k] for k in same}
         assert b["rollout/logp_gap_mean"] < 1e-5
     assert os.listdir(tmp_path / "sync") == ["version_4"]  # the initial push and one per step; older ones removed
+    assert_same_weights(pushed(tmp_path / "sync" / "version_4"), final_weights(served, 3), atol=0)
+
+
+def pushed(folder) -> dict[str, torch.Tensor]:
+    return {k: v for f in sorted(os.listdir(folder)) for k, v in load_file(os.path.join(folder, f)).items()}
+
+
+@pytest.mark.slow
+def test_two_processes_push_the_merged_lora_weights(in_toy_workdir, tmp_path):
+    """LoRA under two processes (DDP): every process takes part in the push, the main one writes; the server
+    receives the adapter merged into the base weights (what the checkpoint saves), not the initial policy."""
+    server, url = start_server(in_toy_workdir, str(tmp_path / "sync"))
+    argv = SMALL + ["--total_steps", "2", "--micro_batch_size", "2", "--lora_r", "4", "--lora_alpha", "8",
+                    "--lora_target_modules", "q_proj,v_proj", "--run_name", "lora_served", "--server_url", url]
+    try:
+        launch(in_toy_workdir, "grpo.py", argv, num_processes=2)
+    finally:
+        server.kill()
+        server.wait()
+    run = os.path.join(in_toy_workdir, "runs", "lora_served")
+    merged = final_weights(run, 2)
+    base = load_file(os.path.join(toy_model_path(in_toy_workdir), "model.safetensors"))
+    assert any(not torch.equal(base[k], merged[k]) for k in base if "q_proj" in k)  # precondition: the adapter moved
+    assert os.listdir(tmp_path / "sync") == ["version_3"]
+    assert_same_weights(pushed(tmp_path / "sync" / "version_3"), merged, atol=0)
+    assert all(m["rollout/logp_gap_mean"] < 1e-5 for m in read_metrics(run))
 
 
 @pytest.mark.slow
