@@ -154,7 +154,7 @@ def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m common.serve", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="hub id or local folder: the trainer's --model")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
-    p.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface, no auth)")
     p.add_argument("--sync_dir", required=True, help="folder the trainer writes weight versions to (shared path)")
     p.add_argument("--engine", choices=["hf", "vllm"], default="hf", help="transformers' generate or vLLM")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="the trainer's --dtype")
@@ -165,6 +165,10 @@ def parse(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse(argv)
+    from common.utils import vllm_installed
+
+    if args.engine == "vllm" and not vllm_installed():
+        raise SystemExit("error: --engine vllm needs vLLM (pip install -r requirements.txt); or use --engine hf")
     os.makedirs(args.sync_dir, exist_ok=True)
     sampler = Sampler(args.model, args.sync_dir, args.engine, args.dtype, args.seed, args.max_model_len)
     server = HTTPServer((args.host, args.port), make_handler(sampler))

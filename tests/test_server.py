@@ -157,6 +157,16 @@ def test_a_server_with_another_dtype_is_refused(served):
         f"trainer's"]
 
 
+def test_the_server_refuses_an_engine_it_cannot_run(tmp_path):
+    from common.serve import main
+    from common.utils import vllm_installed
+
+    if vllm_installed():
+        pytest.skip("vLLM is installed here")
+    with pytest.raises(SystemExit, match="--engine vllm needs vLLM"):
+        main(["--model", "unused", "--sync_dir", str(tmp_path), "--engine", "vllm"])
+
+
 def start_server(workdir, sync_dir: str) -> tuple[subprocess.Popen, str]:
     """`python -m common.serve` on the toy, one thread (as the trainer `launch` starts): ready when it answers."""
     port = free_port()
