@@ -99,6 +99,18 @@ def test_the_server_samples_what_the_local_engine_samples_before_and_after_a_syn
     assert sorted(os.listdir(sampler.sync_dir)) == ["version_2"]
 
 
+def test_tool_rollouts_budgets_and_stop_strings_reach_the_server(served):
+    """Multi-turn rollouts (common/multiturn.py) ask for one budget per prompt and stop strings: the same rows."""
+    url, sampler = served
+    client = ServerEngine.__new__(ServerEngine)
+    client.url, client.timeout, client.version = url, 30.0, 0
+    prompts = [sampler.tokenizer.encode(p) for p in ("50+13=", "37+68=", "2+11=", "73+81=")]
+    kwargs = dict(max_tokens=[6, 2, 4, 6], temperature=1.0, top_p=0.9, stop=["1", "5"])
+    want = local_engine(sampler).generate(sampler.model, prompts, SEEDS, **kwargs)
+    assert client.generate(None, prompts, SEEDS, **kwargs) == want
+    assert [len(c) for c in want[0]] != [6, 2, 4, 6]  # precondition: some row stopped early (a string or EOS)
+
+
 def test_a_generate_request_for_another_version_is_refused(served):
     url, _ = served
     body = dict(prompt_ids=PROMPTS, seeds=SEEDS, stop=None, version=5, **SAMPLING)
