@@ -180,35 +180,45 @@ def _first_line(e: BaseException) -> str:
 
 
 def data_problems(flag: str, path: str, name: str | None, split: str, prompt_column: str,
-                  answer_column: str | None, answers_needed: bool = True) -> list[str]:
-    """A local file or folder: it exists, has rows, the columns, text in every prompt, and (when a reward function
-    reads `answer`) an answer in some row. Hub datasets cannot be reached from every machine: they are checked when
-    they load (after the model)."""
+                  answer_column: str | None, answers_needed: bool = True) -> tuple[list[str], object]:
+    """(problems, rows or None) of a local file or folder, every row read a batch at a time: empty prompts refused
+    (count, first row); empty answers, when a reward reads `answer`, refused in every row, else warned about. Hub
+    datasets cannot be reached from every machine: they are checked when they load (after the model)."""
     if not os.path.exists(path):
-        if looks_local(path):
-            return [f"{flag} {path!r}: no such file or directory"]
-        return []
+        return ([f"{flag} {path!r}: no such file or directory"] if looks_local(path) else []), None
     if os.path.isfile(path) and os.path.splitext(path)[1] not in LOCAL_FORMATS:
-        return [f"{flag} {path!r}: unsupported file type; use {', '.join(LOCAL_FORMATS)}"]
+        return [f"{flag} {path!r}: unsupported file type; use {', '.join(LOCAL_FORMATS)}"], None
     try:
         rows = load_rows(path, name, split)
     except ValueError as e:
-        return [f"{flag} {path!r} does not load: {_first_line(e)}"]
+        return [f"{flag} {path!r} does not load: {_first_line(e)}"], None
     if len(rows) == 0:
-        return [f"{flag} {path!r} has no rows"]
+        return [f"{flag} {path!r} has no rows"], None
     for column_flag, column in [("--prompt_column", prompt_column), ("--answer_column", answer_column)]:
         if column is not None and column not in rows.column_names:
             return [f"{flag} {path!r} has no column {column!r} (its columns: {', '.join(rows.column_names)}); "
-                    f"name the right one with {column_flag}"]
-    for i, value in enumerate(rows[prompt_column]):
-        if not isinstance(value, str) or not value.strip():
-            what = "empty" if isinstance(value, str) else f"{type(value).__name__} {value!r}"
-            return [f"{flag} {path!r}: row {i} of --prompt_column {prompt_column!r} is {what}; prompts must be text"]
-    if answers_needed and answer_column is not None:
-        if all(a is None or (isinstance(a, str) and not a.strip()) for a in rows[answer_column]):
-            return [f"{flag} {path!r}: --answer_column {answer_column!r} is empty in every row, so every reward "
-                    f"would be 0; name the column that holds the reference answers"]
-    return []
+                    f"name the right one with {column_flag}"], None
+    check_answers = answers_needed and answer_column is not None
+    bad_prompts, no_answers = [], []  # row numbers
+    columns = [prompt_column] + ([answer_column] if check_answers else [])
+    for start in range(0, len(rows), 10_000):  # a batch at a time: a large file costs no memory
+        batch = rows.select_columns(columns)[start:start + 10_000]
+        bad_prompts += [i for i, v in enumerate(batch[prompt_column], start) if not isinstance(v, str) or not v.strip()]
+        if check_answers:
+            no_answers += [i for i, a in enumerate(batch[answer_column], start)
+                           if a is None or (isinstance(a, str) and not a.strip())]
+    if bad_prompts:
+        value = rows[bad_prompts[0]][prompt_column]
+        what = "empty" if isinstance(value, str) else f"{type(value).__name__} {value!r}"
+        return [f"{flag} {path!r}: {len(bad_prompts)} of {len(rows)} rows of --prompt_column {prompt_column!r} are "
+                f"not text (the first, row {bad_prompts[0]}, is {what}); prompts must be text"], rows
+    if len(no_answers) == len(rows):
+        return [f"{flag} {path!r}: --answer_column {answer_column!r} is empty in every row, so every reward "
+                f"would be 0; name the column that holds the reference answers"], rows
+    if no_answers:
+        warn(f"{flag} {path!r}: {len(no_answers)} of {len(rows)} rows have no answer in --answer_column "
+             f"{answer_column!r} (the first: row {no_answers[0]}); a reward that reads the answer gives them 0")
+    return [], rows
 
 
 def argument_problems(args, num_processes: int) -> list[str]:
@@ -273,25 +283,24 @@ def resource_problems(args) -> tuple[list[str], object]:
     data = resolve_dataset(args.dataset, args.split, args.prompt_column, args.answer_column, args.eval_split)
     funcs = [get_reward_function(n.strip()) for n in args.reward_funcs.split(",")]  # argument_problems: all exist
     answers_needed = any("answer" in inspect.signature(fn).parameters for fn in funcs)
-    found = data_problems("--dataset", data["path"], args.dataset_config or data["name"], data["split"],
-                          data["prompt_column"], data["answer_column"], answers_needed)
+    found, rows = data_problems("--dataset", data["path"], args.dataset_config or data["name"], data["split"],
+                                data["prompt_column"], data["answer_column"], answers_needed)
     problems += found
-    if not found and os.path.exists(data["path"]):
-        problems += dry_call_problems(args, funcs, data)
+    if not found and rows is not None:
+        problems += dry_call_problems(args, funcs, data, rows)
     if args.eval_steps > 0 and args.eval_dataset:
         spec = resolve_dataset(args.eval_dataset, args.eval_split, args.prompt_column, args.answer_column)
         problems += data_problems("--eval_dataset", spec["path"], args.dataset_config or spec["name"], spec["split"],
-                                  data["prompt_column"], data["answer_column"])
+                                  data["prompt_column"], data["answer_column"])[0]
     return problems, config
 
 
-def dry_call_problems(args, funcs: list, data: dict, num_rows: int = 2) -> list[str]:
-    """The reward functions called as the loop calls them, on the first rows of the local data with their reference
-    answers as completions: a function that cannot take the call, or returns the wrong number of values or a
-    non-finite one, is found before any weights load."""
+def dry_call_problems(args, funcs: list, data: dict, rows, num_rows: int = 2) -> list[str]:
+    """The reward functions called as the loop calls them, on the first rows of the local data (`rows`, as
+    data_problems loaded them) with their reference answers as completions: a function that cannot take the call, or
+    returns the wrong number of values or a non-finite one, is found before any weights load."""
     from common.rewards import RewardError, compute_rewards
 
-    rows = load_rows(data["path"], args.dataset_config or data["name"], data["split"])
     rows = rows.select(range(min(num_rows, len(rows))))
     columns = {c: rows[c] for c in rows.column_names if c not in ("prompt", "prompt_text", "prompt_ids")}  # as the loop
     if data["answer_column"] is not None:

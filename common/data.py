@@ -1,7 +1,7 @@
 """Prompt datasets: load with `datasets.load_dataset`, map columns, apply the prompt template, tokenize.
 
-Every row of the returned dataset keeps all of its original columns (reward functions receive them
-as keyword arguments) plus:
+Every row of the returned dataset keeps all of its original columns (reward functions receive them as keyword
+arguments) plus:
     prompt       the question as the user wrote it (column `prompt_column`)
     answer       the reference answer (column `answer_column`), where the dataset has one
     prompt_text  what the model sees: the template, then the tokenizer's chat template if it has one

@@ -1,15 +1,12 @@
 """Log-probs and entropies of completion tokens, a chunk of positions at a time: never a (B, T, V) fp32 tensor,
 and, where the model's head allows it, no (B, T, V) logits at all.
 
-    HeadLogprobs   from the last hidden states and the LM head's weight: the model's forward runs as usual up to
-                   its head, whose forward head_logprobs swaps for this function for one call, so every hook that
-                   DDP, FSDP2 or ZeRO-3 put on the model or the head still fires around it. The logits of one chunk
-                   of positions exist at a time, in the forward and again in the backward.
+    HeadLogprobs   from the last hidden states and the LM head's weight: the model's forward runs as usual up
+                   to its head, whose forward head_logprobs swaps for this function for one call, so every hook of
+                   DDP, FSDP2 or ZeRO-3 still fires around it; one chunk of positions' logits at a time.
     TokenLogprobs  from logits the model made, for heads HeadLogprobs cannot stand in for (fused_head says which).
-
-    completion_logprobs   the log-probs of a batch's completion tokens: picks between them, runs the forward on
-                          the columns the rows use, and (no-grad passes) shares each prompt's forward among its G
-                          completions (shared_prompt_cache)
+    completion_logprobs   a batch's completion tokens: picks between them, runs the forward on the columns the rows
+                          use, and (no-grad passes) shares each prompt's forward among its G completions
 """
 
 import contextlib

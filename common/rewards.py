@@ -1,29 +1,18 @@
-"""Reward functions for RL post-training, and the code that calls them safely.
+"""Reward functions for RL post-training, and the code that calls them safely (docs/usage.md, "Rewards").
 
-The contract
-------------
-A reward function is any plain callable::
+The contract: a reward function is any plain callable
+``fn(prompts: list[str], completions: list[str], **dataset_columns) -> list[float]``. It gets a batch of B prompts,
+the B sampled completions (decoded text, without the prompt) and every other dataset column as a keyword list of
+length B (e.g. ``answer=[...]``), and returns B finite floats. Take ``**_`` so that columns you do not use are
+ignored. Keep it pure and deterministic: the trainer may call it again on single samples to find a bad one (see
+``compute_rewards``). To log per-sample diagnostics next to the reward, return a ``Rewards`` (a list with a
+``metrics`` dict of B values per key): each key appears in ``compute_rewards``' per-function values as
+``"<name>/<key>"``.
 
-    fn(prompts: list[str], completions: list[str], **dataset_columns) -> list[float]
-
-It gets a batch of B prompts, the B sampled completions (decoded text, without the
-prompt) and every other dataset column as a keyword list of length B (e.g.
-``answer=[...]``). It returns B finite floats, one reward per completion. Take
-``**_`` so that columns you do not use are ignored. Keep them pure and
-deterministic: the trainer may call one again on single samples to find a bad
-one (see ``compute_rewards``). To log per-sample diagnostics next to the reward,
-return a ``Rewards`` (a list with a ``metrics`` dict of B values per key): each key
-appears in the per-function values of ``compute_rewards`` as ``"<name>/<key>"``.
-
-Adding one
-----------
-Decorate it with ``@register_reward("my_name")`` in any module that gets
-imported, then select it by that name, or skip the registry and select it by its
-import path, ``"my_package.my_module:my_function"`` (see ``get_reward_function``).
-
-The built-in math and multiple-choice graders (``math_accuracy``, ``choice_accuracy``, ``format``) live in
-common/math_grader.py, imported the first time one of them is asked for by name: a run with other rewards
-does not load it.
+Adding one: decorate it with ``@register_reward("my_name")`` in any module that gets imported and select it by that
+name, or select it by its import path, ``"my_package.my_module:my_function"`` (``get_reward_function``). The
+built-in graders (``math_accuracy``, ``choice_accuracy``, ``format``) are common/math_grader.py's, imported the
+first time one of them is asked for by name: a run with other rewards does not load it.
 """
 
 import importlib
@@ -56,11 +45,8 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {}
 
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
-    """Decorator that makes a reward function selectable by ``name``.
-
-    Registering a name again replaces the old entry: a script that is both run as
-    ``__main__`` and imported registers its functions twice, and that is fine.
-    """
+    """Decorator that makes a reward function selectable by ``name``. Registering a name again replaces the old
+    entry: a script that is both run as ``__main__`` and imported registers its functions twice, and that is fine."""
 
     def decorator(fn: RewardFn) -> RewardFn:
         REWARD_FUNCTIONS[name] = fn
@@ -177,12 +163,10 @@ def compute_rewards(
 ) -> "tuple[torch.Tensor, dict[str, torch.Tensor]]":
     """Total reward per completion and each function's unweighted rewards (for logging).
 
-    Returns ``(sum_k weights[k] * funcs[k](...), {name: (B,) tensor})``; a function that returns
-    ``Rewards`` adds ``{f"{name}/{key}": (B,) tensor}`` for each of its metrics (math_accuracy:
-    ``"math_accuracy/timeouts"``, 1.0 where grading ran over its time limit). A broken
-    reward would silently poison the advantages, so any exception, wrong length or
-    non-finite value stops training with a RewardError naming the function and sample.
-    """
+    Returns ``(sum_k weights[k] * funcs[k](...), {name: (B,) tensor})``; a function that returns ``Rewards`` adds
+    ``{f"{name}/{key}": (B,) tensor}`` for each of its metrics (math_accuracy: ``"math_accuracy/timeouts"``, 1.0 where
+    grading ran over its time limit). A broken reward would silently poison the advantages, so any exception, wrong
+    length or non-finite value stops training with a RewardError naming the function and sample."""
     weights = [1.0] * len(funcs) if weights is None else list(weights)
     if len(weights) != len(funcs):
         raise ValueError(f"got {len(funcs)} reward functions but {len(weights)} weights")

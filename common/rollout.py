@@ -1,17 +1,15 @@
 """Rollout engines: one interface, two implementations.
 
     engine.generate(model, prompt_ids, seeds, max_tokens=, temperature=, top_p=, stop=None)
-        -> (completion_ids, sampler_logp)   one completion per prompt, EOS included if generated,
-                                            and the sampler's log-prob of each sampled token
-                                            (max_tokens: one budget, or one per prompt; stop: strings
-                                            that end a completion, common.multiturn's code blocks)
+        -> (completion_ids, sampler_logp)   one completion per prompt, EOS included if generated, and the sampler's
+                                            log-prob of each sampled token (max_tokens: one budget, or one per
+                                            prompt; stop: strings that end a completion, common.multiturn's)
     engine.push_weights(model)              after each optimizer step (a no-op for HFEngine)
     engine.wake_up() / engine.sleep()       around generation (free GPU memory while training)
 
-`VLLMEngine` (common/vllm_engine.py) is the fast path on GPUs; `HFEngine` uses transformers'
-`generate` and runs anywhere. Both are reproducible per request: a completion depends only on its
-seed, `sample_seed(seed, step, prompt_index, sample_index)`, never on the number of processes or on
-how requests were batched.
+`VLLMEngine` (common/vllm_engine.py) is the fast path on GPUs; `HFEngine` uses transformers' `generate` and runs
+anywhere. Both are reproducible per request: a completion depends only on its seed, `sample_seed(seed, step,
+prompt_index, sample_index)`, never on the number of processes or on how requests were batched.
 """
 
 import contextlib
@@ -146,13 +144,11 @@ class HFEngine:
         return self.sharded()
 
     def push_weights(self, model) -> None:
-        pass
+        """Nothing to push: the training model itself generates (nor anything to wake, free or shut down)."""
 
-    def wake_up(self) -> None:
-        pass
-
-    def sleep(self) -> None:
-        pass
+    def wake_up(self) -> None: ...
+    def sleep(self) -> None: ...
+    def shutdown(self) -> None: ...
 
 
 def single_turn(engine, model, tokenizer, prompt_ids: list[list[int]], seeds: list[int], *, max_tokens: int,

@@ -8,7 +8,10 @@ Optional features are imported where they are switched on: vLLM, LoRA, the toy t
 """
 
 import os
+import signal
+import sys
 import time
+import traceback
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -72,7 +75,8 @@ ACTIVE_RUN: dict = {}  # the run folder of the run in progress in this process (
 
 def launch(main, args_cls) -> None:
     """`python script.py ARGS`: parse the arguments and train. Ctrl-C ends with one line that says where the last
-    checkpoint is and how to resume, instead of a traceback from wherever the loop was."""
+    checkpoint is and how to resume, instead of a traceback from wherever the loop was; a second Ctrl-C, while the
+    processes, the engine and the trackers shut down, exits at once (a checkpoint is complete or not there at all)."""
     from accelerate import PartialState
 
     from common.args import parse_args
@@ -88,12 +92,18 @@ def launch(main, args_cls) -> None:
     try:
         main(args)
     except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, lambda *_: os._exit(130))  # the second Ctrl-C: no waiting on a slow shutdown
         if not PartialState().is_main_process:
             raise SystemExit(130) from None
         if "run_dir" not in ACTIVE_RUN:
             raise SystemExit("interrupted before training started") from None
         raise SystemExit(f"interrupted: {where_to_resume()}") from None
-    except RewardError as e:  # a reward function broke on a sample: its message names both
+    except RewardError as e:  # a reward function broke on a sample: its message names the step, function, sample
+        if e.__cause__ is not None:  # the user's code raised: its own traceback, without our frames above it
+            tb = e.__cause__.__traceback__
+            while tb is not None and tb.tb_frame.f_code.co_filename.startswith(os.path.dirname(__file__)):
+                tb = tb.tb_next
+            print("".join(traceback.format_exception(type(e.__cause__), e.__cause__, tb)), file=sys.stderr)
         raise SystemExit(f"error: {e}\n{where_to_resume()}") from None
 
 
@@ -261,7 +271,8 @@ def end_step(run: Run, step: int, step_start: float, batch: dict, metrics: dict,
 
 
 def finish(run: Run) -> str:
-    """End the trackers, print the run's summary; returns the run folder."""
+    """Shut the rollout engine down (while the process groups exist), end the trackers, print the summary."""
+    run.engine.shutdown()
     run.accelerator.end_training()
     run.log.print_summary()
     return run.run_dir

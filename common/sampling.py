@@ -12,7 +12,7 @@ import torch
 
 from common.batching import Rollouts
 from common.logprobs import completion_logprobs, length_buckets
-from common.rewards import compute_rewards
+from common.rewards import RewardError, compute_rewards
 from common.rollout import sample_seed, single_turn
 from common.utils import pad_rows, sharded_parameters, step_prompts, timed
 
@@ -67,7 +67,10 @@ def sample_round(run, index: int, r: int, metrics: dict) -> Rollouts:
     completions = run.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     columns = {c: [v for v in rows[c] for _ in range(G)] for c in run.reward_columns}
     prompts = [p for p in rows["prompt"] for _ in range(G)]
-    rewards, per_func = compute_rewards(run.reward_funcs, run.reward_weights, prompts, completions, columns)  # (B,)
+    try:
+        rewards, per_func = compute_rewards(run.reward_funcs, run.reward_weights, prompts, completions, columns)  # (B,)
+    except RewardError as e:  # its message names the function and the sample; the step is the loop's to say
+        raise RewardError(f"step {index + 1}: {e}") from e.__cause__
     if args.overlong_buffer > 0:  # DAPO: a reward term, falling to -overlong_penalty at the length limit
         from common.dapo import overlong_penalty
 

@@ -193,6 +193,8 @@ class VLLMEngine:
         # keep their tensors: rotary caches (computed, not in checkpoints) and a tied lm_head (_reprocess_tied_layers).
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
             lambda r: not re.match(r"\w*(RotaryEmbedding|ParallelLMHead): Failed to load weights", r.getMessage()))
+        if "VLLM_LOGGING_LEVEL" not in os.environ:  # its INFO lines at every push would bury the progress bar
+            logging.getLogger("vllm").setLevel(logging.WARNING)
         self._asleep: set[str] = set()
         self._weights_discarded = self._pushed = False
         if world > 1:
@@ -282,6 +284,13 @@ class VLLMEngine:
             self.llm.collective_rpc("reload_weights")
             self._weights_discarded = False
         self._wake("kv_cache")
+
+    def shutdown(self) -> None:
+        """Tear vLLM down while the trainer's process groups still exist. Left to vLLM's exit-time finalizer, its
+        cleanup runs after accelerate has destroyed the default group, and every clean run ended with a traceback
+        ("ValueError: Invalid process group specified", from destroy_model_parallel). vLLM destroys the default
+        group itself here; accelerate's end_training then finds none to destroy."""
+        self.llm.llm_engine.engine_core.shutdown()  # InprocClient: detaches the finalizer, then EngineCore.shutdown
 
     def _wake(self, tag: str) -> None:
         if tag in self._asleep:

@@ -123,8 +123,10 @@ TRAIN_CASES = [
     ("grpo", ["--dataset", "data/train.jsonl"], "--dataset 'data/train.jsonl': no such file or directory"),
     ("grpo", ["--dataset", "bad/empty.jsonl"], "--dataset 'bad/empty.jsonl'"),
     ("grpo", ["--dataset", "bad/notes.txt"], "--dataset 'bad/notes.txt': unsupported file type"),
-    ("grpo", ["--dataset", "bad/ints.jsonl"], "row 0 of --prompt_column 'prompt' is int 12; prompts must be text"),
-    ("grpo", ["--dataset", "bad/empty_prompt.jsonl"], "row 1 of --prompt_column 'prompt' is empty; prompts must be"),
+    ("grpo", ["--dataset", "bad/ints.jsonl"], "2 of 2 rows of --prompt_column 'prompt' are not text (the first, row 0, "
+                                              "is int 12); prompts must be text"),
+    ("grpo", ["--dataset", "bad/empty_prompt.jsonl"], "1 of 2 rows of --prompt_column 'prompt' are not text (the "
+                                                      "first, row 1, is empty)"),
     ("grpo", ["--dataset", "bad/no_answers.jsonl"], "--answer_column 'answer' is empty in every row, so every reward"),
     ("grpo", ["--model", "bad/weightless"], "cannot load --model 'bad/weightless': the folder has a config.json but no "
                                             "weights"),
@@ -370,6 +372,26 @@ def test_ignored_settings_warn(workdir, capsys):
     one_file = parse_args(importlib.import_module("grpo").Args, SMALL + ["--eval_steps", "5", "--eval_dataset", ""])
     assert any("eval/accuracy is measured on its first --eval_num_prompts training prompts" in n
                for n in checks.ignored_settings(one_file))
+
+
+def test_every_row_is_read_and_rows_without_answers_are_counted(workdir, capsys):
+    """Past the first rows (the checks read every row, a batch at a time): an empty prompt at row 25,000 is refused,
+    answers missing from some rows are counted with the first, and the run goes on."""
+    from common.checks import data_problems
+
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(25_001)]
+    rows[20_000]["answer"], rows[24_000]["answer"] = "", None
+    (workdir / "bad" / "big.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    problems, loaded = data_problems("--dataset", "bad/big.jsonl", None, "train", "prompt", "answer")
+    assert problems == [] and len(loaded) == 25_001
+    assert ("--dataset 'bad/big.jsonl': 2 of 25001 rows have no answer in --answer_column 'answer' (the first: row "
+            "20000); a reward that reads the answer gives them 0") in capsys.readouterr().err
+    rows[25_000]["prompt"] = ""
+    (workdir / "bad" / "big.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    problems, _ = data_problems("--dataset", "bad/big.jsonl", None, "train", "prompt", "answer")
+    assert problems == ["--dataset 'bad/big.jsonl': 1 of 25001 rows of --prompt_column 'prompt' are not text (the "
+                        "first, row 25000, is empty); prompts must be text"]
+    assert data_problems("--dataset", "bad/big.jsonl", None, "train", "prompt", "answer", answers_needed=False)[0]
 
 
 def test_dropped_prompts_are_counted(workdir, capsys):

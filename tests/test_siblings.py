@@ -69,3 +69,33 @@ def test_contract_is_importable_without_side_effects(name):
     assert callable(module.compute_advantages) and callable(module.compute_loss) and callable(module.batch_stats)
     args = module.Args()
     assert args.exp_name == name and args.num_generations >= 2 and hasattr(args, "beta")
+
+
+def test_copying_grpo_takes_at_most_2500_lines_and_no_optional_feature():
+    """grpo.py and the modules it imports at module level (benchmarks/copy_cost.py): the default path only; vLLM, the
+    toy, tool rollouts and the sandbox, the math grader, evaluation, LoRA, resuming, recipes and sharding load when
+    their flag is on."""
+    from benchmarks.copy_cost import copied_files
+
+    files = [os.path.relpath(f, REPO) for f in copied_files("grpo.py")]
+    assert sum(sum(1 for _ in open(os.path.join(REPO, f))) for f in files) <= 2500, files
+    optional = {"common/vllm_engine.py", "common/toy.py", "common/multiturn.py", "common/sandbox.py",
+                "common/math_grader.py", "common/evaluation.py", "common/benchmarks.py", "common/lora.py",
+                "common/resume.py", "common/recipes.py", "common/sharding.py", "common/dapo.py"}
+    assert not optional & set(files), optional & set(files)
+
+
+def test_imports_point_down():
+    """common/ imports nothing from evals/ or the scripts; evals/ imports no script (at any level of a module)."""
+    import ast
+
+    scripts = set(ALGORITHMS)
+    for folder, banned in [("common", scripts | {"evals"}), ("evals", scripts)]:
+        for name in sorted(os.listdir(os.path.join(REPO, folder))):
+            if not name.endswith(".py"):
+                continue
+            tree = ast.parse(open(os.path.join(REPO, folder, name)).read())
+            imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+            imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+            upward = {m for m in imported if m.split(".")[0] in banned}
+            assert not upward, f"{folder}/{name} imports {sorted(upward)}"

@@ -189,6 +189,77 @@ def test_ctrl_c_prints_one_line_with_the_checkpoint_and_how_to_resume(toy_workdi
     assert last.endswith("resume with the same command and --resume_from runs/ctrl_c"), last
 
 
+def test_a_second_ctrl_c_exits_at_once_during_a_slow_shutdown(tmp_path):
+    """After the first Ctrl-C, the shutdown may hang (an engine or a process group that does not answer, here an
+    exit handler that shrugs off KeyboardInterrupt): the second Ctrl-C ends the process at once, with code 130."""
+    import signal
+    import time
+
+    script = tmp_path / "slow_exit.py"
+    script.write_text(f"""import atexit, dataclasses, sys, time
+sys.path.insert(0, {REPO!r})
+from common.run import launch
+
+def stubborn_cleanup():
+    while True:
+        try:
+            time.sleep(60)
+        except KeyboardInterrupt:
+            pass
+
+@dataclasses.dataclass
+class Args:
+    pass
+
+def main(args):
+    atexit.register(stubborn_cleanup)
+    print("ready", flush=True)
+    time.sleep(60)
+
+launch(main, Args)
+""")
+    proc = subprocess.Popen([sys.executable, str(script)], env=subprocess_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready", proc.communicate()[1][-3000:]
+    proc.send_signal(signal.SIGINT)
+    time.sleep(1.0)
+    assert proc.poll() is None, "the first Ctrl-C already ended it: the test needs the slow shutdown to run"
+    start = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    try:
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()  # without the rule, the stubborn handler would outlive the test
+    assert proc.returncode == 130 and time.monotonic() - start < 5, (proc.returncode, err[-2000:])
+    assert "interrupted before training started" in err
+
+
+@pytest.mark.slow
+def test_a_reward_function_that_raises_mid_run_names_step_function_sample_and_shows_only_its_own_frames(
+        toy_workdir, tmp_path):
+    """It passes the trial call (the reference answers as completions) and raises on the first wrong completion: the
+    run stops with the user's traceback (their frames only), one error naming the step, the function and the sample,
+    and the resume line."""
+    (tmp_path / "flaky_reward.py").write_text(
+        "def parse(completion, answer):\n"
+        "    if completion.strip() != str(answer):\n"
+        "        raise ValueError('boom: ' + completion)\n"
+        "    return 1.0\n\n\n"
+        "def reward(prompts, completions, answer, **_):\n"
+        "    return [parse(c, a) for c, a in zip(completions, answer)]\n")
+    argv = SMALL + ["--reward_funcs", "flaky_reward:reward", "--run_name", "flaky"]
+    env = subprocess_env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, os.path.join(REPO, "grpo.py"), *argv], cwd=toy_workdir, env=env,
+                          capture_output=True, text=True, timeout=600)
+    err = done.stderr
+    assert done.returncode == 1, err[-3000:]
+    assert 'flaky_reward.py", line 3, in parse' in err and "ValueError: boom" in err, err[-3000:]
+    assert "common/rewards.py" not in err and "common/run.py" not in err, err[-3000:]  # our frames stay out
+    assert "error: step 1: reward function 'reward' raised ValueError: boom" in err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("the last checkpoint of runs/flaky is none yet"), err[-3000:]
+
+
 def test_toy_learns(in_toy_workdir):
     """A shortened toy run: held-out greedy accuracy must rise (the full preset is measured in README)."""
     run = run_script(grpo, ["--preset", "toy", "--total_steps", "50", "--eval_steps", "25", "--run_name", "learns"])
