@@ -247,10 +247,14 @@ def test_two_processes_push_the_merged_lora_weights(in_toy_workdir, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_killed_server_stops_the_trainer_with_one_line(in_toy_workdir, tmp_path):
+@pytest.mark.parametrize("how", ["killed", "hung"])
+def test_a_server_that_stops_answering_stops_the_trainer_with_one_line(in_toy_workdir, tmp_path, how):
+    """Killed (SIGKILL: connections refused at once) or hung (SIGSTOP: connections accepted, never answered), the
+    server stops the trainer within --server_timeout, with one line naming it and the request; no silent hang."""
     server, url = start_server(in_toy_workdir, str(tmp_path / "sync"))
-    run_dir = os.path.join(in_toy_workdir, "runs", "orphan")
-    argv = SMALL + ["--total_steps", "10000", "--run_name", "orphan", "--server_url", url, "--server_timeout", "5"]
+    run_dir = os.path.join(in_toy_workdir, "runs", f"orphan_{how}")
+    argv = SMALL + ["--total_steps", "10000", "--run_name", f"orphan_{how}", "--server_url", url,
+                    "--server_timeout", "5"]
     trainer = subprocess.Popen([sys.executable, os.path.join(REPO, "grpo.py"), *argv], cwd=in_toy_workdir,
                                env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -258,13 +262,16 @@ def test_a_killed_server_stops_the_trainer_with_one_line(in_toy_workdir, tmp_pat
         while not (os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and read_metrics(run_dir)):
             assert trainer.poll() is None and time.monotonic() < deadline, trainer.communicate()[1][-3000:]
             time.sleep(0.2)
-        server.send_signal(signal.SIGKILL)
-        killed = time.monotonic()
+        server.send_signal(signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        stopped = time.monotonic()
         out, err = trainer.communicate(timeout=60)
-        assert time.monotonic() - killed < 10  # a refused connection ends at once; a hung one after the timeout
+        assert time.monotonic() - stopped < (10 if how == "killed" else 5 + 10)  # hung: the timeout, then the exit
     finally:
+        server.send_signal(signal.SIGCONT)
         server.kill()
         trainer.kill()
     assert trainer.returncode == 1 and "Traceback" not in err, err[-3000:]
     last = err.strip().splitlines()[-1]
     assert last.startswith(f"error: the rollout server at {url} did not answer the "), err[-3000:]
+    if how == "hung":
+        assert "within 5 s (--server_timeout)" in last, last
