@@ -66,7 +66,8 @@ def load_version(model: torch.nn.Module, sync_dir: str, version: int) -> None:
 class Sampler:
     """The server's state: the weights (an HF model), the engine that samples with them and the loaded version."""
 
-    def __init__(self, model_path: str, sync_dir: str, engine: str, dtype: str, seed: int, max_model_len: int):
+    def __init__(self, model_path: str, sync_dir: str, engine: str, dtype: str, seed: int, max_model_len: int,
+                 gpu_memory_utilization: float = 0.9):
         from accelerate import Accelerator
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -85,7 +86,8 @@ class Sampler:
             from common.vllm_engine import VLLMEngine
 
             self.engine = VLLMEngine(model_path, accelerator=self.accelerator, seed=seed, dtype=dtype,
-                                     max_model_len=max_model_len, enable_sleep_mode=False)
+                                     max_model_len=max_model_len, enable_sleep_mode=False,
+                                     gpu_memory_utilization=gpu_memory_utilization)
         self.version = 0
 
     def info(self) -> dict:
@@ -160,6 +162,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="the trainer's --dtype")
     p.add_argument("--seed", type=int, default=0, help="vLLM's engine seed (each request carries its own)")
     p.add_argument("--max_model_len", type=int, default=4096, help="vLLM: prompt + completion tokens at most")
+    p.add_argument("--gpu_memory_utilization", type=float, default=0.9, help="vLLM: GPU memory fraction it may take")
     return p.parse_args(argv)
 
 
@@ -170,7 +173,8 @@ def main(argv=None) -> None:
     if args.engine == "vllm" and not vllm_installed():
         raise SystemExit("error: --engine vllm needs vLLM (pip install -r requirements.txt); or use --engine hf")
     os.makedirs(args.sync_dir, exist_ok=True)
-    sampler = Sampler(args.model, args.sync_dir, args.engine, args.dtype, args.seed, args.max_model_len)
+    sampler = Sampler(args.model, args.sync_dir, args.engine, args.dtype, args.seed, args.max_model_len,
+                      args.gpu_memory_utilization)
     server = HTTPServer((args.host, args.port), make_handler(sampler))
     print(f"common.serve: {args.engine} engine for {args.model} on http://{args.host}:{server.server_port}, weights "
           f"from {os.path.abspath(args.sync_dir)}", flush=True)

@@ -70,9 +70,13 @@ def write_version(tensors, sync_dir: str, version: int) -> str:
     tmp = os.path.join(sync_dir, f".version_{version}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    for i, bucket in enumerate(tensors):
-        save_file({name: t.detach().to("cpu").contiguous() for name, t in bucket},
-                  os.path.join(tmp, f"model-{i:05d}.safetensors"))
+    try:
+        for i, bucket in enumerate(tensors):
+            save_file({name: t.detach().to("cpu").contiguous() for name, t in bucket},
+                      os.path.join(tmp, f"model-{i:05d}.safetensors"))
+    except BaseException:  # a full disk, Ctrl-C: no half-written folder left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     shutil.rmtree(final, ignore_errors=True)  # a version of an earlier trainer run against this folder
     os.rename(tmp, final)
     return final

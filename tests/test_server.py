@@ -68,7 +68,7 @@ def test_write_version_renames_a_complete_folder_into_place(tmp_path):
 
     with pytest.raises(RuntimeError):
         write_version(broken(), str(tmp_path), 4)
-    assert "version_4" not in os.listdir(tmp_path)
+    assert os.listdir(tmp_path) == ["version_3"]  # neither a version_4 nor its temporary folder
     write_version(iter([[("a", torch.full((2,), 7.0))]]), str(tmp_path), 3)  # an earlier run's version_3 replaced
     assert sorted(os.listdir(final)) == ["model-00000.safetensors"]
 
