@@ -1,0 +1,243 @@
+"""DPPO: Divergence Proximal Policy Optimization ("Rethinking the Trust Region in LLM Reinforcement Learning",
+Qi et al. 2026, arXiv:2602.04879).
+
+    A_i = (R_i - mean_g R) / (std_g R + 1e-6),    r_t = exp(logp_t - old_logp_t),    p_t = exp(logp_t)
+    L   = -(1/n) sum_{i,t} mask * [M_t sg(min(r_t, C)) A_i logp_t - beta * kl_t],   n: valid tokens
+    M_t = 0 where the update left the trust region on the side A_i pushes (A_i > 0, p_t > p_old_t, D_t > delta_high;
+          A_i <= 0, p_t < p_old_t, D_t > delta_low), else 1;  D_t = |p_t - p_old_t| (binary TV) or binary KL
+
+Differs from grpo.py (DPPO-Binary-TV and -KL, arXiv:2602.04879; verl's dppo_tv / dppo_kl):
+- the trust region bounds a divergence of the sampled token's probability, not the ratio: a token that left it on
+  the side its advantage pushes loses its gradient; inside, the gradient is the detached IS weight's, as CISPO's.
+- the cap C on the IS weight is the authors' 1e4 (off: the paper finds truncation hurts); a token mean; beta 0.
+- TIS / MIS weights multiply the policy term per token; the k3 KL (--beta > 0) joins the token mean.
+- --rollout_lag K: the region is anchored on the weights that sampled (old_logp), K steps back; --old_logp_source
+  sampler anchors it on the sampler's own log-probs (the paper's choice); tool-output tokens (mask 0) and removed
+  rows leave every sum and the token count.
+
+Run:
+    python dppo.py --preset toy                                  # CPU, minutes
+    accelerate launch dppo.py --model Qwen/Qwen3-4B --dataset gsm8k
+"""
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from common.args import arg
+from common.batching import importance_weights
+from common.logprobs import completion_logprobs
+from common.run import end_step, finish, launch, progress_bar, setup
+from common.sampling import logprobs_of, sample_batch
+from common.update import backward_share, masked_mean, microbatches, minibatches, save_dumps, sum_over_processes, take
+
+
+@dataclass
+class Args:
+    # Experiment
+    exp_name: str = arg(os.path.basename(__file__)[: -len(".py")], "name of this experiment")
+    seed: int = arg(1, "seed of the run (weights init of LoRA, data order, sampling)")
+    preset: str | None = arg(None, "a named set of defaults: toy (CPU, minutes)")
+    output_dir: str = arg("runs", "runs are written to output_dir/run_name")
+    run_name: str | None = arg(None, "default: {exp_name}__{seed}__{unix time}")
+    report_to: str = arg("tensorboard", "tracker: tensorboard, wandb, trackio, mlflow or none")
+    save_steps: int = arg(100, "checkpoint every this many steps (0: only at the end)")
+    save_total_limit: int = arg(0, "keep only the last N checkpoints (0: all)")
+    resume_from: str | None = arg(None, "a checkpoint folder, or a run folder (its latest)")
+    resume_overrides: str = arg("", "comma-separated settings a resume may change (others must match the run's)")
+    # Model
+    model: str = arg("Qwen/Qwen3-4B", "hub id or local folder of the policy")
+    dtype: Literal["bfloat16", "float16", "float32"] = arg("bfloat16", "weights dtype: bfloat16, float16 or float32")
+    gradient_checkpointing: bool = arg(False, "trade compute for activation memory")
+    lora_r: int = arg(0, "LoRA rank; 0 trains all weights")
+    lora_alpha: int = arg(32, "LoRA alpha")
+    lora_target_modules: str = arg("all-linear", "comma-separated module names, or all-linear")
+    # Data and rewards
+    dataset: str = arg("gsm8k", "preset (gsm8k, math, numina, deepscaler), hub id or local file/folder")
+    dataset_config: str | None = arg(None, "dataset configuration name (hub datasets)")
+    split: str | None = arg(None, "training split (default: the preset's, else train)")
+    eval_dataset: str | None = arg(None, "held-out prompts (default: --dataset)")
+    eval_split: str | None = arg(None, "held-out split (default: the preset's, else test)")
+    prompt_column: str | None = arg(None, "column with the question (default: the preset's, else prompt)")
+    answer_column: str | None = arg(None, "column with the reference answer (default: the preset's, else answer)")
+    prompt_template: str = arg("{prompt}\nPlease reason step by step, and put your final answer within \\boxed{}.",
+                               "user message; {prompt} is replaced by the question")
+    system_prompt: str = arg("", "system message (chat templates only)")
+    use_chat_template: bool = arg(True, "wrap prompts in the tokenizer's chat template")
+    enable_thinking: bool = arg(False, "Qwen3's thinking mode in the chat template")
+    reward_funcs: str = arg("math_accuracy", "comma-separated registered names or module:function")
+    reward_weights: str | None = arg(None, "comma-separated weights (default: all 1)")
+    # Rollouts
+    rollout_engine: Literal["auto", "vllm", "hf"] = arg("auto", "vllm, hf (transformers' generate) or auto")
+    max_prompt_length: int = arg(512, "longer prompts are dropped from the data")
+    max_completion_length: int = arg(1024, "tokens generated per completion at most")
+    temperature: float = arg(1.0, "sampling temperature (the policy is softmax(logits / T))")
+    top_p: float = arg(1.0, "nucleus sampling")
+    vllm_gpu_memory_utilization: float = arg(0.3, "GPU memory fraction vLLM may take")
+    vllm_tensor_parallel_size: int = arg(1, "GPUs per vLLM engine (consecutive ranks)")
+    server_url: str | None = arg(None, "rollouts from a server (python -m common.serve) at http://HOST:PORT")
+    server_timeout: float = arg(600.0, "seconds a request to the server may wait for its answer", at_least=1)
+    tis_cap: float = arg(0.0, "importance sampling cap for sampler/trainer mismatch; 0: off")
+    tis_mode: Literal["token", "sequence"] = arg("token", "--tis_cap on each token's ratio or each completion's")
+    mis: bool = arg(False, "masked IS: a ratio above --tis_cap gets weight 0, not the cap (token or completion)")
+    old_logp_source: Literal["trainer", "sampler"] = arg("trainer", "old_logp from a trainer pass, or the sampler's")
+    max_logp_gap: float = arg(0.5, "stop when rollout/logp_gap_mean exceeds this (a failed weight push); 0: off")
+    max_turns: int = arg(1, "model turns per completion; > 1: tool calls run in a sandbox between turns")
+    tool: str = arg("simpletir", "with --max_turns > 1: simpletir (Python code blocks) or toy (a calculator)")
+    rollout_lag: int = arg(0, "K: the batch trained at step s was sampled by the weights of step s - K")
+    dynamic_sampling: bool = arg(False, "DAPO: replace groups of equal rewards by groups of new prompts")
+    max_refill_rounds: int = arg(4, "dynamic sampling: extra rounds at most; slots still empty leave the loss")
+    mask_truncated: bool = arg(False, "completions cut at max_completion_length leave the loss (DAPO)")
+    overlong_buffer: int = arg(0, "DAPO's soft overlong penalty over the last N tokens before the limit; 0: off")
+    overlong_penalty: float = arg(1.0, "the overlong reward term at max_completion_length: -overlong_penalty")
+    # Optimisation
+    total_steps: int = arg(500, "RL steps (one batch of rollouts each)")
+    batch_size: int = arg(256, "completions per step over all processes: B = prompts x G")
+    num_generations: int = arg(8, "completions per prompt, G")
+    mini_batch_size: int = arg(0, "completions per optimizer step over all processes; 0: batch_size")
+    micro_batch_size: int = arg(4, "completions per forward/backward on each process")
+    logprob_batch_size: int = arg(0, "completions per no-grad forward on each process; 0: micro_batch_size")
+    num_iterations: int = arg(1, "passes over each batch of rollouts (mu)")
+    learning_rate: float = arg(1e-6, "AdamW learning rate")
+    lr_scheduler_type: str = arg("constant", "transformers scheduler name")
+    warmup_steps: int = arg(0, "learning-rate warmup in optimizer steps")
+    weight_decay: float = arg(0.0, "AdamW weight decay")
+    max_grad_norm: float = arg(1.0, "gradient clipping")
+    eval_steps: int = arg(50, "held-out greedy accuracy every this many steps (0: off)")
+    eval_num_prompts: int = arg(500, "held-out prompts per evaluation")
+    eval_benchmarks: str = arg("", "benchmarks to evaluate, e.g. math500,aime25 (NAME=FILE: a local copy)")
+    eval_num_samples: int = arg(1, "samples per benchmark question, k of avg@k (1: greedy)")
+    dump_stats_steps: int = arg(0, "save batch_stats' per-row tensors to run_dir/stats every this many steps (0: off)")
+    # Algorithm-specific
+    beta: float = arg(0.0, "KL coefficient to the reference policy (k3 estimator)", at_least=0)
+    divergence: Literal["tv", "kl"] = arg("tv", "the trust region's divergence: binary tv |p - p_old| or binary kl")
+    delta_low: float | None = arg(None, "threshold where A <= 0 lowers p (None: the paper's, tv 0.15, kl 0.05)")
+    delta_high: float | None = arg(None, "threshold where A > 0 raises p (None: the paper's, tv 0.15, kl 0.05)")
+    ratio_cap: float = arg(1e4, "cap C of the detached IS weight (verl's clip_ratio_c; the authors' 1e4)", at_least=0)
+
+
+# ALGO LOGIC: advantages and loss
+def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
+    """Group-normalised advantages; rows of one prompt are contiguous."""
+    grouped = rewards.view(-1, args.num_generations)  # (N, G)
+    centered = grouped - grouped.mean(dim=1, keepdim=True)  # (N, G)
+    return (centered / (grouped.std(dim=1, keepdim=True) + 1e-6)).flatten()  # (B,)
+
+
+def batch_stats(current_logp, old_logp, advantages, mask, args: Args) -> tuple[dict, dict]:
+    """What compute_loss needs from the whole optimizer batch when it is called per micro-batch.
+
+    Returns (totals, per_row): totals are sums over this process's rows, which the loop adds up over the
+    processes; per_row are (rows,) values, which stay with their rows. `current_logp()` gives (rows, T)
+    log-probs at the current weights, without gradient, for estimators whose statistics depend on them
+    (on-policy it is old_logp: no extra pass).
+    """
+    return {"num_tokens": mask.sum().float()}, {}  # DPPO: a token mean over the optimizer batch
+
+
+def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, num_tokens=None, tis_weights=None):
+    """DPPO loss with full-batch semantics. `num_tokens` (default: this batch's valid tokens) is the denominator
+    over the whole optimizer batch per micro-batch; `tis_weights` (B, T) multiply the policy term per token."""
+    mask = mask.float()  # (B, T)
+    num_tokens = mask.sum() if num_tokens is None else num_tokens
+    ratio = torch.exp(logp - old_logp)  # (B, T)  r_t
+    A = advantages[:, None]  # (B, 1)
+    default = {"tv": 0.15, "kl": 0.05}[args.divergence]  # DPPO: the authors' threshold for each divergence
+    low = default if args.delta_low is None else args.delta_low  # DPPO: delta_low
+    high = default if args.delta_high is None else args.delta_high  # DPPO: delta_high
+    p, p_old = torch.exp(logp.detach()), torch.exp(old_logp)  # (B, T)  DPPO: the sampled token's probabilities
+    if args.divergence == "tv":  # DPPO: TV between Bernoulli(p_old) and Bernoulli(p) (the token vs the rest)
+        divergence = (p - p_old).abs()  # (B, T)  D_t
+    else:  # DPPO: KL(Bernoulli(p_old) || Bernoulli(p)), verl's 1e-8 inside the second log
+        divergence = (p_old * (old_logp - logp.detach())
+                      + (1 - p_old) * torch.log((1 - p_old + 1e-8) / (1 - p + 1e-8)))  # (B, T)  D_t
+    is_high = (A > 0) & (p > p_old) & (divergence > high)  # (B, T)  DPPO: pushed up out of the region
+    is_low = (A <= 0) & (p < p_old) & (divergence > low)  # (B, T)  DPPO: pushed down out of the region
+    weight = torch.clamp(ratio, max=args.ratio_cap).detach()  # (B, T)  DPPO: sg(min(r_t, C))
+    surrogate = weight * ~(is_low | is_high) * A * logp  # (B, T)  DPPO: M_t sg(min(r_t, C)) A_i logp_t
+    if tis_weights is not None:
+        surrogate = surrogate * tis_weights  # (B, T)
+    per_token = surrogate  # (B, T)
+    if args.beta > 0:
+        kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1  # (B, T)  k3
+        per_token = per_token - args.beta * kl  # (B, T)
+    loss = -(per_token * mask).sum() / max(num_tokens, 1)  # DPPO: token mean over the optimizer batch
+
+    with torch.no_grad():
+        token_mean = lambda x: (x * mask).sum() / mask.sum().clamp(min=1)  # noqa: E731
+        metrics = {
+            "loss/policy": loss.detach(),
+            "policy/ratio_mean": token_mean(ratio),
+            "policy/clip_frac_low": token_mean(is_low.float()),  # DPPO: masked, out of the region below
+            "policy/clip_frac_high": token_mean(is_high.float()),
+            "policy/clip_frac": token_mean((is_low | is_high).float()),
+        }
+        if args.beta > 0:
+            metrics["policy/kl"] = token_mean(kl)
+    return loss, metrics
+
+
+def main(args: Args):
+    run = setup(args)  # common/run.py: processes, run folder, policy (+LoRA), reference, data, optimizer, engine
+    model, optimizer, scheduler, accelerator = run.model, run.optimizer, run.scheduler, run.accelerator
+    progress = progress_bar(run)
+    for step in progress:
+        step_start, metrics = time.time(), {}
+
+        # 1. Rollouts and rewards, with the old (behaviour) and reference log-probs of the weights that sampled them.
+        # --rollout_lag K: this step's batch was sampled K steps ago, and the batch of step + K is sampled now.
+        batch = run.queue.next(step, lambda index: sample_batch(run, index, metrics), args.total_steps)
+        mask, old_logp, ref_logp = batch["mask"], batch["old_logp"], batch["ref_logp"]  # (B, T) each
+        T = mask.shape[1]
+
+        # 2. Advantages (and, for a sampler/trainer mismatch, truncated or masked importance weights)
+        advantages = compute_advantages(batch["rewards"], args)  # (B,)
+        tis_weights = None
+        if args.tis_cap > 0:
+            tis_weights, metrics["rollout/is_masked_frac"] = importance_weights(
+                old_logp, batch["sampler_logp"], mask, args.tis_cap, args.tis_mode, args.mis)  # (B, T)
+
+        # 3. Policy updates: num_iterations passes over the batch, one optimizer step per mini-batch
+        model.train()
+        update_start, update_metrics, grad_norms, dumps = time.time(), [], [], []
+        for _ in range(args.num_iterations):
+            for mini in minibatches(run):
+                # the whole optimizer batch's statistics, at the current weights (on-policy: the sampling weights)
+                def current_logp():  # (rows, T) at the current weights, without gradient
+                    return old_logp[mini] if run.on_policy else logprobs_of(run, model, batch, mini)
+
+                totals, per_row = batch_stats(current_logp, old_logp[mini], advantages[mini], mask[mini], args)
+                totals = sum_over_processes(totals, accelerator)  # sums over this process's rows -> the batch's
+                dumps.append(per_row)  # --dump_stats_steps (e.g. SNIB's Figure 2)
+                for micro in microbatches(run, batch, mini):
+                    rows = micro - mini.start  # the micro-batch's rows within the mini-batch
+                    input_ids, attention = batch["input_ids"][micro], batch["attention_mask"][micro]  # (b, P+T) each
+                    with accelerator.accumulate(model):
+                        logp, entropy = completion_logprobs(model, input_ids, attention, T, args.temperature)
+                        if run.on_policy:  # these weights sampled the batch: old_logp is logp, without gradient
+                            old_logp[micro] = logp.detach()
+                        loss, loss_metrics = compute_loss(
+                            logp, old_logp[micro], take(ref_logp, micro), advantages[micro], mask[micro], args,
+                            tis_weights=take(tis_weights, micro),
+                            **totals, **{k: v[rows] for k, v in per_row.items()})
+                        loss_metrics["loss/policy"] = backward_share(accelerator, loss)  # a share of the batch loss
+                        if accelerator.sync_gradients:  # the mini-batch's last micro-batch: the optimizer step
+                            grad_norms.append(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
+                            optimizer.step()
+                            optimizer.zero_grad()
+                    update_metrics.append({**loss_metrics, "policy/entropy": masked_mean(entropy, mask[micro])})
+                scheduler.step()
+        metrics["time/update"] = time.time() - update_start
+        if args.dump_stats_steps > 0 and (step + 1) % args.dump_stats_steps == 0:
+            save_dumps(run, step, dumps)
+
+        # 4. Push the new weights to the sampler; log, evaluate and save
+        end_step(run, step, step_start, batch, metrics, update_metrics, grad_norms, progress)
+    return finish(run)
+
+
+if __name__ == "__main__":
+    launch(main, Args)  # parse the arguments, train; Ctrl-C says where to resume
