@@ -4,13 +4,12 @@ GRPOTrainer._compute_loss (loss_type="cispo"), then end-to-end runs."""
 import dataclasses
 import math
 import os
-from collections import defaultdict
 from dataclasses import replace
-from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import read_metrics, run_script
+from peers import trl_grpo_loss
 from test_snib import STALE, assert_same_update, sgd_update
 
 import cispo
@@ -159,29 +158,6 @@ def test_gradient_check_in_float64():
 # Against TRL 1.16's own code
 
 
-def trl_cispo_loss(logp, old, ref, A, mask, cap, beta, tis=None):
-    """TRL's GRPOTrainer._compute_loss itself (loss_type="cispo"), on a stand-in trainer: the forward returns `logp`,
-    one process, no accumulation, the token normaliser num_items_in_batch = the batch's valid tokens."""
-    from trl import GRPOTrainer
-
-    accelerator = SimpleNamespace(num_processes=1, sync_gradients=True, reduce=lambda x, reduction="sum": x,
-                                  gather=lambda x: x, gather_for_metrics=lambda x: x)
-    trainer = SimpleNamespace(
-        _get_per_token_logps_and_entropies=lambda *a, **k: (logp, torch.zeros_like(logp), None),
-        aux_loss_enabled=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
-        importance_sampling_level="token", beta=beta, loss_type="cispo", epsilon_low=0.2, epsilon_high=cap,
-        args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1),
-        use_vllm=tis is not None, vllm_importance_sampling_correction=True, model=SimpleNamespace(training=True),
-        current_gradient_accumulation_steps=1, accelerator=accelerator, _entropy_bonus_enabled=False,
-        _metrics=defaultdict(lambda: defaultdict(list)))
-    B, T = logp.shape
-    inputs = {"prompt_ids": torch.zeros(B, 1, dtype=torch.long), "prompt_mask": torch.ones(B, 1, dtype=torch.long),
-              "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": mask,
-              "advantages": A, "old_per_token_logps": old, "ref_per_token_logps": ref,
-              "num_items_in_batch": mask.sum().to(logp.dtype), "importance_sampling_ratio": tis}
-    return GRPOTrainer._compute_loss(trainer, None, inputs)
-
-
 @pytest.mark.peer
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 @pytest.mark.parametrize("with_tis", [False, True])
@@ -192,7 +168,7 @@ def test_equals_trls_cispo_loss_and_gradient(beta, with_tis):
     tis = tis if with_tis else None
     args = replace(cispo.Args(), num_generations=4, beta=beta)
     ours = cispo.compute_loss(logp, old, ref, A, mask, args, tis_weights=tis)[0]
-    theirs = trl_cispo_loss(logp, old, ref, A, mask.float(), 1 + args.epsilon_high, beta, tis)
+    theirs = trl_grpo_loss("cispo", logp, old, ref, A, mask.float(), beta, tis, epsilon_high=1 + args.epsilon_high)
     assert ours.item() == pytest.approx(theirs.item(), rel=1e-12)
     torch.testing.assert_close(torch.autograd.grad(ours, logp)[0], torch.autograd.grad(theirs, logp)[0])
     assert ((torch.exp(logp - old) > 5) & (mask > 0)).any()  # the cap is reached: the comparison covers it

@@ -4,13 +4,12 @@ GRPOTrainer._compute_loss (loss_type="sapo"), then end-to-end runs."""
 import dataclasses
 import math
 import os
-from collections import defaultdict
 from dataclasses import replace
-from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import read_metrics, run_script
+from peers import trl_grpo_loss
 from test_snib import STALE, assert_same_update, sgd_update
 
 import grpo
@@ -157,30 +156,6 @@ def test_gradient_check_in_float64():
 # Against TRL 1.16's own code
 
 
-def trl_sapo_loss(logp, old, ref, A, mask, tau_pos, tau_neg, beta, tis=None):
-    """TRL's GRPOTrainer._compute_loss itself (loss_type="sapo"), on a stand-in trainer: the forward returns `logp`,
-    one process, no accumulation."""
-    from trl import GRPOTrainer
-
-    accelerator = SimpleNamespace(num_processes=1, sync_gradients=True, reduce=lambda x, reduction="sum": x,
-                                  gather=lambda x: x, gather_for_metrics=lambda x: x)
-    trainer = SimpleNamespace(
-        _get_per_token_logps_and_entropies=lambda *a, **k: (logp, torch.zeros_like(logp), None),
-        aux_loss_enabled=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
-        importance_sampling_level="token", beta=beta, loss_type="sapo", epsilon_low=0.2, epsilon_high=0.2,
-        args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1,
-                             sapo_temperature_pos=tau_pos, sapo_temperature_neg=tau_neg),
-        use_vllm=tis is not None, vllm_importance_sampling_correction=True, model=SimpleNamespace(training=True),
-        current_gradient_accumulation_steps=1, accelerator=accelerator, _entropy_bonus_enabled=False,
-        _metrics=defaultdict(lambda: defaultdict(list)))
-    B, T = logp.shape
-    inputs = {"prompt_ids": torch.zeros(B, 1, dtype=torch.long), "prompt_mask": torch.ones(B, 1, dtype=torch.long),
-              "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": mask,
-              "advantages": A, "old_per_token_logps": old, "ref_per_token_logps": ref,
-              "importance_sampling_ratio": tis}
-    return GRPOTrainer._compute_loss(trainer, None, inputs)
-
-
 @pytest.mark.peer
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 @pytest.mark.parametrize("with_tis", [False, True])
@@ -194,7 +169,8 @@ def test_equals_trls_sapo_loss_and_gradient(beta, with_tis, tau_pos, tau_neg, re
     tis = tis * mask if with_tis else None
     args = replace(sapo.Args(), num_generations=4, beta=beta, tau_pos=tau_pos, tau_neg=tau_neg)
     ours = sapo.compute_loss(logp, old, ref, A, mask, args, tis_weights=tis)[0]
-    theirs = trl_sapo_loss(logp, old, ref, A, mask.float(), tau_pos, tau_neg, beta, tis)
+    theirs = trl_grpo_loss("sapo", logp, old, ref, A, mask.float(), beta, tis, sapo_temperature_pos=tau_pos,
+                            sapo_temperature_neg=tau_neg)
     assert ours.item() == pytest.approx(theirs.item(), rel=rel, abs=atol)
     torch.testing.assert_close(torch.autograd.grad(ours, logp)[0], torch.autograd.grad(theirs, logp)[0],
                                rtol=rel, atol=atol)

@@ -1,0 +1,32 @@
+"""Peers' own loss code, run on identical tensors: TRL 1.16's GRPOTrainer._compute_loss on a stand-in trainer (the
+`peer` tests of tests/test_cispo.py and tests/test_sapo.py; TRL comes from requirements-test.txt)."""
+
+from collections import defaultdict
+from types import SimpleNamespace
+
+import torch
+
+
+def trl_grpo_loss(loss_type: str, logp, old, ref, A, mask, beta: float, tis=None, epsilon_high: float = 0.2,
+                  **config):
+    """`GRPOTrainer._compute_loss` itself with `loss_type`, on a stand-in whose forward returns `logp`: one process,
+    no accumulation, token-level ratios, num_items_in_batch = the batch's valid tokens; `tis` is passed as vLLM's
+    importance_sampling_ratio; `config`: extra GRPOConfig fields the loss reads (e.g. sapo_temperature_pos)."""
+    from trl import GRPOTrainer
+
+    accelerator = SimpleNamespace(num_processes=1, sync_gradients=True, reduce=lambda x, reduction="sum": x,
+                                  gather=lambda x: x, gather_for_metrics=lambda x: x)
+    trainer = SimpleNamespace(
+        _get_per_token_logps_and_entropies=lambda *a, **k: (logp, torch.zeros_like(logp), None),
+        aux_loss_enabled=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
+        importance_sampling_level="token", beta=beta, loss_type=loss_type, epsilon_low=0.2, epsilon_high=epsilon_high,
+        args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1, **config),
+        use_vllm=tis is not None, vllm_importance_sampling_correction=True, model=SimpleNamespace(training=True),
+        current_gradient_accumulation_steps=1, accelerator=accelerator, _entropy_bonus_enabled=False,
+        _metrics=defaultdict(lambda: defaultdict(list)))
+    B, T = logp.shape
+    inputs = {"prompt_ids": torch.zeros(B, 1, dtype=torch.long), "prompt_mask": torch.ones(B, 1, dtype=torch.long),
+              "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": mask,
+              "advantages": A, "old_per_token_logps": old, "ref_per_token_logps": ref,
+              "num_items_in_batch": mask.sum().to(logp.dtype), "importance_sampling_ratio": tis}
+    return GRPOTrainer._compute_loss(trainer, None, inputs)
