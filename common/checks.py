@@ -200,9 +200,9 @@ def data_problems(flag: str, path: str, name: str | None, split: str, prompt_col
                     f"name the right one with {column_flag}"], None
     check_answers = answers_needed and answer_column is not None
     bad_prompts, no_answers = [], []  # row numbers
-    columns = [prompt_column] + ([answer_column] if check_answers else [])
+    read = rows.select_columns([prompt_column] + ([answer_column] if check_answers else []))  # once, not per batch
     for start in range(0, len(rows), 10_000):  # a batch at a time: a large file costs no memory
-        batch = rows.select_columns(columns)[start:start + 10_000]
+        batch = read[start:start + 10_000]
         bad_prompts += [i for i, v in enumerate(batch[prompt_column], start) if not isinstance(v, str) or not v.strip()]
         if check_answers:
             no_answers += [i for i, a in enumerate(batch[answer_column], start)
