@@ -61,8 +61,9 @@ class RolloutQueue:
         """The batch of `step`; first samples, with the current weights, what is missing up to step + K (never a
         step at or past `total_steps`: nothing would train on it)."""
         while len(self.batches) <= self.lag and (total_steps is None or step + len(self.batches) < total_steps):
-            self.batches.append(sample(step + len(self.batches)))
-        return self.batches.popleft()
+            self.batches.append({**sample(step + len(self.batches)), "sampled_at": step})
+        batch = self.batches.popleft()  # sampled K steps ago, or fewer at the start (rollout/staleness)
+        return {**batch, "staleness": step - batch.get("sampled_at", step - self.lag)}
 
     def save(self, state_dir: str, process_index: int) -> None:
         if self.batches:  # lag 0 queues nothing between steps

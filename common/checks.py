@@ -229,14 +229,10 @@ def argument_problems(args, num_processes: int) -> list[str]:
     if args.overlong_buffer >= args.max_completion_length > 0:
         problems.append(f"--overlong_buffer {args.overlong_buffer} must be below --max_completion_length "
                         f"{args.max_completion_length} (DAPO: a buffer of the last tokens before the limit)")
-    if args.max_turns > 1:
-        from common.multiturn import multiturn_problems
-
-        problems += multiturn_problems(args.tool)
+    if args.max_turns > 1:  # tool turns, LoRA: checked by their modules, imported only when switched on
+        problems += importlib.import_module("common.multiturn").multiturn_problems(args.tool)
     if args.lora_r > 0:
-        from common.lora import lora_argument_problems
-
-        problems += lora_argument_problems(args)
+        problems += importlib.import_module("common.lora").lora_argument_problems(args)
     if args.report_to not in ("none", *TRACKER_MODULES):
         problems.append(f"--report_to {args.report_to!r}: choose none or one of {sorted(TRACKER_MODULES)}")
     elif args.report_to != "none" and importlib.util.find_spec(TRACKER_MODULES[args.report_to]) is None:
@@ -250,11 +246,9 @@ def argument_problems(args, num_processes: int) -> list[str]:
         problems.append(f"--prompt_template {args.prompt_template!r} has no {{prompt}}: the question would never "
                         f"reach the model; put {{prompt}} where it goes")
     problems += reward_problems(args)
-    if args.eval_steps > 0:
-        if args.eval_benchmarks:
-            from common.benchmarks import benchmark_problems  # the benchmark registry, when benchmarks are asked for
-
-            problems += benchmark_problems(args.eval_benchmarks, "--eval_benchmarks")
+    if args.eval_steps > 0 and args.eval_benchmarks:  # the benchmark registry, when benchmarks are asked for
+        problems += importlib.import_module("common.benchmarks").benchmark_problems(args.eval_benchmarks,
+                                                                                    "--eval_benchmarks")
     unknown = [n for n in filter(None, args.resume_overrides.split(",")) if n not in type(args).__dataclass_fields__]
     if unknown:
         problems.append(f"--resume_overrides: {', '.join(unknown)} not a field of this script's Args")
@@ -264,22 +258,11 @@ def argument_problems(args, num_processes: int) -> list[str]:
 def resource_problems(args) -> tuple[list[str], object]:
     """Paths, the model's config and tokenizer (no weights), LoRA targets, the local data's first rows. Returns the
     problems and the model's config (None where it did not load)."""
-    problems = []
-    if args.resume_from and not os.path.exists(args.resume_from):
-        problems.append(f"--resume_from {args.resume_from!r}: no such directory")
-    elif args.resume_from:
-        from common.resume import find_checkpoint
-
-        try:
-            find_checkpoint(args.resume_from)  # a damaged checkpoint, or none
-        except SystemExit as e:
-            problems.append(str(e).removeprefix("error: "))
+    problems = importlib.import_module("common.resume").resume_problems(args) if args.resume_from else []
     found, config = model_problems("--model", args.model)
     problems += found
     if config is not None and args.lora_r > 0:
-        from common.lora import lora_target_problems
-
-        problems += lora_target_problems(args, config)
+        problems += importlib.import_module("common.lora").lora_target_problems(args, config)
     data = resolve_dataset(args.dataset, args.split, args.prompt_column, args.answer_column, args.eval_split)
     funcs = [get_reward_function(n.strip()) for n in args.reward_funcs.split(",")]  # argument_problems: all exist
     answers_needed = any("answer" in inspect.signature(fn).parameters for fn in funcs)
@@ -406,14 +389,8 @@ def claim_run_dir(args, run_name: str) -> tuple[str, str | None]:
 
 
 def _claim(args, run_name: str) -> tuple[str, str | None]:
-    if args.resume_from:
-        from common.resume import check_resume, find_checkpoint
-
-        resume = find_checkpoint(args.resume_from)  # its latest intact checkpoint
-        run_dir = os.path.dirname(os.path.dirname(resume))
-        lock_run_dir(run_dir)
-        check_resume(run_dir, args)
-        return run_dir, resume
+    if args.resume_from:  # its latest intact checkpoint, and its folder locked: common/resume.py
+        return importlib.import_module("common.resume").claim_resumed(args)
     run_dir = os.path.join(args.output_dir, run_name)
     try:
         os.makedirs(run_dir, exist_ok=True)

@@ -4,7 +4,7 @@ import json
 import os
 
 from common.checkpoints import MANIFEST, checkpoint_steps
-from common.checks import release_run_dir
+from common.checks import lock_run_dir, release_run_dir
 from common.utils import warn
 
 # Settings a resumed run may change without --resume_overrides: they change neither the data, the samples'
@@ -12,8 +12,30 @@ from common.utils import warn
 RESUME_MAY_CHANGE = {"run_name", "output_dir", "resume_from", "resume_overrides", "preset", "report_to", "save_steps",
                      "save_total_limit", "eval_steps", "eval_num_prompts", "eval_benchmarks", "eval_num_samples",
                      "dump_stats_steps", "micro_batch_size", "logprob_batch_size", "gradient_checkpointing",
-                     "rollout_engine", "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size", "max_logp_gap"}
+                     "rollout_engine", "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size", "max_logp_gap",
+                     "server_url", "server_timeout"}
 SCHEDULES_WITHOUT_END = {"constant", "constant_with_warmup"}  # total_steps does not shape their learning rate
+
+
+def resume_problems(args) -> list[str]:
+    """Before any weights load: --resume_from exists and holds an intact checkpoint."""
+    if not os.path.exists(args.resume_from):
+        return [f"--resume_from {args.resume_from!r}: no such directory"]
+    try:
+        find_checkpoint(args.resume_from)  # a damaged checkpoint, or none
+    except SystemExit as e:
+        return [str(e).removeprefix("error: ")]
+    return []
+
+
+def claim_resumed(args) -> tuple[str, str]:
+    """The resumed run's folder, locked for this run, and its latest intact checkpoint; refused if the settings
+    changed without --resume_overrides."""
+    resume = find_checkpoint(args.resume_from)
+    run_dir = os.path.dirname(os.path.dirname(resume))
+    lock_run_dir(run_dir)
+    check_resume(run_dir, args)
+    return run_dir, resume
 
 
 def checkpoint_damage(ckpt: str) -> str | None:

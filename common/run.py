@@ -61,7 +61,7 @@ class Run:
     reward_funcs: list
     reward_weights: list[float] | None
     reward_columns: list[str]  # dataset columns passed to the reward functions (answer, ...)
-    queue: RolloutQueue  # --rollout_lag: the batches sampled ahead
+    queue: RolloutQueue  # --rollout_lag: the batches sampled ahead (server mode: server_engine.OverlapQueue)
     train_state: TrainState  # the step, saved with the checkpoints
     log: MetricsLog
     local_rows: int  # rows of the optimizer batch (--batch_size) on this process
@@ -146,10 +146,8 @@ def setup(args) -> Run:
         ref_model = prepare_reference(accelerator, ref_model)
     train_state = TrainState()
     accelerator.register_for_checkpointing(train_state)
-    queue = RolloutQueue(args.rollout_lag)  # --rollout_lag: the batches sampled ahead (each process its own rows)
     if resume:
         accelerator.load_state(os.path.join(resume, "state"))
-        queue.load(os.path.join(resume, "state"), accelerator.process_index)
     engine = rollout_engine(args, accelerator, tokenizer, model)
 
     if accelerator.is_main_process:
@@ -161,8 +159,14 @@ def setup(args) -> Run:
     on_policy = (args.num_iterations == 1 and M == args.batch_size and args.rollout_lag == 0 and args.tis_cap == 0
                  and args.old_logp_source == "trainer")
     run = Run(args, accelerator, run_dir, model, ref_model, tokenizer, optimizer, scheduler, engine, train_data,
-              eval_data, eval_sets, reward_funcs, reward_weights, reward_columns, queue, train_state, log, local_rows,
-              local_mini, on_policy, evaluating=args.eval_steps > 0 and (eval_data is not None or len(eval_sets) > 0))
+              eval_data, eval_sets, reward_funcs, reward_weights, reward_columns, RolloutQueue(args.rollout_lag),
+              train_state, log, local_rows, local_mini, on_policy,
+              evaluating=args.eval_steps > 0 and (eval_data is not None or len(eval_sets) > 0))
+    if args.server_url and args.rollout_lag > 0:  # the server samples steps s+1..s+K while step s trains
+        from common.server_engine import overlap_queue
+        run.queue = overlap_queue(run)
+    if resume:  # the batches (or requests) sampled ahead of the checkpoint's step: each process its own rows
+        run.queue.load(os.path.join(resume, "state"), accelerator.process_index)
     if run.evaluating and train_state.step == 0:
         log.write({"step": 0, **evaluate(run)})
     return run
@@ -254,6 +258,7 @@ def end_step(run: Run, step: int, step_start: float, batch: dict, metrics: dict,
 
     metrics.update(mean_over_processes(update_metrics, accelerator))  # means over micro-batches, then processes
     metrics.update(batch_metrics(batch, args.num_generations, accelerator))
+    metrics["rollout/staleness"] = batch["staleness"]  # steps since the weights that sampled it (<= --rollout_lag)
     metrics.update({"step": step + 1, "optim/grad_norm": mean_grad_norm(grad_norms),
                     "optim/lr": run.scheduler.get_last_lr()[0], "time/step": time.time() - step_start})
     metrics["time/tokens_per_s"] = metrics["completion/tokens"] / metrics["time/step"]

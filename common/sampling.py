@@ -41,13 +41,8 @@ def sample_batch(run, index: int, metrics: dict) -> dict:
 def sample_round(run, index: int, r: int, metrics: dict) -> Rollouts:
     """G completions for each of this process's prompts of step `index`, and their rewards (whole groups per process,
     so rewards need no communication); round r > 0 draws other prompts, for --dynamic_sampling."""
-    args, G, accelerator = run.args, run.args.num_generations, run.accelerator
-    positions, indices = step_prompts(index, args.batch_size, G, args.mini_batch_size, accelerator.num_processes,
-                                      accelerator.process_index, len(run.train_data), args.seed + 1_000_003 * r)
-    rows = run.train_data[indices]  # {column: values}
-    prompt_ids = [p for p in rows["prompt_ids"] for _ in range(G)]
-    seeds = [sample_seed(args.seed, index, position + r * args.batch_size, j) for position in positions
-             for j in range(G)]
+    args, G = run.args, run.args.num_generations
+    rows, prompt_ids, seeds = round_prompts(run, index, r)
     run.engine.wake_up()
     with timed(metrics, "time/rollout"):
         if args.max_turns == 1:  # one generate call: every token is the model's
@@ -79,6 +74,17 @@ def sample_round(run, index: int, r: int, metrics: dict) -> Rollouts:
         rewards = rewards + per_func["overlong"]  # (B,)
     truncated = torch.tensor([f == "length" for f in finish])  # (B,)
     return Rollouts(prompt_ids, completion_ids, sampler_logp, rewards, per_func, truncated, action_mask)
+
+
+def round_prompts(run, index: int, r: int) -> tuple[dict, list[list[int]], list[int]]:
+    """This process's prompts of step `index`, round r: their dataset rows, G copies of each one's ids, their seeds."""
+    args, G, accelerator = run.args, run.args.num_generations, run.accelerator
+    positions, indices = step_prompts(index, args.batch_size, G, args.mini_batch_size, accelerator.num_processes,
+                                      accelerator.process_index, len(run.train_data), args.seed + 1_000_003 * r)
+    seeds = [sample_seed(args.seed, index, position + r * args.batch_size, j) for position in positions
+             for j in range(G)]
+    rows = run.train_data[indices]  # {column: values}
+    return rows, [p for p in rows["prompt_ids"] for _ in range(G)], seeds
 
 
 def to_tensors(rollouts: Rollouts, removed: torch.Tensor, pad_token_id: int) -> dict:

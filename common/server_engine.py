@@ -1,24 +1,35 @@
 """The client of a rollout server (common/serve.py): the engine interface of common/rollout.py over HTTP.
 
 --server_url http://HOST:PORT switches a script to it (TRL's vllm_mode="server"); imported only then. Weights reach
-the server through the filesystem: after each optimizer step the trainer writes the full weights (LoRA merged) as
-safetensors to SYNC_DIR/.version_N.tmp, renames the folder to SYNC_DIR/version_N once complete, tells the server N,
-and waits for its answer, which comes once the server has loaded them; it then removes version N-1. Every request
-waits at most --server_timeout seconds for an answer: one that gets none, or an error, stops the run with one line
-naming the server and the request (never a silent hang).
+the server through the filesystem: after each step the trainer writes the full weights (LoRA merged) as safetensors
+to SYNC_DIR/.version_N.tmp, renames the folder to SYNC_DIR/version_N once complete and tells the server N; the
+server answers once it has loaded them, and version N-1 is removed. Every request waits at most --server_timeout
+seconds for an answer: one that gets none, or an error, stops the run with one line naming the server and the
+request (never a silent hang).
+
+One client per trainer: the main process sends every request, one at a time and in the order they were made, from
+a thread of its own (the other processes' rows are gathered into its generate requests, and their answers
+scattered back). A sync therefore reaches the server before any generate request made after it, and a request can
+be made now and its answer taken later: with --rollout_lag K >= 1, `OverlapQueue` makes the requests of steps
+s+1..s+K before step s trains, so the server samples while the trainer trains.
 """
 
 import json
 import os
+import queue
 import re
 import shutil
 import socket
+import threading
 import urllib.error
 import urllib.request
+from concurrent.futures import Future
+from dataclasses import dataclass
 from http.client import HTTPException
 
 import torch
-from accelerate.utils import broadcast_object_list
+import torch.distributed as dist
+from accelerate.utils import broadcast_object_list, gather_object
 
 
 def call(url: str, path: str, body: dict | None, timeout: float, what: str) -> dict:
@@ -55,10 +66,22 @@ def server_problems(args) -> list[str]:
         info = call(args.server_url, "/health", None, args.server_timeout, "health check")
     except SystemExit as e:
         return [str(e).removeprefix("error: ")]
+    problems = []
     if info["dtype"] != args.dtype:
-        return [f"--server_url {args.server_url}: the server runs --dtype {info['dtype']}, the trainer --dtype "
-                f"{args.dtype}; start it with the trainer's"]
-    return []
+        problems.append(f"--server_url {args.server_url}: the server runs --dtype {info['dtype']}, the trainer "
+                        f"--dtype {args.dtype}; start it with the trainer's")
+    if args.rollout_lag > 0:  # OverlapQueue: the server samples while the trainer trains
+        if args.old_logp_source != "sampler":
+            problems.append(f"--server_url with --rollout_lag {args.rollout_lag}: the trainer no longer holds the "
+                            f"weights that sampled a batch when it arrives; add --old_logp_source sampler (the "
+                            f"server's log-probs are the behaviour policy's), or use --rollout_lag 0")
+        for flag, on in [("--dynamic_sampling", args.dynamic_sampling), (f"--max_turns {args.max_turns}",
+                                                                          args.max_turns > 1)]:
+            if on:
+                problems.append(f"{flag} with --server_url and --rollout_lag {args.rollout_lag}: its later "
+                                f"requests depend on earlier answers, so they cannot be sent ahead; use --rollout_lag "
+                                f"0 in server mode, or the colocated engine")
+    return problems
 
 
 def write_version(tensors, sync_dir: str, version: int) -> str:
@@ -82,57 +105,216 @@ def write_version(tensors, sync_dir: str, version: int) -> str:
     return final
 
 
-class ServerEngine:
-    """generate() asks the server; push_weights() writes a version, has the server load it, and waits for that."""
+@dataclass
+class Sent:
+    """A generate request made and not yet taken: the main process's future answer (None on the others) and how
+    many rows each process put into it."""
 
-    def __init__(self, args, accelerator, model):
+    future: Future | None
+    sizes: list[int]
+
+
+class ServerEngine:
+    """generate() and push_weights() as rollout.HFEngine's, through the server; send_ahead() makes a generate
+    request whose answer a later generate() of the same rows takes (OverlapQueue). Every method is collective:
+    each process calls it at the same point."""
+
+    def __init__(self, args, accelerator, model=None):
         self.url, self.timeout, self.accelerator = args.server_url, args.server_timeout, accelerator
         info = call(self.url, "/health", None, self.timeout, "health check")
         self.sync_dir, self.version = info["sync_dir"], info["version"]
-        self.push_weights(model)  # a resumed or LoRA-wrapped policy differs from the server's --model files
+        self.ahead: dict[tuple, Sent | tuple] = {}  # the rows' seeds -> their request, or its answer (ids, logps)
+        self.outbox, self.failure, self.last = queue.SimpleQueue(), None, None
+        if accelerator.is_main_process:
+            threading.Thread(target=self.send_in_order, name="rollout-server-client", daemon=True).start()
+        if model is not None:
+            self.push_weights(model)  # a resumed or LoRA-wrapped policy differs from the server's --model files
+
+    def send_in_order(self) -> None:
+        """The main process's sender: each request in turn; after the first failure every later one fails with
+        its message (a generate behind a failed sync would meet the wrong weights)."""
+        while True:
+            future, path, body, what, then = self.outbox.get()
+            if self.failure is None:
+                try:
+                    answer = call(self.url, path, body, self.timeout, what)
+                    future.set_result(then(answer) if then else answer)
+                    continue
+                except SystemExit as e:
+                    self.failure = str(e)
+            future.set_exception(SystemExit(self.failure))
+
+    def post(self, path: str, body: dict, what: str, then=None) -> Future:
+        """Queue a request (main process); its answer, passed through `then`, comes in the returned future."""
+        self.last = future = Future()
+        self.outbox.put((future, path, body, what, then))
+        return future
+
+    def send_ahead(self, prompt_ids: list[list[int]], seeds: list[int], *, max_tokens: int | list[int],
+                   temperature: float, top_p: float, stop: list[str] | None = None) -> None:
+        """Make the generate request of these rows now, sampled with the weights last pushed; a later generate()
+        of the same rows (seeds) takes its answer. Every process's rows go in one request."""
+        if len(seeds) != len(prompt_ids):
+            raise ValueError(f"one seed per prompt: got {len(seeds)} seeds for {len(prompt_ids)} prompts")
+        shares = [(prompt_ids, seeds, max_tokens)]
+        if self.accelerator.num_processes > 1:
+            shares = gather_object(shares)
+        future = None
+        if self.accelerator.is_main_process:
+            budgets = [m for ids, _, b in shares for m in (b if isinstance(b, list) else [b] * len(ids))]
+            one_budget = all(isinstance(b, int) for _, _, b in shares) and len(set(budgets)) <= 1
+            version = self.version
+            body = dict(prompt_ids=[p for ids, _, _ in shares for p in ids],
+                        seeds=[s for _, row_seeds, _ in shares for s in row_seeds],
+                        max_tokens=max_tokens if one_budget else budgets, temperature=temperature, top_p=top_p,
+                        stop=stop, version=version)
+
+            def sampled_by_that_version(answer: dict) -> dict:  # the canary: these rows came from those weights
+                if answer.get("version") != version:
+                    raise SystemExit(f"error: the rollout server at {self.url} answered a request for weights "
+                                     f"version {version} with version {answer.get('version')}")
+                return answer
+
+            future = self.post("/generate", body, f"generate request ({len(body['seeds'])} prompts, weights version "
+                               f"{version})", sampled_by_that_version)
+        self.ahead[tuple(seeds)] = Sent(future, [len(ids) for ids, _, _ in shares])
+
+    def answer(self, seeds: list[int]) -> tuple[list[list[int]], list[list[float]]]:
+        """The answer to the request of these rows (waiting for it), this process's share; kept until generate()
+        takes it (a checkpoint saves it: OverlapQueue.save)."""
+        key = tuple(seeds)
+        sent = self.ahead[key]
+        if not isinstance(sent, Sent):
+            return sent
+        outcome = [None, None]  # answer, error
+        if self.accelerator.is_main_process:
+            try:
+                outcome[0] = sent.future.result()
+            except SystemExit as e:
+                outcome[1] = str(e)
+        if self.accelerator.num_processes > 1:  # each process gets its rows (or the error)
+            shares, start = [], 0
+            for size in sent.sizes if self.accelerator.is_main_process else []:
+                rows = slice(start, start + size)
+                shares.append([None, outcome[1]] if outcome[1] else
+                              [{k: outcome[0][k][rows] for k in ("completion_ids", "sampler_logp")}, None])
+                start += size
+            received = [None]
+            dist.scatter_object_list(received, shares or None, src=0)
+            outcome = received[0]
+        if outcome[1]:
+            raise SystemExit(outcome[1])
+        self.ahead[key] = outcome[0]["completion_ids"], outcome[0]["sampler_logp"]
+        return self.ahead[key]
 
     def generate(self, model, prompt_ids: list[list[int]], seeds: list[int], *, max_tokens: int | list[int],
                  temperature: float, top_p: float, batch_size: int | None = None,
                  stop: list[str] | None = None) -> tuple[list[list[int]], list[list[float]]]:
-        """As rollout.HFEngine.generate, sampled by the server with the version last pushed (`model` unused)."""
-        if len(seeds) != len(prompt_ids):
-            raise ValueError(f"one seed per prompt: got {len(seeds)} seeds for {len(prompt_ids)} prompts")
-        answer = call(self.url, "/generate", dict(prompt_ids=prompt_ids, seeds=seeds, max_tokens=max_tokens,
-                                                  temperature=temperature, top_p=top_p, stop=stop,
-                                                  version=self.version), self.timeout,
-                      f"generate request ({len(prompt_ids)} prompts, weights version {self.version})")
-        return answer["completion_ids"], answer["sampler_logp"]
+        """As rollout.HFEngine.generate, sampled by the server (`model` unused): the answer of the request sent
+        ahead for these rows, or of one made now, answered after the requests before it."""
+        if tuple(seeds) not in self.ahead:
+            self.send_ahead(prompt_ids, seeds, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                            stop=stop)
+        answer = self.answer(seeds)
+        del self.ahead[tuple(seeds)]
+        return answer
 
     @torch.no_grad()
     def push_weights(self, model) -> None:
         """Collective (FSDP and ZeRO-3 gather every parameter): every process iterates the weights, the main one
-        writes and syncs them; every process then knows the new version, or stops with the main one's message."""
+        writes them and queues the sync, which the server loads before any generate request made after it."""
         from common.vllm_engine import iter_weight_buckets  # HF checkpoint names, LoRA merged, shards gathered
 
         buckets = iter_weight_buckets(self.accelerator.unwrap_model(model))
-        outcome = [None, None]  # version, error
+        version, error = self.version + 1, [None]
         if self.accelerator.is_main_process:
-            version = self.version + 1
-            write_version(buckets, self.sync_dir, version)
             try:
-                acked = call(self.url, "/sync", {"version": version}, self.timeout,
-                             f"weight sync (version {version} in {self.sync_dir})")["version"]
-                bad = f"error: the rollout server at {self.url} acknowledged version {acked}, not {version}"
-                outcome = [version, None] if acked == version else [None, bad]
-            except SystemExit as e:
-                outcome[1] = str(e)
-            shutil.rmtree(os.path.join(self.sync_dir, f"version_{self.version}"), ignore_errors=True)
+                write_version(buckets, self.sync_dir, version)
+            except OSError as e:  # a full disk: every process stops with the main one's message
+                error[0] = f"error: cannot write weights version {version} to {self.sync_dir}: {e}"
+            previous = os.path.join(self.sync_dir, f"version_{self.version}")
+
+            def loaded(answer: dict) -> dict:
+                if answer["version"] != version:
+                    raise SystemExit(f"error: the rollout server at {self.url} acknowledged version "
+                                     f"{answer['version']}, not {version}")
+                shutil.rmtree(previous, ignore_errors=True)
+                return answer
+
+            if error[0] is None:
+                self.post("/sync", {"version": version}, f"weight sync (version {version} in {self.sync_dir})",
+                          loaded)
         else:
             for _ in buckets:  # the collective gathers, in step with the main process
                 pass
-        broadcast_object_list(outcome)
-        if outcome[1]:
-            raise SystemExit(outcome[1])
-        self.version = outcome[0]
+        if self.accelerator.num_processes > 1:
+            broadcast_object_list(error)
+        if error[0]:
+            raise SystemExit(error[0])
+        self.version = version
 
     def collective(self) -> bool:
-        return False
+        """Under several processes every generate call gathers the rows of all of them (multi-turn rollouts then
+        make the same number of calls everywhere: common/multiturn.py)."""
+        return self.accelerator.num_processes > 1
+
+    def wait(self) -> None:
+        """Until the server has answered every request made so far (main process); its error, if one failed."""
+        if self.accelerator.is_main_process and self.last is not None:
+            self.last.result()
 
     def wake_up(self) -> None: ...
     def sleep(self) -> None: ...
-    def shutdown(self) -> None: ...
+
+    def shutdown(self) -> None:
+        """The server holds the final weights once the run ends (or the run stops with the reason it does not)."""
+        self.wait()
+
+
+class OverlapQueue:
+    """Server mode at --rollout_lag K >= 1, in place of batching.RolloutQueue: before step s trains, the generate
+    requests of steps s+1..s+K have been made, so the server samples them while the trainer trains (verl's
+    one-step-off and fully async modes, prime-rl's async level). The request of step s+K is made at step s, after
+    the push of step s's weights: the weights the colocated queue samples it with, so a run matches a colocated run
+    at the same lag, step for step. The rewards and the batch's tensors are made when the answer is taken. No batch
+    is more than K steps stale: asserted here, logged as rollout/staleness."""
+
+    def __init__(self, lag: int, engine: ServerEngine, requests, **sampling):
+        self.lag, self.engine, self.requests, self.sampling = lag, engine, requests, sampling
+        self.sent: dict[int, tuple[int, list[int]]] = {}  # step -> (the step its request was made at, its seeds)
+
+    def next(self, step: int, sample, total_steps: int | None = None) -> dict:
+        last = step + self.lag if total_steps is None else min(step + self.lag, total_steps - 1)
+        for index in range(step, last + 1):
+            if index not in self.sent:
+                prompt_ids, seeds = self.requests(index)
+                self.engine.send_ahead(prompt_ids, seeds, **self.sampling)
+                self.sent[index] = (step, seeds)
+        batch = sample(step)  # its generate call takes the answer of the request made for it
+        staleness = step - self.sent.pop(step)[0]
+        if not 0 <= staleness <= self.lag:
+            raise RuntimeError(f"step {step + 1}: its batch is {staleness} steps stale, --rollout_lag is {self.lag}")
+        return {**batch, "sampled_at": step - staleness, "staleness": staleness}
+
+    def save(self, state_dir: str, process_index: int) -> None:
+        """Collective: the answers of the requests made ahead (waiting for them), so a resumed run trains on what
+        this one would have."""
+        saved = {index: (at, seeds, *self.engine.answer(seeds)) for index, (at, seeds) in sorted(self.sent.items())}
+        if saved:
+            torch.save(saved, os.path.join(state_dir, f"rollout_requests_{process_index}.pt"))
+
+    def load(self, state_dir: str, process_index: int) -> None:
+        path = os.path.join(state_dir, f"rollout_requests_{process_index}.pt")
+        saved = torch.load(path, weights_only=True) if os.path.exists(path) else {}
+        for index, (at, seeds, ids, logps) in saved.items():
+            self.sent[index] = (at, seeds)
+            self.engine.ahead[tuple(seeds)] = ids, logps
+
+
+def overlap_queue(run) -> OverlapQueue:
+    """The queue of a server-mode run at --rollout_lag K >= 1: step s's requests from its prompts (first round)."""
+    from common.sampling import round_prompts
+
+    args = run.args
+    return OverlapQueue(args.rollout_lag, run.engine, lambda index: round_prompts(run, index, 0)[1:],
+                        max_tokens=args.max_completion_length, temperature=args.temperature, top_p=args.top_p)

@@ -100,9 +100,9 @@ def test_rollout_queue_trains_each_step_on_the_batch_sampled_k_steps_earlier(tmp
         queue, weights, trained = RolloutQueue(lag), 0, []
         for step in range(8):
             batch = queue.next(step, lambda index: {"index": index, "weights": weights})
-            trained.append((batch["index"], batch["weights"]))
+            trained.append((batch["index"], batch["weights"], batch["staleness"]))
             weights += 1  # the update of this step
-        assert trained == [(s, max(0, s - lag)) for s in range(8)]  # data of step s, weights of step s - K
+        assert trained == [(s, max(0, s - lag), min(s, lag)) for s in range(8)]  # data of step s, weights of s - K
 
     queue = RolloutQueue(2)
     queue.next(0, lambda index: {"index": torch.tensor(index), "old_logp": torch.randn(2, 3), "ref_logp": None})

@@ -40,8 +40,10 @@ def served(in_toy_workdir, tmp_path):
 
 
 class FakeArgs:
-    def __init__(self, url, timeout=30.0, dtype="float32"):
+    def __init__(self, url, timeout=30.0, dtype="float32", rollout_lag=0, old_logp_source="trainer"):
         self.server_url, self.server_timeout, self.dtype = url, timeout, dtype
+        self.rollout_lag, self.old_logp_source = rollout_lag, old_logp_source
+        self.dynamic_sampling, self.max_turns = False, 1
 
 
 def local_engine(sampler):
@@ -75,9 +77,7 @@ def test_write_version_renames_a_complete_folder_into_place(tmp_path):
 
 def test_the_server_samples_what_the_local_engine_samples_before_and_after_a_sync(served):
     url, sampler = served
-    client = ServerEngine.__new__(ServerEngine)  # no initial push: version 0 is the --model files
-    client.url, client.timeout, client.sync_dir, client.version = url, 30.0, sampler.sync_dir, 0
-    client.accelerator = sampler.accelerator
+    client = ServerEngine(FakeArgs(url), sampler.accelerator)  # no initial push: version 0 is the --model files
     local = local_engine(sampler)
     assert client.generate(None, PROMPTS, SEEDS, **SAMPLING) == local.generate(sampler.model, PROMPTS, SEEDS,
                                                                                **SAMPLING)
@@ -88,6 +88,7 @@ def test_the_server_samples_what_the_local_engine_samples_before_and_after_a_syn
         for p in moved.parameters():
             p.add_(0.05 * torch.randn_like(p))
     client.push_weights(moved)
+    client.wait()  # the sync is sent in order, before any later request
     assert client.version == sampler.version == 1
     assert sorted(os.listdir(sampler.sync_dir)) == ["version_1"]
     for name, p in sampler.model.named_parameters():
@@ -96,14 +97,14 @@ def test_the_server_samples_what_the_local_engine_samples_before_and_after_a_syn
     want_ids, want_logps = local.generate(moved, PROMPTS, SEEDS, **SAMPLING)
     assert ids == want_ids and logps == want_logps  # JSON carries the floats exactly
     client.push_weights(moved)  # version 2 replaces version 1 on disk
+    client.wait()
     assert sorted(os.listdir(sampler.sync_dir)) == ["version_2"]
 
 
 def test_tool_rollouts_budgets_and_stop_strings_reach_the_server(served):
     """Multi-turn rollouts (common/multiturn.py) ask for one budget per prompt and stop strings: the same rows."""
     url, sampler = served
-    client = ServerEngine.__new__(ServerEngine)
-    client.url, client.timeout, client.version = url, 30.0, 0
+    client = ServerEngine(FakeArgs(url), sampler.accelerator)
     prompts = [sampler.tokenizer.encode(p) for p in ("50+13=", "37+68=", "2+11=", "73+81=")]
     kwargs = dict(max_tokens=[6, 2, 4, 6], temperature=1.0, top_p=0.9, stop=["1", "5"])
     want = local_engine(sampler).generate(sampler.model, prompts, SEEDS, **kwargs)
@@ -179,24 +180,26 @@ def test_the_server_refuses_an_engine_it_cannot_run(tmp_path):
         main(["--model", "unused", "--sync_dir", str(tmp_path), "--engine", "vllm"])
 
 
-def start_server(workdir, sync_dir: str) -> tuple[subprocess.Popen, str]:
-    """`python -m common.serve` on the toy, one thread (as the trainer `launch` starts): ready when it answers."""
+def start_server(workdir, sync_dir: str, *extra: str, wait_s: float = 120) -> tuple[subprocess.Popen, str]:
+    """`python -m common.serve` on the toy, one thread (as the trainer `launch` starts): ready when it answers. Its
+    output goes to server.log beside sync_dir (vLLM's would fill a pipe and block it)."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "common.serve", "--model", toy_model_path(workdir), "--port",
-                             str(port), "--host", "localhost", "--sync_dir", sync_dir, "--dtype", "float32"],
-                            cwd=workdir, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    log_path = os.path.join(os.path.dirname(sync_dir), "server.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "common.serve", "--model", toy_model_path(workdir), "--port",
+                                 str(port), "--host", "localhost", "--sync_dir", sync_dir, "--dtype", "float32",
+                                 *extra], cwd=workdir, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT)
     url = f"http://localhost:{port}"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert proc.poll() is None, open(log_path).read()[-3000:]
         try:
             urllib.request.urlopen(url + "/health", timeout=1).read()
             return proc, url
         except OSError:
             time.sleep(0.2)
     proc.kill()
-    raise AssertionError("the rollout server did not start within 120 s")
+    raise AssertionError(f"the rollout server did not start within {wait_s} s")
 
 
 @pytest.mark.slow
@@ -275,3 +278,114 @@ def test_a_server_that_stops_answering_stops_the_trainer_with_one_line(in_toy_wo
     assert last.startswith(f"error: the rollout server at {url} did not answer the "), err[-3000:]
     if how == "hung":
         assert "within 5 s (--server_timeout)" in last, last
+
+
+def moved_copy(model, seed: int | None):
+    """A copy of `model` with every parameter moved a little (seed None: not moved): the weights of a later step."""
+    import copy
+
+    moved = copy.deepcopy(model)
+    if seed is None:  # a copy
+        return moved
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    return moved
+
+
+def test_the_overlap_queue_requests_k_steps_ahead_each_sampled_by_the_weights_of_its_step(served):
+    """Lag 2, 5 steps: before step s trains, the requests of steps s+1..s+2 are made (never one past the last step);
+    step s's rows come from the weights pushed at step max(s-2, 0), as the local engine samples them with those
+    weights, and its staleness (min(s, 2)) is what the batch says."""
+    from common.server_engine import OverlapQueue
+
+    url, sampler = served
+    client, local = ServerEngine(FakeArgs(url), sampler.accelerator), local_engine(sampler)
+    requests = lambda index: (PROMPTS, [s + 100 * index for s in SEEDS])  # noqa: E731
+    queue = OverlapQueue(2, client, requests, **SAMPLING)
+    weights = [moved_copy(sampler.model, seed=None)]  # each step's weights (version 0: --model; the server's own
+    # model object is overwritten by each sync)
+    for step in range(5):
+        batch = queue.next(step, lambda index: dict(zip(("ids", "logps"), client.generate(None, *requests(index),
+                                                                                           **SAMPLING))), 5)
+        assert batch["staleness"] == min(step, 2) and batch["sampled_at"] == max(step - 2, 0)
+        assert sorted(queue.sent) == list(range(step + 1, min(step + 3, 5)))  # in flight while step s trains
+        assert len(client.ahead) == len(queue.sent)
+        want = local.generate(weights[batch["sampled_at"]], *requests(step), **SAMPLING)
+        assert (batch["ids"], batch["logps"]) == want
+        weights.append(moved_copy(weights[-1], step))  # the optimizer step
+        client.push_weights(weights[-1])
+    client.wait()
+    assert sampler.version == 5 and os.listdir(sampler.sync_dir) == ["version_5"]
+
+
+def test_a_failed_sync_fails_every_request_after_it_with_its_message(served, tmp_path):
+    """The trainer writes where the server does not look: the sync is refused, and the generate request queued
+    behind it is not answered with the old weights but fails with the sync's message."""
+    url, sampler = served
+    client = ServerEngine(FakeArgs(url), sampler.accelerator)
+    client.sync_dir = str(tmp_path / "elsewhere")
+    os.makedirs(client.sync_dir)
+    client.push_weights(moved_copy(sampler.model, 0))  # returns at once: the sync is queued
+    message = r"refused the weight sync \(version 1 in .*elsewhere\): WeightError: no weights in .*sync/version_1"
+    with pytest.raises(SystemExit, match=message):
+        client.generate(None, PROMPTS, SEEDS, **SAMPLING)
+    with pytest.raises(SystemExit, match=message):  # and every later one
+        client.generate(None, PROMPTS, SEEDS, **SAMPLING)
+    assert sampler.version == 0
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({}, "add --old_logp_source sampler"),
+    ({"old_logp_source": "sampler", "dynamic_sampling": True}, "--dynamic_sampling with --server_url and "
+                                                               "--rollout_lag 2: its later requests depend"),
+    ({"old_logp_source": "sampler", "max_turns": 3}, "--max_turns 3 with --server_url"),
+])
+def test_settings_that_cannot_overlap_are_refused(served, flags, message):
+    from common.server_engine import server_problems
+
+    url, _ = served
+    args = FakeArgs(url, rollout_lag=2)
+    assert server_problems(FakeArgs(url, rollout_lag=2, old_logp_source="sampler")) == []
+    for name, value in flags.items():
+        setattr(args, name, value)
+    problems = server_problems(args)
+    assert len(problems) == 1 and message in problems[0], problems
+
+
+@pytest.mark.slow
+def test_with_lag_server_mode_overlaps_takes_the_colocated_steps_and_resumes_exactly(in_toy_workdir, served,
+                                                                                      monkeypatch):
+    """Lag 2, the behaviour log-probs the sampler's: the server run's weights after 4 steps equal the colocated
+    run's bit for bit, with equal metrics and staleness 0, 1, 2, 2. Interrupted at step 3 and resumed from the step
+    2 checkpoint (which saved the answers of the two requests made ahead), it ends with the same weights again."""
+    url, sampler = served
+    argv = SMALL + ["--total_steps", "4", "--save_steps", "2", "--rollout_lag", "2", "--old_logp_source", "sampler"]
+    colocated = run_script(grpo, argv + ["--run_name", "lag_colocated"])
+    straight = run_script(grpo, argv + ["--run_name", "lag_served", "--server_url", url])
+    assert_same_weights(final_weights(colocated, 4), final_weights(straight, 4), atol=0)
+    for a, b in zip(read_metrics(colocated), read_metrics(straight), strict=True):
+        same = {k for k in a if not k.startswith(("time/", "memory/"))}
+        assert {k: a[k] for k in same} == {k: b[k] for k in same}
+    assert [m["rollout/staleness"] for m in read_metrics(straight)] == [0, 1, 2, 2]
+
+    calls = {"n": 0}
+    original = grpo.compute_advantages
+
+    def crash_on_third_step(rewards, args):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt("simulated interruption")
+        return original(rewards, args)
+
+    monkeypatch.setattr(grpo, "compute_advantages", crash_on_third_step)
+    with pytest.raises(KeyboardInterrupt):
+        run_script(grpo, argv + ["--run_name", "lag_interrupted", "--server_url", url])
+    monkeypatch.setattr(grpo, "compute_advantages", original)
+    interrupted = os.path.join("runs", "lag_interrupted")
+    saved = os.listdir(os.path.join(interrupted, "checkpoints", "step_2", "state"))
+    assert "rollout_requests_0.pt" in saved  # precondition: the answers of steps 3 and 4, sampled ahead
+    resumed = run_script(grpo, argv + ["--resume_from", interrupted, "--server_url", url])
+    assert_same_weights(final_weights(straight, 4), final_weights(resumed, 4), atol=0)
+    assert [m["rollout/staleness"] for m in read_metrics(resumed)] == [0, 1, 2, 2]
