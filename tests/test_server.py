@@ -389,3 +389,22 @@ def test_with_lag_server_mode_overlaps_takes_the_colocated_steps_and_resumes_exa
     resumed = run_script(grpo, argv + ["--resume_from", interrupted, "--server_url", url])
     assert_same_weights(final_weights(straight, 4), final_weights(resumed, 4), atol=0)
     assert [m["rollout/staleness"] for m in read_metrics(resumed)] == [0, 1, 2, 2]
+
+
+@pytest.mark.slow
+def test_two_processes_overlapped_send_one_request_per_step_and_train_on_the_same_rows(in_toy_workdir, served):
+    """Lag 2, two training processes (gloo): every process's rows go into the main process's one request per step
+    and come back to their process. The server samples the same rows as for one process (the same request), so
+    every step's rewards equal the one-process run's; the weights agree to the usual process-count tolerance."""
+    url, sampler = served
+    argv = SMALL + ["--total_steps", "3", "--micro_batch_size", "2", "--rollout_lag", "2", "--old_logp_source",
+                    "sampler", "--server_url", url]
+    launch(in_toy_workdir, "grpo.py", argv + ["--run_name", "lag_served_1"])
+    version_after_one = sampler.version
+    launch(in_toy_workdir, "grpo.py", argv + ["--run_name", "lag_served_2"], num_processes=2)
+    assert sampler.version == version_after_one + 4  # the initial push and one per step, from the main process only
+    one, two = (os.path.join(in_toy_workdir, "runs", r) for r in ("lag_served_1", "lag_served_2"))
+    for a, b in zip(read_metrics(one), read_metrics(two), strict=True):
+        assert (a["reward/mean"], a["completion/tokens"]) == (b["reward/mean"], b["completion/tokens"])
+        assert a["rollout/staleness"] == b["rollout/staleness"]
+    assert_same_weights(final_weights(one, 3), final_weights(two, 3), atol=1e-5)
