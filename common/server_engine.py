@@ -142,6 +142,8 @@ class ServerEngine:
                     continue
                 except SystemExit as e:
                     self.failure = str(e)
+                except Exception as e:  # an answer without its fields: the thread must not die with it
+                    self.failure = f"error: the answer of the rollout server at {self.url} to the {what}: {e!r}"
             future.set_exception(SystemExit(self.failure))
 
     def post(self, path: str, body: dict, what: str, then=None) -> Future:

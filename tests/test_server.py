@@ -408,3 +408,13 @@ def test_two_processes_overlapped_send_one_request_per_step_and_train_on_the_sam
         assert (a["reward/mean"], a["completion/tokens"]) == (b["reward/mean"], b["completion/tokens"])
         assert a["rollout/staleness"] == b["rollout/staleness"]
     assert_same_weights(final_weights(one, 3), final_weights(two, 3), atol=1e-5)
+
+
+def test_an_answer_the_client_cannot_read_fails_the_request_instead_of_hanging(served):
+    url, sampler = served
+    client = ServerEngine(FakeArgs(url), sampler.accelerator)
+    future = client.post("/health", None, "health check", then=lambda answer: answer["no such field"])
+    with pytest.raises(SystemExit, match=r"to the health check: KeyError\('no such field'\)"):
+        future.result(timeout=30)
+    with pytest.raises(SystemExit, match="to the health check"):  # and every request after it
+        client.generate(None, PROMPTS, SEEDS, **SAMPLING)
