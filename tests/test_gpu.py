@@ -1,5 +1,6 @@
 """GPU acceptance (scripts/gpu_check.sh runs this on a GPU machine): the scripts on CUDA, bf16 and fp32, with and
-without LoRA, FSDP2 in one process, the toy learning on the GPU, and the chunked LM-head log-probs against the naive
+without LoRA, FSDP2 in one process, the toy learning on the GPU, server mode (a rollout server beside the trainer on
+the same GPU), and the chunked LM-head log-probs against the naive
 form on CUDA in bf16 (values, gradients, peak memory). Models and data are built here (the toy; a random model of a
 large vocabulary): nothing is downloaded. Every test is marked `gpu` and skipped where there is no CUDA device, so the
 CPU machines collect them (they import and are wired) without running them."""
@@ -50,6 +51,28 @@ def test_toy_learns_on_the_gpu(in_toy_workdir):
                             "gpu_learns"])
     evals = [m["eval/accuracy"] for m in read_metrics(run) if "eval/accuracy" in m]
     assert len(evals) == 3 and evals[-1] >= evals[0] + 0.04, evals
+
+
+def test_server_mode_on_cuda(in_toy_workdir, tmp_path):
+    """A rollout server (python -m common.serve, the HF engine) and a trainer on the same GPU, each a process, the
+    weights synced through the filesystem: at lag 0 the first step's rewards equal the colocated run's (the same
+    completions) and at every step the server's log-probs are the trainer's (each sync landed on CUDA); at lag 2 with
+    the sampler's log-probs, generation overlaps training and no batch is more than 2 steps stale."""
+    from test_server import start_server
+
+    argv = SMALL + ["--total_steps", "3"]
+    colocated = run_script(SCRIPTS["grpo"], argv + ["--run_name", "gpu_colocated"])
+    server, url = start_server(in_toy_workdir, str(tmp_path / "sync"))
+    try:
+        served = run_script(SCRIPTS["grpo"], argv + ["--run_name", "gpu_served", "--server_url", url])
+        lagged = run_script(SCRIPTS["grpo"], SMALL + ["--total_steps", "4", "--rollout_lag", "2", "--old_logp_source",
+                                                      "sampler", "--run_name", "gpu_served_lag2", "--server_url", url])
+    finally:
+        server.kill()
+        server.wait()
+    assert read_metrics(colocated)[0]["reward/mean"] == read_metrics(served)[0]["reward/mean"]
+    assert all(m["rollout/logp_gap_mean"] < 1e-4 for m in read_metrics(served)), read_metrics(served)
+    assert [m["rollout/staleness"] for m in read_metrics(lagged)] == [0, 1, 2, 2]
 
 
 @pytest.mark.parametrize("V", [32_000, 152_064])
