@@ -253,11 +253,14 @@ def test_two_processes_push_the_merged_lora_weights(in_toy_workdir, tmp_path):
 @pytest.mark.parametrize("how", ["killed", "hung"])
 def test_a_server_that_stops_answering_stops_the_trainer_with_one_line(in_toy_workdir, tmp_path, how):
     """Killed (SIGKILL: connections refused at once) or hung (SIGSTOP: connections accepted, never answered), the
-    server stops the trainer within --server_timeout, with one line naming it and the request; no silent hang."""
+    server stops the trainer within --server_timeout, with one line naming it and the request; no silent hang (hung:
+    at lag 1, with a request made ahead in flight)."""
     server, url = start_server(in_toy_workdir, str(tmp_path / "sync"))
     run_dir = os.path.join(in_toy_workdir, "runs", f"orphan_{how}")
     argv = SMALL + ["--total_steps", "10000", "--run_name", f"orphan_{how}", "--server_url", url,
                     "--server_timeout", "5"]
+    if how == "hung":  # with requests made ahead (overlap): the one in flight times out, the others fail with it
+        argv += ["--rollout_lag", "1", "--old_logp_source", "sampler"]
     trainer = subprocess.Popen([sys.executable, os.path.join(REPO, "grpo.py"), *argv], cwd=in_toy_workdir,
                                env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
