@@ -59,12 +59,12 @@ def test_readme_is_a_five_minute_read():
 
 
 def test_readme_keeps_the_lines_ci_runs():
-    """.ci/run greps README.md for its test lines (`in_new_venv NAME 'PATTERN'`) and runs them as written: each must
+    """.ci/run greps README.md for its test lines (`readme_line 'PATTERN'`) and runs them as written: each must
     match a line of a code block. The toy line is the quick start."""
     readme = read(README)
     code_lines = [line for block in FENCE.findall(readme) for line in block.splitlines()]
-    patterns = re.findall(r"^in_new_venv \S+ '([^']+)'", read(os.path.join(REPO, ".ci", "run")), re.M)
-    assert len(patterns) >= 2, "found no in_new_venv lines in .ci/run"
+    patterns = re.findall(r"=\$\(readme_line '([^']+)'\)", read(os.path.join(REPO, ".ci", "run")), re.M)
+    assert len(patterns) >= 2, "found no readme_line calls in .ci/run"
     toy = r"^pip install -r requirements-\S+\.txt && python grpo\.py --preset toy$"
     for pattern in [*patterns, toy]:
         first = next((line for line in readme.splitlines() if re.search(pattern, line)), None)
