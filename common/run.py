@@ -88,11 +88,19 @@ def launch(main, args_cls) -> None:
         last = f"checkpoints/step_{steps[-1]}" if steps else "none yet (see --save_steps)"
         return f"the last checkpoint of {run_dir} is {last}; resume with the same command and --resume_from {run_dir}"
 
+    interrupted = []
+
+    def on_ctrl_c(*_):  # the first Ctrl-C raises KeyboardInterrupt; the second exits at once, however soon it comes
+        if interrupted:
+            os._exit(130)  # no waiting on a slow shutdown
+        interrupted.append(True)
+        raise KeyboardInterrupt
+
     args = parse_args(args_cls)
+    signal.signal(signal.SIGINT, on_ctrl_c)
     try:
         main(args)
     except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, lambda *_: os._exit(130))  # the second Ctrl-C: no waiting on a slow shutdown
         if not PartialState().is_main_process:
             raise SystemExit(130) from None
         if "run_dir" not in ACTIVE_RUN:
