@@ -101,6 +101,8 @@ def launch(main, args_cls) -> None:
     try:
         main(args)
     except KeyboardInterrupt:
+        interrupted.append(True)  # the next Ctrl-C exits at once, also where a library's own handler raised this one
+        signal.signal(signal.SIGINT, on_ctrl_c)
         if not PartialState().is_main_process:
             raise SystemExit(130) from None
         if "run_dir" not in ACTIVE_RUN:

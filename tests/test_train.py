@@ -189,16 +189,17 @@ def test_ctrl_c_prints_one_line_with_the_checkpoint_and_how_to_resume(toy_workdi
     assert last.endswith("resume with the same command and --resume_from runs/ctrl_c"), last
 
 
-@pytest.mark.parametrize("gap", [1.0, 0.0])
-def test_a_second_ctrl_c_exits_at_once_during_a_slow_shutdown(tmp_path, gap):
+@pytest.mark.parametrize("gap, library_handler", [(1.0, False), (0.0, False), (1.0, True)])
+def test_a_second_ctrl_c_exits_at_once_during_a_slow_shutdown(tmp_path, gap, library_handler):
     """After the first Ctrl-C, the shutdown may hang (an engine or a process group that does not answer, here an
     exit handler that shrugs off KeyboardInterrupt): the second Ctrl-C ends the process at once, with code 130;
-    also when it comes right after the first (gap 0: before the first one's KeyboardInterrupt is even caught)."""
+    also when it comes right after the first (gap 0: before the first one's KeyboardInterrupt is even caught), and
+    when a library replaced the SIGINT handler during the run (its own handler raised the first one)."""
     import signal
     import time
 
     script = tmp_path / "slow_exit.py"
-    script.write_text(f"""import atexit, dataclasses, sys, time
+    script.write_text(f"""import atexit, dataclasses, signal, sys, time
 sys.path.insert(0, {REPO!r})
 from common.run import launch
 
@@ -215,6 +216,8 @@ class Args:
 
 def main(args):
     atexit.register(stubborn_cleanup)
+    if {library_handler!r}:  # as a library might: its own handler, which raises KeyboardInterrupt
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     print("ready", flush=True)
     time.sleep(60)
 
