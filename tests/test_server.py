@@ -365,8 +365,8 @@ def test_with_lag_server_mode_overlaps_takes_the_colocated_steps_and_resumes_exa
     2 checkpoint (which saved the answers of the two requests made ahead), it ends with the same weights again."""
     url, sampler = served
     argv = SMALL + ["--total_steps", "4", "--save_steps", "2", "--rollout_lag", "2", "--old_logp_source", "sampler"]
-    colocated = run_script(grpo, argv + ["--run_name", "lag_colocated"])
-    straight = run_script(grpo, argv + ["--run_name", "lag_served", "--server_url", url])
+    colocated = run_script(grpo, argv + ["--run_name", "overlap_colocated"])
+    straight = run_script(grpo, argv + ["--run_name", "overlap_served", "--server_url", url])
     assert_same_weights(final_weights(colocated, 4), final_weights(straight, 4), atol=0)
     for a, b in zip(read_metrics(colocated), read_metrics(straight), strict=True):
         same = {k for k in a if not k.startswith(("time/", "memory/"))}
@@ -384,9 +384,9 @@ def test_with_lag_server_mode_overlaps_takes_the_colocated_steps_and_resumes_exa
 
     monkeypatch.setattr(grpo, "compute_advantages", crash_on_third_step)
     with pytest.raises(KeyboardInterrupt):
-        run_script(grpo, argv + ["--run_name", "lag_interrupted", "--server_url", url])
+        run_script(grpo, argv + ["--run_name", "overlap_interrupted", "--server_url", url])
     monkeypatch.setattr(grpo, "compute_advantages", original)
-    interrupted = os.path.join("runs", "lag_interrupted")
+    interrupted = os.path.join("runs", "overlap_interrupted")
     saved = os.listdir(os.path.join(interrupted, "checkpoints", "step_2", "state"))
     assert "rollout_requests_0.pt" in saved  # precondition: the answers of steps 3 and 4, sampled ahead
     resumed = run_script(grpo, argv + ["--resume_from", interrupted, "--server_url", url])
@@ -402,11 +402,11 @@ def test_two_processes_overlapped_send_one_request_per_step_and_train_on_the_sam
     url, sampler = served
     argv = SMALL + ["--total_steps", "3", "--micro_batch_size", "2", "--rollout_lag", "2", "--old_logp_source",
                     "sampler", "--server_url", url]
-    launch(in_toy_workdir, "grpo.py", argv + ["--run_name", "lag_served_1"])
+    launch(in_toy_workdir, "grpo.py", argv + ["--run_name", "overlap_served_1"])
     version_after_one = sampler.version
-    launch(in_toy_workdir, "grpo.py", argv + ["--run_name", "lag_served_2"], num_processes=2)
+    launch(in_toy_workdir, "grpo.py", argv + ["--run_name", "overlap_served_2"], num_processes=2)
     assert sampler.version == version_after_one + 4  # the initial push and one per step, from the main process only
-    one, two = (os.path.join(in_toy_workdir, "runs", r) for r in ("lag_served_1", "lag_served_2"))
+    one, two = (os.path.join(in_toy_workdir, "runs", r) for r in ("overlap_served_1", "overlap_served_2"))
     for a, b in zip(read_metrics(one), read_metrics(two), strict=True):
         assert (a["reward/mean"], a["completion/tokens"]) == (b["reward/mean"], b["completion/tokens"])
         assert a["rollout/staleness"] == b["rollout/staleness"]
