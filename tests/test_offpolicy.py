@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 from conftest import launch, read_metrics, run_script
-from test_train import SMALL, assert_same_weights, final_weights
+from test_train import SMALL, assert_same_weights, final_weights, run_interrupted
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import grpo
@@ -63,18 +63,8 @@ def test_rollout_lag_resumes_exactly(in_toy_workdir, monkeypatch):
     weights and metrics of a run that never stopped."""
     argv = SMALL + ["--total_steps", "6", "--save_steps", "2", "--rollout_lag", "2"]
     straight = run_script(grpo, argv + ["--run_name", "lag_straight"])
-    calls, original = {"n": 0}, grpo.compute_advantages
-
-    def crash_in_step_3(rewards, args):  # calls: batches 0, 1, 2 at the first step, then one per step
-        calls["n"] += 1
-        if calls["n"] == 5:
-            raise KeyboardInterrupt("simulated interruption")
-        return original(rewards, args)
-
-    monkeypatch.setattr(grpo, "compute_advantages", crash_in_step_3)
-    with pytest.raises(KeyboardInterrupt):
-        run_script(grpo, argv + ["--run_name", "lag_interrupted"])
-    monkeypatch.setattr(grpo, "compute_advantages", original)
+    # one compute_advantages call per step trained (the queue samples ahead, the loop computes advantages): step 3
+    run_interrupted(argv + ["--run_name", "lag_interrupted"], monkeypatch, at_call=3)
     resumed = run_script(grpo, argv + ["--resume_from", os.path.join("runs", "lag_interrupted")])
     assert_same_weights(final_weights(straight, 6), final_weights(resumed, 6), atol=0)
     drop_times = lambda ms: [{k: v for k, v in m.items() if not k.startswith(("time/", "memory/"))} for m in ms]  # noqa: E731

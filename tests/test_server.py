@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import REPO, free_port, launch, read_metrics, run_script, subprocess_env
 from safetensors.torch import load_file
-from test_train import SMALL, assert_same_weights, final_weights
+from test_train import SMALL, assert_same_weights, final_weights, run_interrupted
 
 import grpo
 from common.serve import Sampler, load_version, make_handler
@@ -373,19 +373,7 @@ def test_with_lag_server_mode_overlaps_takes_the_colocated_steps_and_resumes_exa
         assert {k: a[k] for k in same} == {k: b[k] for k in same}
     assert [m["rollout/staleness"] for m in read_metrics(straight)] == [0, 1, 2, 2]
 
-    calls = {"n": 0}
-    original = grpo.compute_advantages
-
-    def crash_on_third_step(rewards, args):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt("simulated interruption")
-        return original(rewards, args)
-
-    monkeypatch.setattr(grpo, "compute_advantages", crash_on_third_step)
-    with pytest.raises(KeyboardInterrupt):
-        run_script(grpo, argv + ["--run_name", "overlap_interrupted", "--server_url", url])
-    monkeypatch.setattr(grpo, "compute_advantages", original)
+    run_interrupted(argv + ["--run_name", "overlap_interrupted", "--server_url", url], monkeypatch, at_call=3)
     interrupted = os.path.join("runs", "overlap_interrupted")
     saved = os.listdir(os.path.join(interrupted, "checkpoints", "step_2", "state"))
     assert "rollout_requests_0.pt" in saved  # precondition: the answers of steps 3 and 4, sampled ahead

@@ -89,24 +89,28 @@ def test_mini_batches_and_iterations_match_across_process_counts(in_toy_workdir)
     assert m1["policy/ratio_mean"] == pytest.approx(m2["policy/ratio_mean"], rel=1e-5)
 
 
+def run_interrupted(argv: list[str], monkeypatch, at_call: int) -> None:
+    """grpo.py with `argv`, interrupted as by Ctrl-C (KeyboardInterrupt) at its `at_call`-th compute_advantages call
+    (one per batch trained)."""
+    calls, original = {"n": 0}, grpo.compute_advantages
+
+    def interrupt(rewards, args):
+        calls["n"] += 1
+        if calls["n"] == at_call:
+            raise KeyboardInterrupt("simulated interruption")
+        return original(rewards, args)
+
+    with monkeypatch.context() as patched, pytest.raises(KeyboardInterrupt):
+        patched.setattr(grpo, "compute_advantages", interrupt)
+        run_script(grpo, argv)
+
+
 @pytest.mark.slow
 def test_resume_continues_exactly(in_toy_workdir, monkeypatch):
     argv = SMALL + ["--total_steps", "4", "--save_steps", "2", "--lr_scheduler_type", "linear", "--warmup_steps", "1"]
     straight = run_script(grpo, argv + ["--run_name", "straight"])
 
-    calls = {"n": 0}
-    original = grpo.compute_advantages
-
-    def crash_on_third_step(rewards, args):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt("simulated interruption")
-        return original(rewards, args)
-
-    monkeypatch.setattr(grpo, "compute_advantages", crash_on_third_step)
-    with pytest.raises(KeyboardInterrupt):
-        run_script(grpo, argv + ["--run_name", "interrupted"])
-    monkeypatch.setattr(grpo, "compute_advantages", original)
+    run_interrupted(argv + ["--run_name", "interrupted"], monkeypatch, at_call=3)  # in step 3
     interrupted = os.path.join("runs", "interrupted")
     assert sorted(os.listdir(os.path.join(interrupted, "checkpoints"))) == ["step_2"]  # the completed one survives
 
