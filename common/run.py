@@ -90,7 +90,7 @@ def launch(main, args_cls) -> None:
 
     interrupted = []
 
-    def on_ctrl_c(*_):  # the first Ctrl-C raises KeyboardInterrupt; the second exits at once, however soon it comes
+    def on_ctrl_c(*_):  # the first Ctrl-C raises KeyboardInterrupt; the second exits at once, even mid-unwind
         if interrupted:
             os._exit(130)  # no waiting on a slow shutdown
         interrupted.append(True)
