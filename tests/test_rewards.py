@@ -397,6 +397,9 @@ def test_pathological_answers_time_out_in_a_worker_thread(completion, answer):
 
 
 MB = 1_000_000
+# A bound between linear and worse on 1 MB inputs, far from both: linear extraction takes 0.03-0.4 s here, and 1.4 s
+# on CI's loaded cores (a 1.0 s bound failed there); quadratic backtracking on 1 MB takes hours.
+LINEAR_S = 10.0
 DEGENERATE = [  # (1 MB completion, its verdict for the reference 3): what a policy that degenerates writes
     ("\\boxed{" * (MB // 7) + r"\boxed{3}", 1.0),  # many unclosed boxes: 3 s for 20k characters, once
     ("x " * (MB // 2) + r"\boxed{3}", 1.0),
@@ -519,7 +522,7 @@ def test_choice_extraction_is_linear():
     assert extract_choice("answer is" + " " * MB + "x") is None
     assert extract_choice("The answer is" + "\n" * MB + "(B)") == "B"
     assert extract_choice("(A) " * (MB // 4) + "answer: C") == "C"
-    assert time.perf_counter() - start < 1.0
+    assert time.perf_counter() - start < LINEAR_S
 
 
 @pytest.mark.parametrize("text", ["Option " * (MB // 7) + "B", "the answer is " * (MB // 14) + "x^2/8",
@@ -528,14 +531,14 @@ def test_choice_forms_are_linear(text):
     """The forms of issue 31 (Option B, Choice_B, an option's text after "the answer is") on 1 MB inputs."""
     start = time.perf_counter()
     assert extract_choice(text, "ABCD", OPTIONS) == "B"
-    assert time.perf_counter() - start < 1.0
+    assert time.perf_counter() - start < LINEAR_S
 
 
 def test_option_lines_are_read_in_linear_time():
     start = time.perf_counter()
     assert options_of("A. " * (MB // 3)) == {"A": "A. " * (MB // 3 - 1)}
     assert options_of("\n(A) " * (MB // 5)) == {"A": ""}
-    assert time.perf_counter() - start < 1.0
+    assert time.perf_counter() - start < LINEAR_S
 
 
 def test_text_rules_never_raise():
