@@ -7,8 +7,8 @@ Differs from grpo.py (the paper's objective: a soft gate f(r) = (4/tau) sigmoid(
 - no clip: each token's gradient is scaled by 4 p (1 - p) r_t, p = sigmoid(tau_i (r_t - 1)), 1 on policy and decaying
   smoothly off it, faster for A_i <= 0 (tau_neg 1.05 > tau_pos 1.0); beta 0; no ablation switches.
 - TIS / MIS weights multiply the gated policy term per token; the k3 KL (--beta > 0) joins the token means, as TRL's.
-- --rollout_lag K: r_t is K steps stale, and the gate, not a clip, tempers it; tool-output tokens (mask 0) and
-  removed rows leave every mean.
+- --rollout_lag K: r_t is K steps stale, and the gate, not a clip, tempers it (on the toy, at lag 4, only with
+  --beta > 0: docs/off-policy.md); tool-output tokens (mask 0) and removed rows leave every mean.
 
 Run:
     python sapo.py --preset toy                                  # CPU, minutes
