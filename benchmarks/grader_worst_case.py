@@ -70,6 +70,8 @@ def main() -> int:
     parser.add_argument("--ratio", type=float, default=8.0, help="time ratio (4x the input) that counts as superlinear")
     parser.add_argument("--min_ms", type=float, default=5.0, help="ignore rules faster than this at the large size")
     parser.add_argument("--cap", type=float, default=10.0, help="seconds after which one call is stopped")
+    parser.add_argument("--end_to_end_bytes", type=int, default=1_000_000,
+                        help="size of each completion of the end-to-end pass through math_accuracy")
     args = parser.parse_args()
     signal.signal(signal.SIGALRM, _alarm)
 
@@ -92,19 +94,20 @@ def main() -> int:
     print(f"{cases} cases in {time.perf_counter() - start:.0f} s; {bad} superlinear or raising; slowest "
           f"{slowest[0] * 1000:.1f} ms at n={4 * args.small}: {slowest[1]}")
 
-    # End to end: every unit and frame again as a 1 MB completion, through math_accuracy (reading the answer and
-    # math-verify both run in the worker processes, under TIME_LIMIT_S).
+    # End to end: every unit and frame again as a 1 MB completion (--end_to_end_bytes), through math_accuracy
+    # (reading the answer and math-verify both run in the worker processes, under TIME_LIMIT_S).
     rewards.math_accuracy(["q"], ["warm-up: \\boxed{3}"], ["3"])
     times, timeouts = [], 0
     for unit, (prefix, suffix) in itertools.product(UNITS, AFFIXES):
-        completion = prefix + unit * (1_000_000 // len(unit)) + suffix
+        completion = prefix + unit * (args.end_to_end_bytes // len(unit)) + suffix
         start = time.perf_counter()
         result = rewards.math_accuracy(["q"], [completion], ["3"])
         times.append((time.perf_counter() - start, f"{prefix!r} + {unit!r} * n + {suffix!r}"))
         timeouts += result.metrics["timeouts"][0] > 0
     times.sort(reverse=True)
     late = [case for seconds, case in times if seconds > rewards.TIME_LIMIT_S + 0.5]
-    print(f"math_accuracy on {len(times)} completions of 1 MB: median {times[len(times) // 2][0]:.2f} s, slowest "
+    print(f"math_accuracy on {len(times)} completions of {args.end_to_end_bytes:,} bytes: "
+          f"median {times[len(times) // 2][0]:.2f} s, slowest "
           f"{times[0][0]:.2f} s ({times[0][1]}); {timeouts} timed out (reward 0, counted); {len(late)} over "
           f"TIME_LIMIT_S + 0.5 s{': ' + ', '.join(late) if late else ''}")
     bad += len(late)

@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 QWEN3_VOCAB = 151_936
-SHAPE_DIR = "runs/qwen3_shape"  # relative to the repository (step_time.py runs its workers there)
+SHAPE_DIR = "runs/qwen3_shape"  # relative to the folder it runs in (step_time.py runs its workers there too)
 MEAN_LENGTH = 100
 BRIEF_TOKENS = 64
 VERSION = 1

@@ -15,6 +15,9 @@ peak memory is the maximum. Results go to --out as JSON and to stdout as a table
     python benchmarks/step_time.py --shape qwen3 --algo grpo --trl --steps 3 --repeat 2
                                                           # Qwen3's vocabulary, lengths ~10-256 (qwen3_shape.py)
 
+Paths (the presets' models and data, --output_dir, --out) are relative to the folder it runs in: the repository's
+root, as above.
+
 --shape qwen3 runs benchmarks/qwen3_shape.py's task (built under runs/qwen3_shape on first use) with its flags
 (SHAPE_ARGS) instead of the toy preset, for the scripts and for TRL alike.
 
@@ -102,7 +105,7 @@ def run_script(algo: str, argv: list[str], threads: int) -> dict:
     """In the worker process: `algo.main(args)`, then the run's metrics.jsonl."""
     import torch
 
-    import common.utils
+    import common.checkpoints
     from common.args import parse_args
 
     torch.set_num_threads(threads)
@@ -131,14 +134,13 @@ def trl_config_and_data(argv: list[str], threads: int):
     from trl import GRPOConfig
 
     import grpo
-    from common.args import parse_args
+    from common.args import PRESET_MODULES, parse_args
     from common.data import load_prompts, resolve_dataset
-    from common.toy import TOY_DIR, prepare_toy
     from common.utils import step_prompts
 
     args = parse_args(grpo.Args, argv)
-    if args.preset == "toy":
-        prepare_toy(TOY_DIR)
+    if args.preset:  # the toy's model and data, or the real model (common/models.py), built once
+        importlib.import_module(PRESET_MODULES[args.preset]).prepare_preset(args.preset)
     M = args.mini_batch_size or args.batch_size
     if M != args.batch_size or args.num_iterations != 1 or args.lora_r or args.tis_cap:
         raise SystemExit("--trl compares one optimizer step per RL step: use --mini_batch_size 0, --num_iterations 1, "
@@ -259,11 +261,11 @@ def spawn(kind: str, argv: list[str], threads: int, out_file: str, mmap_threshol
     cmd = [sys.executable, os.path.abspath(__file__), "--_worker", kind, "--_argv", json.dumps(argv),
            "--threads", str(threads), "--_out", out_file]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-           "TOKENIZERS_PARALLELISM": "false"}
+           "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": REPO}
     if mmap_threshold:
         env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
     start = time.time()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, check=False)
+    proc = subprocess.run(cmd, env=env, check=False)  # in this folder: the presets' paths are relative
     if proc.returncode:
         raise SystemExit(f"{kind} failed (exit {proc.returncode}): {' '.join(cmd)}")
     with open(out_file) as f:
@@ -312,13 +314,13 @@ def main():
     if a.shape == "qwen3":
         from benchmarks.qwen3_shape import SHAPE_ARGS, prepare
 
-        prepare(os.path.join(REPO, "runs", "qwen3_shape"))
+        prepare(os.path.join("runs", "qwen3_shape"))
         a.preset, extra = "", SHAPE_ARGS + extra
     algos = a.algo.split(",")
     unknown = sorted(set(algos) - set(ALGOS))
     if unknown:
         raise SystemExit(f"--algo: unknown {unknown}; choose among {ALGOS}")
-    os.makedirs(os.path.join(REPO, a.output_dir), exist_ok=True)
+    os.makedirs(a.output_dir, exist_ok=True)
     report = {"settings": {"steps": a.steps, "warmup": a.warmup, "repeat": a.repeat, "preset": a.preset,
                            "shape": a.shape,
                            "threads": a.threads, "malloc_mmap_threshold": a.malloc_mmap_threshold,
@@ -330,8 +332,8 @@ def main():
     for repeat in range(a.repeat):
         for name, kind, run_argv in runs:
             print(f"== {name} ({repeat + 1}/{a.repeat}): {' '.join(run_argv)}", file=sys.stderr)
-            shutil.rmtree(os.path.join(REPO, a.output_dir, f"step_time_{name}"), ignore_errors=True)  # the last run's
-            result = spawn(kind, run_argv, a.threads, os.path.join(REPO, a.output_dir, f"step_time_{name}.worker.json"),
+            shutil.rmtree(os.path.join(a.output_dir, f"step_time_{name}"), ignore_errors=True)  # the last run's
+            result = spawn(kind, run_argv, a.threads, os.path.join(a.output_dir, f"step_time_{name}.worker.json"),
                            a.malloc_mmap_threshold)
             run = report["runs"].setdefault(name, {"argv": run_argv, "repeats": []})
             run["repeats"].append({"summary": summarize(result["steps"], a.warmup), "steps": result["steps"],
@@ -348,12 +350,14 @@ def main():
         for name, s in summaries.items():
             if name not in ("grpo", "trl"):
                 for key in ("time/step", "cpu/step"):
-                    ratios[f"{name}/grpo {key}"] = s[key] / summaries["grpo"][key]
+                    if key in s and key in summaries["grpo"]:  # cpu/step needs a step before and after
+                        ratios[f"{name}/grpo {key}"] = s[key] / summaries["grpo"][key]
         if "trl" in summaries:
             for key in ("time/step", "cpu/step"):
-                ratios[f"grpo/trl {key}"] = summaries["grpo"][key] / summaries["trl"][key]
+                if key in summaries["grpo"] and key in summaries["trl"]:
+                    ratios[f"grpo/trl {key}"] = summaries["grpo"][key] / summaries["trl"][key]
     report["ratios"] = ratios
-    out = os.path.join(REPO, a.out)
+    out = a.out
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
         json.dump(report, f, indent=1)

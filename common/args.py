@@ -5,21 +5,21 @@ import argparse
 import copy
 import dataclasses
 import difflib
+import importlib
 import sys
 import types
 
 from transformers import HfArgumentParser
 
-PRESET_NAMES = ("toy", "toy_tir")  # --preset: common/toy.py PRESETS, imported only when one is asked for
+# --preset NAME: the module holding its defaults (PRESETS) and building what it reads (prepare_preset), imported only
+# when the preset is asked for: the toys' common/toy.py, the real model's common/models.py
+PRESET_MODULES = {"toy": "common.toy", "toy_tir": "common.toy", "smollm2": "common.models"}
+PRESET_NAMES = tuple(PRESET_MODULES)
 
 
 def preset_defaults(preset: str | None) -> dict:
     """The defaults a --preset sets (none without one)."""
-    if preset is None:
-        return {}
-    from common.toy import PRESETS
-
-    return PRESETS[preset]
+    return {} if preset is None else importlib.import_module(PRESET_MODULES[preset]).PRESETS[preset]
 
 
 def arg(default, help: str, at_least: float | None = None):

@@ -7,6 +7,7 @@ Optional features are imported where they are switched on: vLLM, LoRA, the toy t
 (common/evaluation.py).
 """
 
+import importlib
 import os
 import signal
 import sys
@@ -21,6 +22,7 @@ from accelerate.utils import broadcast_object_list, gather_object, set_seed
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
+from common.args import PRESET_MODULES
 from common.batching import RolloutQueue
 from common.checkpoints import MetricsLog, TrainState, save_checkpoint
 from common.checks import check_args, claim_run_dir, record_args, stop_if_nonfinite
@@ -121,10 +123,8 @@ def setup(args) -> Run:
     """Check the arguments (before any weights load), claim the run folder, load and prepare everything."""
     state = PartialState(cpu=on_cpu())  # on a CPU-only machine accelerate forms a gloo group only when told
     if args.preset:
-        from common.toy import prepare_preset
-
-        with state.main_process_first():
-            prepare_preset(args.preset)  # the toy's model and data, built once
+        with state.main_process_first():  # the toy's model and data, or the real model's (common/models.py), once
+            importlib.import_module(PRESET_MODULES[args.preset]).prepare_preset(args.preset)
     check_args(args, state.num_processes)
     run_name = [args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"]
     broadcast_object_list(run_name)  # every process writes to the same run folder

@@ -105,7 +105,7 @@ TOY_TIR_PRESET = dict(
 )
 
 
-PRESETS = {"toy": TOY_PRESET, "toy_tir": TOY_TIR_PRESET}  # common/utils.py PRESET_NAMES
+PRESETS = {"toy": TOY_PRESET, "toy_tir": TOY_TIR_PRESET}  # common/args.py PRESET_MODULES
 
 
 def build_tokenizer(chars: list[str] = CHARS) -> PreTrainedTokenizerFast:

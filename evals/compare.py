@@ -4,10 +4,11 @@
     python -m evals.compare --algos grpo,snib --preset toy --seeds 3 --extra "--num_iterations 4" --tag mu4
     python -m evals.compare --preset toy --seeds 3 --vary rollout_lag=0,1,2,4 --tag lag
 
-Each run is `python <algo>.py --preset ... --seed S` in its own process (`--jobs` at a time, one
-thread each), written to runs/compare[-TAG]/<algo>__s<S> (with --vary: <algo>__<FLAG><V>__s<S>). Writes summary.md
-(mean +- std over seeds of the warm-start and final held-out accuracy and of wall time), summary.json and
-accuracy.png; with --vary, the final accuracy by algorithm and value, each seed's, and accuracy_vs_<FLAG>.png.
+Each run is `python <algo>.py --preset ... --seed S` in its own process (`--jobs` at a time, `--threads`
+torch threads each, default 1), written to runs/compare[-TAG]/<algo>__s<S> (with --vary: <algo>__<FLAG><V>__s<S>).
+Writes summary.md (mean +- std over seeds of the warm-start and final held-out accuracy and of wall time),
+summary.json and accuracy.png; with --vary, the final accuracy by algorithm and value, each seed's, and
+accuracy_vs_<FLAG>.png.
 """
 
 import importlib
@@ -35,7 +36,8 @@ class CompareArgs:
     seeds: int = field(default=3, metadata={"help": "seeds 1..N per algorithm"})
     extra: str = field(default="", metadata={"help": "extra flags for every run, e.g. '--num_iterations 4'"})
     tag: str = field(default="", metadata={"help": "suffix of the output folder runs/compare-TAG"})
-    jobs: int = field(default=2, metadata={"help": "runs at a time (each gets one CPU thread)"})
+    jobs: int = field(default=2, metadata={"help": "runs at a time"})
+    threads: int = field(default=1, metadata={"help": "torch threads of each run (jobs x threads: the cores it takes)"})
     vary: str = field(default="", metadata={"help": "FLAG=V1,V2,...: each run once per value, e.g. rollout_lag=0,1,2"})
 
 
@@ -71,7 +73,7 @@ def check_compare_args(args: CompareArgs, out_dir: str) -> list[str]:
 
     algos = [a.strip() for a in args.algos.split(",") if a.strip()]
     problems = [f"--algos: no script {a}.py; choose from {','.join(ALGOS)}" for a in algos if a not in ALGOS]
-    problems += [f"--{name} {getattr(args, name)} must be at least 1" for name in ("seeds", "jobs")
+    problems += [f"--{name} {getattr(args, name)} must be at least 1" for name in ("seeds", "jobs", "threads")
                  if getattr(args, name) < 1]
     if args.preset not in PRESET_NAMES:
         problems.append(f"--preset {args.preset!r}: choose one of {sorted(PRESET_NAMES)}")
@@ -112,7 +114,7 @@ def check_compare_args(args: CompareArgs, out_dir: str) -> list[str]:
 def run_one(algo: str, seed: int, args: CompareArgs, out_dir: str, value: str | None = None) -> dict:
     cmd = [sys.executable, os.path.join(REPO, f"{algo}.py"), *run_argv(algo, seed, args, out_dir, value)]
     run_name = os.path.join(os.path.basename(out_dir), run_label(algo, seed, args, value))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     start = time.time()
     log_path = os.path.join("runs", run_name + ".log")
     with open(log_path, "w") as log:

@@ -2,8 +2,11 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
+
+import pytest
 
 from benchmarks import logprob_passes
 
@@ -31,3 +34,99 @@ def test_the_gpu_check_rehearses_on_the_cpu_and_refuses_to_run_there(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     report = (tmp_path / "r2" / "report.md").read_text()
     assert "tests/test_gpu.py: exit 0" in report and "skipped" in report and "failed" not in report, report
+
+
+# Every script in benchmarks/ has a smoke test: it runs on the smallest work it accepts and its figures are sane.
+# logprob_passes and the GPU check are above; copy_cost.py in tests/test_siblings.py; weight_push.py (needs vLLM) in
+# tests/test_vllm_engine.py. tests/test_benchmarks.py::test_every_benchmark_script_has_a_smoke_test holds the list.
+
+
+def run_benchmark(args: list[str], cwd, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
+    proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.slow
+@pytest.mark.peer
+def test_step_time_runs_a_script_and_trl_on_the_same_work(toy_workdir, tmp_path):
+    """benchmarks/step_time.py --trl: 3 tiny steps of grpo.py and of TRL's GRPOTrainer, each in its own process, on
+    the toy; every figure present and positive. (It broke once at its first step, unnoticed: no test ran it.)"""
+    out = tmp_path / "step_time.json"
+    run_benchmark([os.path.join(REPO, "benchmarks", "step_time.py"), "--algo", "grpo", "--steps", "3", "--trl",
+                   "--output_dir", str(tmp_path / "runs"), "--out", str(out), "--", "--batch_size", "8",
+                   "--num_generations", "4", "--micro_batch_size", "4"], cwd=toy_workdir)
+    report = json.loads(out.read_text())
+    assert set(report["runs"]) == {"grpo", "trl"}
+    for name, run in report["runs"].items():
+        s = run["summary"]
+        assert s["time/step"] > 0 and s["time/tokens_per_s"] > 0 and s["memory/peak_gib"] > 0, (name, s)
+        assert s["time/update"] > 0 and s["time/rollout"] > 0, (name, s)
+    assert report["ratios"]["grpo/trl time/step"] > 0 and report["ratios"]["grpo/trl cpu/step"] > 0
+
+
+def test_grader_agreement_reads_the_gsm8k_files(tmp_path):
+    """benchmarks/grader_agreement.py on a two-problem copy of the files it reads: the agreement lines, and a wrong
+    label written out as a disagreement."""
+    from benchmarks.grader_agreement import MODELS
+
+    solutions = [{"question": "2 + 3?", "ground_truth": "2 + 3 = 5\nA: 5",
+                  **{m: {"solution": "2 + 3 = 5\nA: 5", "is_correct": m != MODELS[0]} for m in MODELS}}]
+    (tmp_path / "example_model_solutions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in solutions))
+    for split in ("train", "test"):
+        (tmp_path / f"{split}.jsonl").write_text(json.dumps({"question": "4 + 4?", "answer": "4 + 4 = 8\n#### 8"}))
+    out = tmp_path / "disagreements.jsonl"
+    proc = run_benchmark([os.path.join(REPO, "benchmarks", "grader_agreement.py"), "--gsm8k", str(tmp_path),
+                          "--out", str(out)], cwd=tmp_path)
+    assert f"model_solutions/{MODELS[0]}: 0/1 = 0.00% agree" in proc.stdout, proc.stdout
+    assert f"model_solutions/{MODELS[1]}: 1/1 = 100.00% agree" in proc.stdout and "references/test: 1/1" in proc.stdout
+    assert len(out.read_text().splitlines()) == 1
+
+
+def test_grader_worst_case_runs_small(tmp_path):
+    proc = run_benchmark([os.path.join(REPO, "benchmarks", "grader_worst_case.py"), "--small", "20",
+                          "--end_to_end_bytes", "2000", "--cap", "5"], cwd=tmp_path)
+    assert re.search(r"^\d+ cases in \d+ s; 0 superlinear or raising", proc.stdout, re.M), proc.stdout
+    assert "completions of 2,000 bytes" in proc.stdout
+
+
+def test_logprobs_memory_runs_small(tmp_path):
+    out = tmp_path / "m.json"
+    run_benchmark([os.path.join(REPO, "benchmarks", "logprobs_memory.py"), "--vocab", "512", "--batch", "1",
+                   "--length", "8", "--dtypes", "float32", "--out", str(out)], cwd=tmp_path)
+    results = json.loads(out.read_text())["results"]
+    assert len(results) == 6 and not [r for r in results if "error" in r], results
+
+
+@pytest.mark.slow
+def test_qwen3_shape_builds_its_task(tmp_path, monkeypatch):
+    from benchmarks import qwen3_shape
+
+    path = qwen3_shape.prepare(str(tmp_path / "shape"))
+    assert os.path.exists(os.path.join(path, "model", "config.json"))
+    assert json.load(open(os.path.join(path, "model", "config.json")))["vocab_size"] == qwen3_shape.QWEN3_VOCAB
+
+
+def test_server_overlap_runs_small():
+    from benchmarks import server_overlap
+
+    table = server_overlap.main(["--generate_s", "0.05", "--train_s", "0.05", "--lags", "0,1", "--steps", "4"])
+    rows = [line for line in table.splitlines() if re.match(r"^\| [01] \|", line)]
+    assert len(rows) == 2, table
+
+
+def test_every_benchmark_script_has_a_smoke_test():
+    """Each benchmarks/*.py is named in the code (not a comment) of some test besides this one: a benchmark that no
+    test runs breaks silently."""
+    code = []
+    for f in sorted(os.listdir(os.path.join(REPO, "tests"))):
+        if f.endswith(".py"):
+            text = open(os.path.join(REPO, "tests", f)).read()
+            if f == "test_benchmarks.py":
+                text = text.split("def test_every_benchmark_script_has_a_smoke_test")[0]
+            code += [line for line in text.splitlines() if not line.lstrip().startswith("#")]
+    code = "\n".join(code)
+    for name in sorted(os.listdir(os.path.join(REPO, "benchmarks"))):
+        if name.endswith(".py") and name != "__init__.py":
+            assert re.search(rf"\b{name[: -len('.py')]}\b", code), f"benchmarks/{name} has no smoke test"
