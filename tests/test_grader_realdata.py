@@ -14,7 +14,8 @@ It takes about 35 s on 2 cores (not marked slow: it guards the training reward).
 Multiple choice (issue 31): tests/data/choice_realdata.jsonl.gz (built by tests/data/make_choice_realdata.py) holds
 560 MMLU-Pro outputs of gpt-4o and deepseek-chat with the gold letter, graded with ``choice_accuracy``; the label is
 whether the chosen letter is the gold one, the chosen letter being MMLU-Pro's own regex extraction except on the rows
-where ours reads another letter, which were read by hand (tests/data/CHOICE_DISAGREEMENTS.md). Under a second:
+where ours reads another letter, which were read by hand (tests/data/CHOICE_DISAGREEMENTS.md, and LISTED_LETTERS
+below). Under a second:
 
     python -m pytest tests/test_grader_realdata.py -q -s -p no:cacheprovider -k choice
 """
@@ -87,7 +88,8 @@ def test_agreement_with_real_labels(monkeypatch):
 
 # Measured by the command in the docstring at the commit that adds choice_realdata.jsonl.gz. The reward
 # (choice_accuracy) agrees with the corrected label on 280 of 280 gpt-4o rows and 280 of 280 deepseek-chat rows (100%);
-# with MMLU-Pro's own labels, uncorrected, on 271 of 280 (96.79%) and 267 of 280 (95.36%). The letter read
+# with MMLU-Pro's own labels, uncorrected, on 271 of 280 (96.79%) and 267 of 280 (95.36%), 270 and 266 since a list
+# of letters scores 0 (LISTED_LETTERS: gpt4o-6836 and deepseek-6836 list the gold letter first). The letter read
 # (extract_choice) is the letter the completion chose on 280 of 280 and 279 of 280 (99.64%: deepseek-7711 chose no
 # option, and we read G from its list of options; its reward is 0 either way). Thresholds sit just below the measured
 # figures (one row of 280); a change that lowers a figure must be read against the rows the test prints.
@@ -97,12 +99,20 @@ CHOICE_THRESHOLD = {"mmlu-pro/gpt4o": {"reward": 0.996, "letter": 0.996},
                     "mmlu-pro/deepseek": {"reward": 0.996, "letter": 0.992}}
 
 
+# Rows whose final answer lists two letters, "The answer is (E) and (I).": a list of letters is no answer and scores 0
+# (docs/grader.md, "A list of letters is no answer"), so the completion chose none; MMLU-Pro's regex takes the first
+# letter (E). Read by hand; kept here, in the form of CHOICE_DISAGREEMENTS.md's rows (verdict, chosen letter).
+LISTED_LETTERS = {"gpt4o-6836": ("ours right", "none"),  # "The answer is (E) and (I)." (gold E; MMLU-Pro's label 1)
+                  "deepseek-6836": ("ours right", "none"),  # "The answer is (E) and (I)." (gold E; label 1)
+                  "deepseek-9044": ("ours right", "none")}  # "The answer is (E) and (I)." (gold I; label 0)
+
+
 def choice_verdicts() -> dict[str, tuple[str, str]]:
     """id -> (verdict, chosen letter or "none"), from the rows "| `id` | verdict | chosen | ..." of
-    CHOICE_DISAGREEMENTS.md."""
+    CHOICE_DISAGREEMENTS.md, and LISTED_LETTERS."""
     text = (DATA / "CHOICE_DISAGREEMENTS.md").read_text()
     return {m[1]: (m[2].strip(), m[3].strip())
-            for m in re.finditer(r"^\|\s*`([^`]+)`\s*\|([^|]+)\|([^|]+)\|", text, re.MULTILINE)}
+            for m in re.finditer(r"^\|\s*`([^`]+)`\s*\|([^|]+)\|([^|]+)\|", text, re.MULTILINE)} | LISTED_LETTERS
 
 
 def test_choice_agreement_with_real_labels():

@@ -488,10 +488,89 @@ OPTIONS = {"A": "x^2/4", "B": "$x^2/8$", "C": "0.5", "D": "True, Not Given"}
     (r"The answer is \( D. 0.39 \).", "D"),
     ("the correct answer is:\n\nA. x\n\nHowever, this does not match. The correct answer should be:\n\nC. y",
      "C"),  # before: A (MMLU-Pro deepseek-11304)
+    (r"Solution: Choice\_C", "C"),  # Markdown's escaped underscore; before: None
+    (r"The answer is Choice\_C.", "C"),  # before: None
+    (r"Option\_C", "C"),  # before: None
 ])
 def test_extract_choice_forms(text, letter):
     assert extract_choice(text) == letter
     assert extract_choice(text, "ABCD", OPTIONS) == letter
+
+
+# A list of letters is no answer (docs/grader.md): a policy paid for the letter read from a list (its first or last)
+# would learn to list them. "before" is what extract_choice read before this rule.
+@pytest.mark.parametrize("text", [
+    "A, B, C, or D",  # before: D
+    "A, B, C and D",  # before: D
+    "It could be A, B, C or D.",  # before: D
+    "None of the choices (A, B, C, or D) is correct.",  # before: D
+    "(A), (B) or (C)",  # before: C
+    "A/B/C",  # before: C
+    "either B or C",  # before: C
+    "The answer is either B or C.",  # before: C
+    "neither A nor B.",  # before: B
+    "The answer is A, B, C or D.",  # before: A
+    "The answer is (A) or (B).",  # before: A
+    "The answer is A and B",  # before: A
+    "The answer is A,B",  # before: B
+    "The answer is **A** or **B**.",  # before: A
+    "Answer: A/B/C/D",  # before: A
+    "Answer: (A), (B), (C), (D)",  # before: A
+    "Option A or Option B",  # before: B
+    "Choice_A, Choice_B",  # before: B
+    r"Choice\_A or Choice\_B",  # before: None
+    r"\boxed{A, B}",  # before: A
+    r"\boxed{A/B/C/D}",  # before: A
+    r"\boxed{A or B}",  # before: A
+    r"\boxed{\text{A, B, C, D}}",  # before: A
+    r"\boxed{(A), (B)}",  # before: A
+    r"\boxed{A}, \boxed{B}",  # boxes side by side; before: B
+    r"\boxed{A} or \boxed{D}",  # before: D
+])
+def test_a_list_of_letters_is_no_answer(text):
+    assert extract_choice(text) is None
+    assert extract_choice(text, "ABCD", OPTIONS) is None
+
+
+# A letter stated after a list, or a list that is no final answer, still counts.
+@pytest.mark.parametrize("text, letter", [
+    ("The options are A, B, C or D. The answer is C.", "C"),
+    ("It could be A, B, C or D. I pick C.", "C"),
+    ("It is either B or C. So C.", "C"),
+    ("(A), (B) or (C)? The answer is (C).", "C"),
+    (r"Not \boxed{A, B}: the answer is \boxed{C}", "C"),
+    (r"\boxed{A} is wrong, so the answer is \boxed{C}", "C"),  # boxes apart, not side by side
+    (r"\boxed{C} \boxed{C}", "C"),  # one letter twice
+    ("The answer is C. A, B and D are wrong.", "C"),
+    ("The answer is C, D is wrong.", "C"),  # "D is wrong": a clause after the answer, not "C, D"
+    ("The answer is B and I think it fits.", "B"),  # "I" the pronoun
+    ("The answer is C; D is wrong", "C"),
+    ("Choice_A Choice_B", "B"),  # a space alone is no separator (test_choice_forms_are_linear)
+])
+def test_a_letter_after_a_list_counts(text, letter):
+    assert extract_choice(text) == letter
+    assert extract_choice(text, "ABCD", OPTIONS) == letter
+
+
+# Reward hacking: whatever the gold letter, a completion that lists several letters, or every letter, earns nothing.
+LISTING_COMPLETIONS = [
+    "It could be A, B, C or D.", "The answer is A, B, C, or D.", "The answer is A, B, C and D.",
+    "None of the choices (A, B, C, or D) is correct.", "(A), (B), (C) or (D)", "A/B/C/D", r"\boxed{A, B, C, D}",
+    r"\boxed{A}, \boxed{B}, \boxed{C}, \boxed{D}", "Option A, Option B, Option C or Option D",
+    r"Choice\_A, Choice\_B, Choice\_C or Choice\_D", "The answer is either A or B.", "either C or D",
+    "The answer is (B) or (C).", "A or D.", r"\boxed{C/D}", "The answer is A and B and C and D.",
+]
+
+
+@pytest.mark.parametrize("gold", "ABCD")
+def test_listing_letters_earns_no_reward(gold):
+    from common.benchmarks import format_choices
+    prompt = format_choices("Where is the focus of y = 2x^2?", ["(0, 1/8)", "(0, 1/4)", "(1/8, 0)", "(0, 2)"])
+    assert options_of(prompt) == {"A": "(0, 1/8)", "B": "(0, 1/4)", "C": "(1/8, 0)", "D": "(0, 2)"}
+    n = len(LISTING_COMPLETIONS)
+    assert choice_accuracy([prompt] * n, LISTING_COMPLETIONS, answer=[gold] * n) == [0.0] * n
+    assert choice_accuracy([prompt] * n, LISTING_COMPLETIONS, answer=["ABCD".index(gold)] * n) == [0.0] * n
+    assert choice_accuracy([prompt], [f"The options are A, B, C or D. The answer is {gold}."], answer=[gold]) == [1.0]
 
 
 # A completion that names the option's text: the one option whose text matches (with the prompt's options only).
@@ -522,6 +601,17 @@ def test_choice_extraction_is_linear():
     assert extract_choice("answer is" + " " * MB + "x") is None
     assert extract_choice("The answer is" + "\n" * MB + "(B)") == "B"
     assert extract_choice("(A) " * (MB // 4) + "answer: C") == "C"
+    assert time.perf_counter() - start < LINEAR_S
+
+
+def test_lists_of_letters_are_read_in_linear_time():
+    start = time.perf_counter()
+    assert extract_choice("A, " * (MB // 3) + "B.") is None
+    assert extract_choice("The answer is A" + ", B" * (MB // 3)) is None
+    assert extract_choice("(A) or " * (MB // 7) + "answer: C") == "C"
+    assert extract_choice("A, " * (MB // 3) + r"\boxed{C}") == "C"
+    assert extract_choice(r"\boxed{A}, " * (MB // 12) + r"\boxed{B}") is None
+    assert extract_choice("Option A or " * (MB // 12) + "the answer is" + " " * MB + "x^2/8", "ABCD", OPTIONS) == "B"
     assert time.perf_counter() - start < LINEAR_S
 
 
