@@ -51,7 +51,7 @@ def main():
     prompts_t, completions_t = pad_rows(prompt_ids, tokenizer.pad_token_id, left=True), pad_rows(completions, 0)
     mask = pad_rows([[1] * len(c) for c in completions], 0)
     input_ids = torch.cat([prompts_t, completions_t], dim=1)
-    attention_mask = torch.cat([(prompts_t != tokenizer.pad_token_id).long(), mask], dim=1)
+    attention_mask = torch.cat([pad_rows([[1] * len(p) for p in prompt_ids], 0, left=True), mask], dim=1)
     T, B = mask.shape[1], len(prompt_ids)
 
     def one_pass(size: int, share: bool) -> torch.Tensor:

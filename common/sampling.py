@@ -90,10 +90,12 @@ def round_prompts(run, index: int, r: int) -> tuple[dict, list[list[int]], list[
 def to_tensors(rollouts: Rollouts, removed: torch.Tensor, pad_token_id: int) -> dict:
     """[left-padded prompt | right-padded completion] and the per-token tensors of the loss."""
     prompts = pad_rows(rollouts.prompt_ids, pad_token_id, left=True)  # (B, P)
+    # from the lengths, not `prompts != pad`: a chat template's end-of-turn token is often the pad token too
+    prompt_tokens = pad_rows([[1] * len(p) for p in rollouts.prompt_ids], 0, left=True)  # (B, P)
     completion_tokens = pad_rows([[1] * len(c) for c in rollouts.completion_ids], 0)  # (B, T) EOS included
     return {
         "input_ids": torch.cat([prompts, pad_rows(rollouts.completion_ids, pad_token_id)], dim=1),  # (B, P+T)
-        "attention_mask": torch.cat([(prompts != pad_token_id).long(), completion_tokens], dim=1),  # (B, P+T)
+        "attention_mask": torch.cat([prompt_tokens, completion_tokens], dim=1),  # (B, P+T)
         "completion_tokens": completion_tokens,
         "mask": completion_tokens * pad_rows(rollouts.action_mask, 0) * ~removed[:, None],  # (B, T)
         "sampler_logp": pad_rows(rollouts.sampler_logp, 0.0),  # (B, T)
