@@ -57,6 +57,25 @@ def toy_workdir(tmp_path_factory):
     return workdir
 
 
+@pytest.fixture(scope="session")
+def smollm2_workdir(tmp_path_factory):
+    """A working directory holding runs/smollm2, the real model and its task (common/models.py; the preset's paths
+    are relative to it). Downloaded (98 MB) and converted once: into SMOLLM2_CACHE=DIR when it is set (.ci/run sets
+    it; a later session reuses the folder), else into a temporary folder."""
+    from common.models import SMOLLM2_DIR, prepare_smollm2
+
+    workdir = tmp_path_factory.mktemp("real")
+    target = workdir / SMOLLM2_DIR
+    target.parent.mkdir(parents=True)
+    if os.environ.get("SMOLLM2_CACHE"):
+        cache = os.path.abspath(os.environ["SMOLLM2_CACHE"])
+        prepare_smollm2(cache)
+        os.symlink(cache, target)  # read only: the runs write their own folders beside it
+    else:
+        prepare_smollm2(str(target))
+    return workdir
+
+
 @pytest.fixture
 def in_toy_workdir(toy_workdir, monkeypatch):
     monkeypatch.chdir(toy_workdir)

@@ -20,21 +20,6 @@ import common.models as models
 import grpo
 
 
-@pytest.fixture(scope="session")
-def smollm2_workdir(tmp_path_factory):
-    """A working directory holding runs/smollm2 (the preset's paths are relative to it)."""
-    workdir = tmp_path_factory.mktemp("real")
-    target = workdir / models.SMOLLM2_DIR
-    target.parent.mkdir(parents=True)
-    if os.environ.get("SMOLLM2_CACHE"):
-        cache = os.path.abspath(os.environ["SMOLLM2_CACHE"])
-        models.prepare_smollm2(cache)
-        os.symlink(cache, target)  # read-only use: the runs write their own folders beside it
-    else:
-        models.prepare_smollm2(str(target))
-    return workdir
-
-
 @pytest.mark.slow
 def test_the_conversion_equals_transformers_own_gguf_load(smollm2_workdir):
     """The saved float32 folder gives the same logits as transformers' dequantizing load of the wheel's GGUF file,
