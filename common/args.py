@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import difflib
 import importlib
+import re
 import sys
 import types
 
@@ -30,7 +31,12 @@ def arg(default, help: str, at_least: float | None = None):
 
 
 class ArgParser(HfArgumentParser):
-    """HfArgumentParser, which passes a field's metadata to argparse, less the keys that are not argparse's."""
+    """HfArgumentParser, which passes a field's metadata to argparse, less the keys that are not argparse's; a bad
+    value is one line naming the flag, what it got and what it takes (argparse's own prints the whole usage)."""
+
+    def error(self, message: str):
+        message = re.sub(r"(--\w+)/--[\w-]+", r"\1", message)  # "--total_steps/--total-steps": the flag as written
+        raise SystemExit(f"error: {message}; --help lists the flags")
 
     @staticmethod
     def _parse_dataclass_field(parser, field: dataclasses.Field):

@@ -589,3 +589,11 @@ def test_lora_under_fsdp_is_refused_before_any_weights_load(workdir, no_weights,
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what accelerate launch --config_file fsdp2.yaml sets
     message = refusal(lambda: run_script(importlib.import_module("grpo"), SMALL + ["--lora_r", "4"]), capsys)
     assert "--lora_r 4 with FSDP is not supported" in message and "ddp.yaml" in message
+
+
+def test_a_wrong_type_is_one_line_without_the_usage(tmp_path):
+    """`--total_steps ten`: one line naming the flag, the value and the type, exit 1; not argparse's usage dump."""
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "grpo.py"), "--total_steps", "ten"], cwd=tmp_path,
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": REPO})
+    assert proc.returncode == 1 and proc.stdout == "", (proc.returncode, proc.stdout)
+    assert proc.stderr.strip() == ("error: argument --total_steps: invalid int value: 'ten'; --help lists the flags")
