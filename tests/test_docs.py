@@ -121,3 +121,13 @@ def differ_table(path: str) -> list[str]:
 def test_the_readme_table_of_differences_is_the_docs_table():
     readme, docs = differ_table(README), differ_table(os.path.join(DOCS, "estimators", "index.md"))
     assert readme == docs, "README.md's 'How the five differ' table and docs/estimators/index.md's must be equal"
+
+
+def test_every_estimator_table_lists_every_script():
+    """The README's table of scripts and papers and docs/index.md's table of pages name every estimator script (the
+    top-level scripts with a compute_loss, evals.ALGORITHMS), so a new one cannot be left out of either."""
+    from evals import ALGORITHMS
+
+    for path in (README, os.path.join(DOCS, "index.md")):
+        listed = set(re.findall(r"^\|(?:[^|\n]*\|)? `(\w+)\.py` \|", read(path), re.M))  # the first or second cell
+        assert listed == set(ALGORITHMS), (rel(path), sorted(set(ALGORITHMS) ^ listed))
