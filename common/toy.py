@@ -24,6 +24,8 @@ The warm start answers most prompts directly and calls the tool on a minority, s
 explores both and greedy decoding answers directly: RL with --max_turns 2 learns to call.
 """
 
+import contextlib
+import fcntl
 import json
 import os
 import random
@@ -244,6 +246,25 @@ def save_toy(path: str, model, tokenizer, info: dict) -> dict:
     return info
 
 
+@contextlib.contextmanager
+def one_builder(path: str):
+    """Build under `path`.lock (a second process waits, then finds the first one's build), on one thread: a model
+    this small gains nothing from more, and on busy cores more threads made it ten times slower."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(os.path.abspath(path) + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
+
+
+def announce(path: str, what: str) -> None:
+    print(f"toy: building {path} once ({what}; under a minute on an idle core, later runs reuse it)", flush=True)
+
+
 def prepare_toy(path: str, seed: int | None = None, target_accuracy: float = 0.35) -> dict:
     """Build (or reuse) the toy model and data under `path`; returns the paths and warm-start accuracy.
     `seed`: ``default_seed()`` when None (TOY_SEED); a toy built from another seed is rebuilt, not reused."""
@@ -251,6 +272,14 @@ def prepare_toy(path: str, seed: int | None = None, target_accuracy: float = 0.3
     settings = {"version": TOY_VERSION, "seed": seed, "target_accuracy": target_accuracy}
     if (info := cached_info(os.path.join(path, "toy.json"), settings)) is not None:
         return info
+    with one_builder(path):
+        if (info := cached_info(os.path.join(path, "toy.json"), settings)) is not None:
+            return info  # another process built it while this one waited
+        announce(path, "a 300k-parameter Qwen3, warm-started on two-digit addition")
+        return build_toy(path, seed, settings, target_accuracy)
+
+
+def build_toy(path: str, seed: int, settings: dict, target_accuracy: float) -> dict:
     train, test = make_splits(seed)
     write_splits(path, train, test)
     tokenizer = build_tokenizer()
@@ -347,6 +376,15 @@ def prepare_toy_tir(path: str, seed: int = 0, target_accuracy: float = 0.6, mix_
                 "mix_lr": mix_lr}
     if (info := cached_info(os.path.join(path, "toy.json"), settings)) is not None:
         return info
+    with one_builder(path):
+        if (info := cached_info(os.path.join(path, "toy.json"), settings)) is not None:
+            return info  # another process built it while this one waited
+        announce(path, "the TIR toy: a small Qwen3 warm-started to call a calculator")
+        return build_toy_tir(path, seed, settings, target_accuracy, mix_steps, mix_lr)
+
+
+def build_toy_tir(path: str, seed: int, settings: dict, target_accuracy: float, mix_steps: int,
+                  mix_lr: float) -> dict:
     train, test = make_tir_splits(seed)
     write_splits(path, train, test)
     tokenizer = build_tokenizer(TIR_CHARS)

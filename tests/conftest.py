@@ -1,7 +1,6 @@
 """Shared fixtures: the toy model and data, built once per test session in a temporary folder (TOY_SEED=N builds
 it from another seed: common/toy.py), and the skip rules of tests that need the code sandbox or a peer."""
 
-import fcntl
 import importlib.util
 import json
 import os
@@ -47,10 +46,7 @@ def toy_workdir(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("work")
     if os.environ.get("TOY_CACHE"):
         cache = os.path.abspath(os.environ["TOY_CACHE"])
-        os.makedirs(os.path.dirname(cache), exist_ok=True)
-        with open(cache + ".lock", "w") as lock:  # CI's stages run side by side: one builds, the others wait for it
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            prepare_toy(cache)
+        prepare_toy(cache)  # under its lock: CI's stages run side by side, one builds, the others wait for it
         shutil.copytree(cache, workdir / TOY_DIR)
     else:
         prepare_toy(str(workdir / TOY_DIR))

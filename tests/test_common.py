@@ -195,3 +195,36 @@ def test_a_pad_token_inside_a_prompt_is_attended_to():
     assert batch["input_ids"].tolist() == [[5, 2, 7, 4, 2], [2, 2, 9, 6, 2]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [0, 1, 1, 1, 0]]
     assert batch["mask"].tolist() == [[1, 1], [1, 0]]
+
+
+def test_the_toy_is_built_once_by_one_builder_that_says_so(tmp_path, monkeypatch, capsys):
+    """Two processes asking for the toy at once (here threads, each with its own lock file handle: flock excludes
+    them alike): one announces the build and builds, on one thread; the other waits and reuses it."""
+    import threading
+    import time
+
+    import common.toy as toy
+
+    calls = []
+
+    def slow_build(path, seed, settings, target_accuracy):
+        calls.append(torch.get_num_threads())
+        time.sleep(0.5)
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "toy.json"), "w") as f:
+            json.dump(settings, f)
+        return settings
+
+    monkeypatch.setattr(toy, "build_toy", slow_build)
+    threads = torch.get_num_threads()
+    results = []
+    workers = [threading.Thread(target=lambda: results.append(toy.prepare_toy(str(tmp_path / "toy"), seed=5)))
+               for _ in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert calls == [1] and len(results) == 2 and results[0] == results[1]
+    assert torch.get_num_threads() == threads  # put back after the build
+    out = capsys.readouterr().out
+    assert out.count("toy: building ") == 1 and "once (a 300k-parameter Qwen3" in out, out
