@@ -33,7 +33,7 @@ class Args:
     # Experiment
     exp_name: str = arg(os.path.basename(__file__)[: -len(".py")], "name of this experiment")
     seed: int = arg(1, "seed of the run (weights init of LoRA, data order, sampling)")
-    preset: str | None = arg(None, "a named set of defaults: toy (CPU, minutes)")
+    preset: str | None = arg(None, "a named set of defaults: toy, toy_tir (CPU, minutes), smollm2 (a real model, CPU)")
     output_dir: str = arg("runs", "runs are written to output_dir/run_name")
     run_name: str | None = arg(None, "default: {exp_name}__{seed}__{unix time}")
     report_to: str = arg("tensorboard", "tracker: tensorboard, wandb, trackio, mlflow or none")
@@ -108,10 +108,10 @@ class Args:
     beta: float = arg(0.04, "KL coefficient to the reference policy (k3 estimator)", at_least=0)
     epsilon: float = arg(0.2, "lower clip range", at_least=0)
     epsilon_high: float = arg(0.2, "upper clip range", at_least=0)
-    advantage: Literal["zscore", "sign"] = arg("zscore", "zscore, or sign (the landscape paper's CL)")
-    train_on: Literal["all", "positive", "negative"] = arg("all", "all rows, or those with A > 0 (PL) or A < 0 (NL)")
+    advantage: Literal["zscore", "sign"] = arg("zscore", "zscore, or sign: A = sign(R - group mean) (landscape paper)")
+    train_on: Literal["all", "positive", "negative"] = arg("all", "all rows, or only those with A > 0, or A < 0")
     loss_agg: Literal["seq-mean-token-mean", "token-mean", "token-sum-norm"] = arg(
-        "seq-mean-token-mean", "or token-mean (/ the batch's tokens), token-sum-norm (/ B * max_completion_length)")
+        "seq-mean-token-mean", "mean over rows of token means; token-mean, token-sum-norm: docs/estimators/grpo.md")
 
 
 # ALGO LOGIC: advantages and loss

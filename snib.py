@@ -33,7 +33,7 @@ class Args:
     # Experiment
     exp_name: str = arg(os.path.basename(__file__)[: -len(".py")], "name of this experiment")
     seed: int = arg(1, "seed of the run (weights init of LoRA, data order, sampling)")
-    preset: str | None = arg(None, "a named set of defaults: toy (CPU, minutes)")
+    preset: str | None = arg(None, "a named set of defaults: toy, toy_tir (CPU, minutes), smollm2 (a real model, CPU)")
     output_dir: str = arg("runs", "runs are written to output_dir/run_name")
     run_name: str | None = arg(None, "default: {exp_name}__{seed}__{unix time}")
     report_to: str = arg("tensorboard", "tracker: tensorboard, wandb, trackio, mlflow or none")

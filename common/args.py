@@ -44,6 +44,11 @@ class ArgParser(HfArgumentParser):
             field = copy.copy(field)
             field.metadata = types.MappingProxyType({k: v for k, v in field.metadata.items() if k != "at_least"})
         HfArgumentParser._parse_dataclass_field(parser, field)
+        for action in parser._actions:  # %(default).0s: no "(default: ...)" added where it would mislead or repeat
+            if f"--no_{field.name}" in action.option_strings:  # the `--no_X` twin of a flag on by default
+                action.help = f"turn --{field.name} off%(default).0s"
+            elif f"--{field.name}" in action.option_strings and "default" in (action.help or ""):
+                action.help += "%(default).0s"  # its help already says what the default is
 
 
 def parse_args(args_cls, argv: list[str] | None = None):
@@ -68,7 +73,11 @@ def parse_args(args_cls, argv: list[str] | None = None):
         if unknown:
             raise SystemExit(f"error: {known.config} sets {unknown}, which are not fields of {args_cls.__name__}")
         defaults.update(recipe)
-    parser = ArgParser(args_cls)
+    script = sys.modules.get(args_cls.__module__)
+    parser = ArgParser(args_cls, description=((script.__doc__ or "").strip().splitlines() or [None])[0],
+                       epilog="Each flag is a field of the script's Args; the command line wins over --config, which "
+                              "wins over --preset.")
+    parser.add_argument("--config", help="a YAML recipe of Args fields (configs/recipes/; docs/replicating.md)")
     parser.set_defaults(**defaults)
     i = argv.index("--config") if "--config" in argv else None
     rest = argv if i is None else argv[:i] + argv[i + 2 :]

@@ -597,3 +597,19 @@ def test_a_wrong_type_is_one_line_without_the_usage(tmp_path):
                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": REPO})
     assert proc.returncode == 1 and proc.stdout == "", (proc.returncode, proc.stdout)
     assert proc.stderr.strip() == ("error: argument --total_steps: invalid int value: 'ten'; --help lists the flags")
+
+
+def test_help_describes_the_script_and_lists_every_flag_and_preset(capsys):
+    """--help: the script's one-line description, --config, every preset, and `--no_X` twins in their own words."""
+    import grpo
+    from common.args import PRESET_NAMES
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(grpo.Args, ["--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert grpo.__doc__.splitlines()[0] in text
+    assert "--config CONFIG a YAML recipe of Args fields" in text
+    assert all(name in text.split("--preset PRESET ")[-1][:200] for name in PRESET_NAMES), text
+    assert "(default: the preset's, else train) --eval_dataset" in text  # one default, not two
+    assert "--no_use_chat_template, --no-use-chat-template turn --use_chat_template off --enable_thinking" in text
