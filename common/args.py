@@ -77,7 +77,8 @@ def parse_args(args_cls, argv: list[str] | None = None):
     parser = ArgParser(args_cls, description=((script.__doc__ or "").strip().splitlines() or [None])[0],
                        epilog="Each flag is a field of the script's Args; the command line wins over --config, which "
                               "wins over --preset.")
-    parser.add_argument("--config", help="a YAML recipe of Args fields (configs/recipes/; docs/replicating.md)")
+    parser.add_argument("--config", default=argparse.SUPPRESS,  # read above; listed here for --help only
+                        help="a YAML recipe of Args fields (configs/recipes/; docs/replicating.md)")
     parser.set_defaults(**defaults)
     i = argv.index("--config") if "--config" in argv else None
     rest = argv if i is None else argv[:i] + argv[i + 2 :]
