@@ -70,6 +70,7 @@ class Args:
     enable_thinking: bool = arg(False, "Qwen3's thinking mode in the chat template")
     reward_funcs: str = arg("math_accuracy", "comma-separated registered names or module:function")
     reward_weights: str | None = arg(None, "comma-separated weights (default: all 1)")
+    reward_timeout: float = arg(600.0, "seconds one reward function may take on a batch, or the run stops", at_least=1)
     # Rollouts
     rollout_engine: Literal["auto", "vllm", "hf"] = arg("auto", "vllm, hf (transformers' generate) or auto")
     max_prompt_length: int = arg(512, "longer prompts are dropped from the data")

@@ -291,7 +291,7 @@ def dry_call_problems(args, funcs: list, data: dict, rows, num_rows: int = 2) ->
     completions = [str(a) if a is not None else "" for a in columns.get("answer", [""] * len(rows))]
     weights = [float(w) for w in str(args.reward_weights).split(",")] if args.reward_weights else None
     try:
-        compute_rewards(funcs, weights, rows[data["prompt_column"]], completions, columns)
+        compute_rewards(funcs, weights, rows[data["prompt_column"]], completions, columns, args.reward_timeout)
     except (RewardError, TypeError, ValueError) as e:
         return [f"--reward_funcs: a trial call on the first {len(rows)} rows of {data['path']} failed: "
                 f"{str(e).splitlines()[0]}"]

@@ -17,6 +17,7 @@ first time one of them is asked for by name: a run with other rewards does not l
 
 import importlib
 import math
+import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -114,8 +115,34 @@ def _first_failing_sample(fn: RewardFn, prompts: list[str], completions: list[st
     return None
 
 
+def within(seconds: float | None, name: str, call: Callable):
+    """`call()`, waited for at most `seconds` (None: no limit). It runs on a daemon thread, so a call that never
+    returns (a grading service that hangs) raises RewardError here instead of hanging the run; the thread cannot be
+    stopped, and ends with the process."""
+    if seconds is None:
+        return call()
+    box = {}
+
+    def run():
+        try:
+            box["out"] = call()
+        except BaseException as e:  # noqa: BLE001 (re-raised in the caller's thread)
+            box["error"] = e
+
+    thread = threading.Thread(target=run, name=f"reward {name}", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise RewardError(f"reward function {name!r} did not return within {seconds:g} s (--reward_timeout): it hangs, "
+                          f"or it needs a higher --reward_timeout")
+    if "error" in box:
+        raise box["error"]
+    return box["out"]
+
+
 def _call_reward(
-    fn: RewardFn, name: str, prompts: list[str], completions: list[str], columns: dict[str, list]
+    fn: RewardFn, name: str, prompts: list[str], completions: list[str], columns: dict[str, list],
+    timeout: float | None = None,
 ) -> "tuple[torch.Tensor, dict[str, torch.Tensor]]":
     """Call one reward function and check its output, raising RewardError with the culprit sample.
 
@@ -123,7 +150,9 @@ def _call_reward(
     """
     import torch  # here, not at the top: grading workers import this module and must start fast
     try:
-        out = fn(prompts, completions, **columns)
+        out = within(timeout, name, lambda: fn(prompts, completions, **columns))
+    except RewardError:
+        raise
     except Exception as e:
         i = _first_failing_sample(fn, prompts, completions, columns)
         where = (
@@ -160,8 +189,10 @@ def compute_rewards(
     prompts: list[str],
     completions: list[str],
     columns: dict[str, list],
+    timeout: float | None = None,
 ) -> "tuple[torch.Tensor, dict[str, torch.Tensor]]":
-    """Total reward per completion and each function's unweighted rewards (for logging).
+    """Total reward per completion and each function's unweighted rewards (for logging); each function's call may
+    take `timeout` seconds at most (None: no limit), or a RewardError says which one hung.
 
     Returns ``(sum_k weights[k] * funcs[k](...), {name: (B,) tensor})``; a function that returns ``Rewards`` adds
     ``{f"{name}/{key}": (B,) tensor}`` for each of its metrics (math_accuracy: ``"math_accuracy/timeouts"``, 1.0 where
@@ -181,7 +212,7 @@ def compute_rewards(
         name = _reward_name(fn)
         if name in per_function:  # the same function twice (e.g. two weights): keep both in the logs
             name = f"{name}_{k}"
-        rewards, metrics = _call_reward(fn, name, prompts, completions, columns)
+        rewards, metrics = _call_reward(fn, name, prompts, completions, columns, timeout)
         per_function[name] = rewards
         per_function.update({f"{name}/{key}": values for key, values in metrics.items()})
         total += weight * rewards

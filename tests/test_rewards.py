@@ -671,3 +671,32 @@ def test_control_characters_are_dropped_before_grading():
     assert extract_answer("so \\boxed{3\x00}") == "3"
     assert math_accuracy(["q", "q", "q"], ["\\boxed{3\x00}", "The answer is \x1b4.", "\\boxed{\\frac{1}{2}}\r"],
                          answer=["3", "4", "0.5"]) == [1.0, 1.0, 1.0]
+
+
+def test_a_reward_that_never_returns_is_stopped_at_its_time_limit():
+    """compute_rewards(..., timeout): a function that hangs raises a RewardError naming it after `timeout` seconds
+    (the run stops instead of hanging); one that returns in time, or raises, behaves as without a limit."""
+    import threading
+    import time
+
+    from common.rewards import RewardError, compute_rewards
+
+    never = threading.Event()
+
+    def hangs(prompts, completions, **_):
+        never.wait()  # released at the end of the test, so the daemon thread ends too
+        return [0.0] * len(completions)
+
+    start = time.time()
+    with pytest.raises(RewardError, match=r"reward function 'hangs' did not return within 0.5 s \(--reward_timeout\)"):
+        compute_rewards([hangs], None, ["p"], ["c"], {}, timeout=0.5)
+    assert time.time() - start < 5
+    never.set()
+    total, _ = compute_rewards([lambda p, c, **_: [2.0] * len(c)], None, ["p", "q"], ["c", "d"], {}, timeout=5)
+    assert total.tolist() == [2.0, 2.0]
+
+    def raises(prompts, completions, **_):
+        raise ValueError("boom")
+
+    with pytest.raises(RewardError, match="raised ValueError: boom"):
+        compute_rewards([raises], None, ["p"], ["c"], {}, timeout=5)

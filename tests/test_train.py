@@ -291,3 +291,25 @@ def test_toy_learns(in_toy_workdir):
     evals = [m["eval/accuracy"] for m in read_metrics(run) if "eval/accuracy" in m]
     assert len(evals) == 3
     assert evals[-1] >= evals[0] + 0.04, evals
+
+
+def test_a_reward_function_that_never_returns_stops_the_run_naming_it(toy_workdir, tmp_path):
+    """A reward that answers the trial call, then hangs (a grading service that stopped answering): the run stops
+    after --reward_timeout with one error naming the step and the function, then the resume line; no hang."""
+    (tmp_path / "hanging_reward.py").write_text(
+        "import time\n\n\n"
+        "def reward(prompts, completions, answer, **_):\n"
+        "    if completions != [str(a) for a in answer]:  # the trial call passes the answers as completions\n"
+        "        time.sleep(3600)\n"
+        "    return [1.0] * len(completions)\n")
+    argv = SMALL + ["--reward_funcs", "hanging_reward:reward", "--reward_timeout", "3", "--run_name", "hanging"]
+    env = subprocess_env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, os.path.join(REPO, "grpo.py"), *argv], cwd=toy_workdir, env=env,
+                          capture_output=True, text=True, timeout=300)
+    err = done.stderr
+    assert done.returncode == 1, err[-3000:]
+    assert ("error: step 1: reward function 'reward' did not return within 3 s (--reward_timeout): it hangs, or it "
+            "needs a higher --reward_timeout") in err, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("the last checkpoint of runs/hanging is none yet"), err[-3000:]
