@@ -92,24 +92,26 @@ def launch(main, args_cls) -> None:
 
     interrupted = []
 
-    def on_ctrl_c(*_):  # the first Ctrl-C raises KeyboardInterrupt; the second exits at once, even mid-unwind
-        if interrupted:
-            os._exit(130)  # no waiting on a slow shutdown
-        interrupted.append(True)
+    def on_ctrl_c(signum, _frame):  # the first Ctrl-C (or a scheduler's SIGTERM) raises KeyboardInterrupt; the
+        if interrupted:  # second exits at once, even mid-unwind
+            os._exit(128 + signum)  # no waiting on a slow shutdown
+        interrupted.append(signum)
         raise KeyboardInterrupt
 
     args = parse_args(args_cls)
     signal.signal(signal.SIGINT, on_ctrl_c)
+    signal.signal(signal.SIGTERM, on_ctrl_c)  # what schedulers send before they kill a job: the same clean stop
     try:
         main(args)
     except KeyboardInterrupt:
-        interrupted.append(True)  # the next Ctrl-C exits at once, also where a library's own handler raised this one
+        how = "terminated (SIGTERM)" if interrupted[:1] == [signal.SIGTERM] else "interrupted"
+        interrupted.append(signal.SIGINT)  # the next signal exits at once, also where a library's handler raised
         signal.signal(signal.SIGINT, on_ctrl_c)
         if not PartialState().is_main_process:
             raise SystemExit(130) from None
         if "run_dir" not in ACTIVE_RUN:
-            raise SystemExit("interrupted before training started") from None
-        raise SystemExit(f"interrupted: {where_to_resume()}") from None
+            raise SystemExit(f"{how} before training started") from None
+        raise SystemExit(f"{how}: {where_to_resume()}") from None
     except RewardError as e:  # a reward function broke on a sample: its message names the step, function, sample
         if e.__cause__ is not None:  # the user's code raised: its own traceback, without our frames above it
             tb = e.__cause__.__traceback__

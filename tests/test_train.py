@@ -172,26 +172,29 @@ def test_a_cpu_run_from_the_command_line_prints_no_library_warning(toy_workdir):
 
 
 @pytest.mark.slow
-def test_ctrl_c_prints_one_line_with_the_checkpoint_and_how_to_resume(toy_workdir):
-    """SIGINT (Ctrl-C) once the step-2 checkpoint exists: no traceback, one line naming it and the resume flag."""
+@pytest.mark.parametrize("signal_name, said", [("SIGINT", "interrupted"), ("SIGTERM", "terminated (SIGTERM)")])
+def test_ctrl_c_prints_one_line_with_the_checkpoint_and_how_to_resume(toy_workdir, signal_name, said):
+    """SIGINT (Ctrl-C), or SIGTERM (what a scheduler sends before it kills a job), once the step-2 checkpoint exists:
+    no traceback, one line naming it and the resume flag."""
     import signal
     import time
 
-    run_dir = os.path.join(toy_workdir, "runs", "ctrl_c")
+    name = f"ctrl_c_{signal_name}"
+    run_dir = os.path.join(toy_workdir, "runs", name)
     argv = ["--preset", "toy", "--total_steps", "10000", "--save_steps", "2", "--eval_steps", "0", "--batch_size", "16",
-            "--num_generations", "4", "--micro_batch_size", "16", "--run_name", "ctrl_c"]
+            "--num_generations", "4", "--micro_batch_size", "16", "--run_name", name]
     proc = subprocess.Popen([sys.executable, os.path.join(REPO, "grpo.py"), *argv], cwd=toy_workdir,
                             env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     while not os.path.isdir(os.path.join(run_dir, "checkpoints", "step_2")) and time.monotonic() < deadline:
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(getattr(signal, signal_name))
     out, err = proc.communicate(timeout=120)
     assert proc.returncode != 0 and "Traceback" not in out + err, err[-3000:]
     last = err.strip().splitlines()[-1]
-    assert last.startswith("interrupted: the last checkpoint of runs/ctrl_c is checkpoints/step_"), err[-3000:]
-    assert last.endswith("resume with the same command and --resume_from runs/ctrl_c"), last
+    assert last.startswith(f"{said}: the last checkpoint of runs/{name} is checkpoints/step_"), err[-3000:]
+    assert last.endswith(f"resume with the same command and --resume_from runs/{name}"), last
 
 
 def read_line(proc, timeout: float = 60) -> str:
