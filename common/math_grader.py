@@ -365,7 +365,12 @@ def extract_answer(text: str) -> str | None:
     boxed = _final_boxes(text)
     if boxed is not None:
         return boxed.strip()
+    if _EMPTY_BOX_AFTER_EQUALS.search(text):  # "25 + 60 = \boxed{}": the answer's place is empty, and the expression
+        return None  # before "=" is the question restated, not its answer (a policy learned to write exactly this)
     return _marked_answer(text) or _trailing_expression(text)
+
+
+_EMPTY_BOX_AFTER_EQUALS = re.compile(r"=[ \t]*+(?:\$|\\[(\[])?[ \t]*+\\(?:boxed|fbox)[ \t]*+\{[ \t]*+\}")
 
 
 def _number_text(value: int | float) -> str:

@@ -700,3 +700,14 @@ def test_a_reward_that_never_returns_is_stopped_at_its_time_limit():
 
     with pytest.raises(RewardError, match="raised ValueError: boom"):
         compute_rewards([raises], None, ["p"], ["c"], {}, timeout=5)
+
+
+@pytest.mark.parametrize("completion", ["25 + 60 = \\boxed{}", "25 + 60 = $\\boxed{}$", "25+60=\\(\\boxed{ }\\)",
+                                        "So 25 + 60 = \\fbox{}"])
+def test_an_empty_box_after_an_equals_sign_is_no_answer(completion):
+    """"25 + 60 = \\boxed{}" restates the question: the expression before "=" is not the answer, and the box that
+    should hold it is empty. Read as the trailing expression it scored 1 (math-verify evaluates 25 + 60 to 85), and a
+    policy on --preset smollm2 learned to write exactly this (docs/real-model.md)."""
+    assert extract_answer(completion) is None
+    assert list(math_accuracy(["What is 25 + 60?"], [completion], ["85"])) == [0.0]
+    assert list(math_accuracy(["What is 25 + 60?"], ["25 + 60 = \\boxed{85}"], ["85"])) == [1.0]
