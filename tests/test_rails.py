@@ -223,7 +223,7 @@ COMPARE_CASES = [
     (["--algos", ""], "--algos is empty"),
     (["--seeds", "0"], "--seeds 0 must be at least 1"),
     (["--jobs", "0"], "--jobs 0 must be at least 1"),
-    (["--preset", "huge"], "--preset 'huge': choose one of ['toy'"),
+    (["--preset", "huge"], "--preset 'huge': choose one of ['smollm2', 'toy', 'toy_tir']"),
     (["--extra", "--run_name 'unclosed"], "--extra \"--run_name 'unclosed\": No closing quotation"),
     (["--algos", "grpo", "--extra", "--temperature 0"], "grpo: --temperature 0.0 must be > 0"),
     (["--algos", "snib", "--extra", "--reward_noise=-1"], "snib: --reward_noise -1.0 must be >= 0"),
