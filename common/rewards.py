@@ -17,6 +17,7 @@ first time one of them is asked for by name: a run with other rewards does not l
 
 import importlib
 import math
+import queue
 import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -115,24 +116,34 @@ def _first_failing_sample(fn: RewardFn, prompts: list[str], completions: list[st
     return None
 
 
-def within(seconds: float | None, name: str, call: Callable):
-    """`call()`, waited for at most `seconds` (None: no limit). It runs on a daemon thread, so a call that never
-    returns (a grading service that hangs) raises RewardError here instead of hanging the run; the thread cannot be
-    stopped, and ends with the process."""
-    if seconds is None:
-        return call()
-    box = {}
+_CALLS: "queue.Queue | None" = None  # reward calls under a time limit, run in turn on one long-lived daemon thread
 
-    def run():
+
+def _serve_calls() -> None:
+    while True:
+        call, box, done = _CALLS.get()
         try:
             box["out"] = call()
         except BaseException as e:  # noqa: BLE001 (re-raised in the caller's thread)
             box["error"] = e
+        done.set()
 
-    thread = threading.Thread(target=run, name=f"reward {name}", daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if thread.is_alive():
+
+def within(seconds: float | None, name: str, call: Callable):
+    """`call()`, waited for at most `seconds` (None: no limit): a call that never returns (a grading service that
+    hangs) raises RewardError here instead of hanging the run. Calls run on one daemon thread that lives as long as
+    the process: a hung call cannot be stopped and ends with the process, and the math grader's worker processes,
+    which die with the thread that started them (PR_SET_PDEATHSIG), keep running between calls (with a thread per
+    call they died after each, and the next call's correct answers scored 0)."""
+    global _CALLS
+    if seconds is None:
+        return call()
+    if _CALLS is None:
+        _CALLS = queue.Queue()
+        threading.Thread(target=_serve_calls, name="reward calls", daemon=True).start()
+    box, done = {}, threading.Event()
+    _CALLS.put((call, box, done))
+    if not done.wait(seconds):
         raise RewardError(f"reward function {name!r} did not return within {seconds:g} s (--reward_timeout): it hangs, "
                           f"or it needs a higher --reward_timeout")
     if "error" in box:

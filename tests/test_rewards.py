@@ -711,3 +711,15 @@ def test_an_empty_box_after_an_equals_sign_is_no_answer(completion):
     assert extract_answer(completion) is None
     assert list(math_accuracy(["What is 25 + 60?"], [completion], ["85"])) == [0.0]
     assert list(math_accuracy(["What is 25 + 60?"], ["25 + 60 = \\boxed{85}"], ["85"])) == [1.0]
+
+
+def test_the_math_grader_under_a_time_limit_grades_every_call_alike():
+    """math_accuracy's worker processes die with the thread that started them (PR_SET_PDEATHSIG): reward calls under
+    --reward_timeout run on one long-lived thread, so a second and third call grade as the first (with a thread per
+    call the workers died after the first, and "\\boxed{2}" against 2 scored 0 in the next)."""
+    grader = get_reward_function("math_accuracy")
+    completions, answers = ["\\boxed{2}", "x = 3", "\\boxed{\\frac{1}{2}}"], ["2", "3", "0.5"]
+    rewards_module._close_pool()  # the pool is started inside the first timed call, as in a run
+    for _ in range(3):
+        total, _ = compute_rewards([grader], None, ["q"] * 3, completions, {"answer": answers}, timeout=60)
+        assert total.tolist() == [1.0, 1.0, 1.0]
