@@ -89,11 +89,12 @@ def test_the_preset_applies_the_chat_template(smollm2_workdir):
 
 def test_the_preset_reward_takes_numbers_only():
     """number_accuracy reads the final answer as the math grader does, and takes only a plain number: the first
-    runs of the preset learned "25 + 60 = \\boxed{}", which math_accuracy scores 1 (the expression before "=")."""
+    runs of the preset learned "25 + 60 = \\boxed{}", which math_accuracy scored 1 (the expression before "=")."""
     from common.math_grader import math_accuracy
 
-    hack = "25 + 60 = \\boxed{}"
-    assert list(math_accuracy(["What is 25 + 60?"], [hack], ["85"])) == [1.0]  # why the preset does not use it
+    hack = "25 + 60 = \\boxed{}"  # math_accuracy scored it 1 until it read no answer from an empty box after "="
+    # why the preset still does not use it: an unevaluated sum equals its value for math-verify
+    assert list(math_accuracy(["What is 25 + 60?"], ["\\boxed{25+60}"], ["85"])) == [1.0]
     completions = [hack, "The answer is \\boxed{25+60}", "25 + 60 = \\boxed{85}", "25 + 60 = 85", "25 + 60 = 125",
                    "\\boxed{1,000}", "no number", "\\boxed{85.0}"]
     answers = ["85", "85", "85", "85", "85", "1000", "85", "85"]
