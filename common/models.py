@@ -198,9 +198,10 @@ def build(path: str, say) -> dict:
 @register_reward("number_accuracy")
 def number_accuracy(prompts: list[str], completions: list[str], answer: list[str], **_) -> list[float]:
     """1.0 when the completion's final answer, as the math grader reads it (the last box, "the answer is", or the
-    trailing expression), is a plain number equal to the reference; an expression is no answer. math_accuracy takes
-    "25 + 60 = \\boxed{}" for 85 (an empty box, then the expression before "=", which math-verify evaluates): the
-    first runs of this preset learned to write exactly that and scored 100% (docs/real-model.md)."""
+    trailing expression), is a plain number equal to the reference; an expression is no answer. The first runs of
+    this preset, rewarded by math_accuracy, learned to write "25 + 60 = \\boxed{}" and scored 100% (the grader read
+    the expression before "=" and math-verify evaluated it; it now reads no answer there), and math_accuracy still
+    takes "\\boxed{25 + 60}" for 85 (docs/real-model.md)."""
     reads = [extract_answer(c) for c in completions]
     return [float(r is not None and re.fullmatch(r"-?\d+", r.replace(",", "").strip()) is not None
                   and int(r.replace(",", "").strip()) == int(a)) for r, a in zip(reads, answer)]

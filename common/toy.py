@@ -410,7 +410,8 @@ def build_toy_tir(path: str, seed: int, settings: dict, target_accuracy: float, 
 
 
 def prepare_preset(preset: str | None) -> None:
-    """Build what a --preset reads from disk (a toy's model and data), once; other presets read nothing."""
+    """Build what --preset toy or toy_tir reads from disk (a toy's model and data), once (common/args.py
+    PRESET_MODULES sends the real model's preset to common/models.py)."""
     if preset == "toy":
         prepare_toy(TOY_DIR)
     elif preset == "toy_tir":
