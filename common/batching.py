@@ -1,6 +1,6 @@
 """How a step's training batch is formed, around the sampling itself: the sampled rows (`Rollouts`), the
 sampler/trainer importance weights (TIS and masked IS) and the rollout-lag queue; DAPO's dynamic sampling and
-overlong penalty are common/dapo.py. The spec is ESTIMATORS.md, "Options shared by all five"; none of this
+overlong penalty are common/dapo.py. docs/estimators/conventions.md says how they compose; none of this
 changes an estimator's formulas, only which rows reach them and with which weights.
 """
 
@@ -27,7 +27,7 @@ class Rollouts:
 
 def importance_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, cap: float,
                        mode: str = "token", masked: bool = False) -> tuple[torch.Tensor, float]:
-    """Sampler/trainer mismatch weights (B, T) for the policy term, constants (ESTIMATORS.md). log rho_t =
+    """Sampler/trainer mismatch weights (B, T) for the policy term, constants (docs/off-policy.md). log rho_t =
     old_logp_t - sampler_logp_t on valid tokens; "token": one weight per token, "sequence": rho_i = prod_t rho_t
     on every token of row i. Truncated IS (TIS): min(rho, cap); masked IS (MIS, `masked`): rho where rho <= cap,
     else 0. Returns the weights (0 at padding) and the fraction of tokens (sequence: rows) masked."""

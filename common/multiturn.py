@@ -6,7 +6,7 @@ is appended as a tool turn, and the model goes on from there. Engine-agnostic: a
                                   code_end=CODE_END, format_output=simpletir_output)
     rollout.completion_ids[i]  every token after the prompt: model turns and tool turns, EOS kept if generated
     rollout.sampler_logp[i]    the sampler's log-prob of each model token; 0.0 on tool tokens
-    rollout.action_mask[i]     1 on the model's own tokens, 0 on tool-output tokens (ESTIMATORS.md: they are
+    rollout.action_mask[i]     1 on the model's own tokens, 0 on tool-output tokens (docs/tools.md: they are
                                context, not actions; the training loop multiplies its `mask` by this)
 
 A model turn ends at a closed code block, EOS or the token budget. Only a closed block with a turn left to take
@@ -39,7 +39,7 @@ from common.rollout import single_turn
 # The prompt of SimpleTIR (Xue et al. 2025, arXiv:2509.02479), whose TIR setting CTPO (section 4.1) trains in: the
 # authors' repository github.com/ltzheng/SimpleTIR (commit e7b5b44), recipe/simpletir/config/simpletir_trainer.yaml
 # `data.prompt`, verbatim; their dataset puts it before the question, in the user turn (recipe/simpletir/utils/
-# dataset/rl_dataset.py). The CTPO paper does not print it, and SimpleTIR's is not in /work/shared/papers.
+# dataset/rl_dataset.py). The CTPO paper does not print it.
 # As a --prompt_template: "{prompt}" is the question.
 TIR_PROMPT_TEMPLATE = (
     "Solve the following problem step by step. You now have the ability to selectively write executable Python "

@@ -1,6 +1,6 @@
 """A rollout server: the policy's sampler in a process (and on devices) of its own, for --server_url.
 
-    python -m common.serve --model Qwen/Qwen3-4B --port 8000 --sync_dir /shared/weights [--engine hf|vllm]
+    python -m common.serve --model Qwen/Qwen3-4B --port 8000 --sync_dir weights/ [--engine hf|vllm]
 
 It serves the engine interface of common/rollout.py over HTTP, JSON in and out, one request at a time in the
 order they arrive (a weight sync is loaded before any later generate request is answered):

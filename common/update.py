@@ -1,7 +1,7 @@
 """The policy update's plumbing, each rule named and written down where it is applied.
 
 The scripts call their estimator once per micro-batch, but the estimator's loss is the whole optimizer batch's
-(ESTIMATORS.md: full-batch semantics). Three rules make the micro-batched, multi-process update equal to one call
+(docs/estimators/conventions.md: full-batch semantics). Three rules make the micro-batched, multi-process update equal to one call
 on the whole batch:
 - `batch_stats` returns (totals, per_row): totals are sums over this process's rows, added up over the processes
   here (`sum_over_processes`); per-row values stay with their rows (a group never straddles processes);
