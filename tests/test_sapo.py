@@ -3,14 +3,13 @@ GRPOTrainer._compute_loss (loss_type="sapo"), then end-to-end runs."""
 
 import dataclasses
 import math
-import os
 from dataclasses import replace
 
 import pytest
 import torch
 from conftest import read_metrics, run_script
 from peers import trl_grpo_loss
-from test_snib import STALE, assert_same_update, sgd_update
+from test_snib import STALE, assert_stale_updates_agree
 
 import grpo
 import sapo
@@ -186,15 +185,7 @@ def test_stale_updates_do_not_depend_on_micro_batches_or_processes(in_toy_workdi
     """Two passes over each batch in two mini-batches, with temperatures high enough that the gates move off 1: the
     mean over rows has the optimizer batch's denominator, whatever the micro-batches and processes."""
     flags = STALE + ["--tau_pos", "200", "--tau_neg", "200"]
-    runs = {f"sapo_p1_m{m}": sgd_update(in_toy_workdir, "sapo.py", f"sapo_p1_m{m}",
-                                        flags + ["--micro_batch_size", str(m)]) for m in (1, 8)}
-    runs["sapo_p2"] = sgd_update(in_toy_workdir, "sapo.py", "sapo_p2", flags + ["--micro_batch_size", "2"],
-                                 num_processes=2)
-    whole = runs.pop("sapo_p1_m8")
-    for name, update in runs.items():
-        assert_same_update(update, whole, name)
-    m = read_metrics(os.path.join(in_toy_workdir, "runs", "sapo_p1_m8"))[-1]
-    assert m["policy/gate_weight_mean"] < 0.99, f"precondition: the stale passes left every gate at 1: {m}"
+    assert_stale_updates_agree(in_toy_workdir, "sapo.py", "sapo", flags, lambda m: m["policy/gate_weight_mean"] < 0.99)
 
 
 @pytest.mark.slow
