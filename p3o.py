@@ -9,7 +9,7 @@ Differs from grpo.py:
 - no clip: the batch ESS caps a detached score-function weight and weighs a KL to the behaviour policy,
   kl_old_t = (logp - old_logp) + exp(clamp(old_logp - logp, -10, 10)) - 1; a token mean over the batch.
 - ESS over every valid token of the optimizer batch, all processes; --ess_scope micro_batch: each micro-batch's own
-  (FeynRL's choice, a departure from ESTIMATORS.md).
+  (FeynRL's choice, a departure from full-batch semantics: docs/estimators/conventions.md).
 
 Run:
     python p3o.py --preset toy                                   # CPU, minutes

@@ -1,5 +1,5 @@
 """common/batching.py by hand (importance weights, overlong penalty, dynamic sampling, the lag queue), and rows
-removed from the loss in every estimator (ESTIMATORS.md, "Options shared by all five")."""
+removed from the loss, tool tokens and TIS / MIS in every estimator (docs/estimators/conventions.md)."""
 
 import importlib
 import math
@@ -193,7 +193,7 @@ def test_masked_is_weights_zero_a_rows_policy_gradient(name):
 def test_tool_output_tokens_are_context_not_actions(name):
     """Multi-turn rows: tool-output tokens (columns 2-3, mask 0) between model tokens. Whatever their logp, old_logp
     and ref_logp, the loss and every gradient are those of the rows with the tool tokens cut out: sums, lengths,
-    CTPO's c_t and p_t, P3O's token counts all run over the model's tokens only (ESTIMATORS.md)."""
+    CTPO's c_t and p_t, P3O's token counts all run over the model's tokens only (docs/estimators/conventions.md)."""
     module, G = SCRIPTS[name], 4
     args = replace(parse_args(module.Args, []), num_generations=G, beta=0.05)
     logp, old, ref, rewards, _ = removal_batch(G, seed=3)

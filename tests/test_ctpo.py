@@ -30,7 +30,7 @@ def test_zscore_advantages_by_hand():
 
 
 def reference(logp, old, ref, A, mask, args, tis=None):
-    """Loss and d loss / d logp with loops over tokens, straight from ESTIMATORS.md (CTPO section)."""
+    """Loss and d loss / d logp with loops over tokens, straight from the objective of docs/estimators/ctpo.md."""
     B, T = logp.shape
     n = int(mask.sum())
     loss, grad, rhos = 0.0, [[0.0] * T for _ in range(B)], []

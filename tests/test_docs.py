@@ -1,14 +1,17 @@
 """README.md and docs/: the README stays a five-minute read, every page is in the site's nav, every relative link
-and anchor resolves (on GitHub and on the MkDocs site alike), and the code the pages quote is the live code.
+and anchor resolves (on GitHub and on the MkDocs site alike), the code the pages quote is the live code, and no
+tracked file points outside the repository (users have only the repository).
 
 The site itself is built by CI's docs stage (`mkdocs build --strict`, requirements-docs.txt); these checks need
 neither mkdocs nor the network.
 """
 
 import glob
+import gzip
 import importlib.util
 import os
 import re
+import subprocess
 
 import pytest
 import yaml
@@ -120,7 +123,7 @@ def differ_table(path: str) -> list[str]:
 
 def test_the_readme_table_of_differences_is_the_docs_table():
     readme, docs = differ_table(README), differ_table(os.path.join(DOCS, "estimators", "index.md"))
-    assert readme == docs, "README.md's 'How the five differ' table and docs/estimators/index.md's must be equal"
+    assert readme == docs, "README.md's 'How the estimators differ' table and docs/estimators/index.md's must be equal"
 
 
 def test_every_estimator_table_lists_every_script():
@@ -131,3 +134,46 @@ def test_every_estimator_table_lists_every_script():
     for path in (README, os.path.join(DOCS, "index.md")):
         listed = set(re.findall(r"^\|(?:[^|\n]*\|)? `(\w+)\.py` \|", read(path), re.M))  # the first or second cell
         assert listed == set(ALGORITHMS), (rel(path), sorted(set(ALGORITHMS) ^ listed))
+
+
+# Paths that exist only beside a development checkout (a sibling folder, a spec and house rules kept outside the
+# repository, a machine's home or work folders). Built from pieces so that this file does not match itself.
+OUTSIDE = ["../" + "shared", "ESTIMATORS" + ".md", "STYLE" + ".md", "/" + "work/", "/" + "root/", "/" + "home/"]
+
+
+def tracked_text(path: str) -> str | None:
+    """A tracked file's text (a .gz file's decompressed text); None for a binary file (.png: a NUL byte or not
+    UTF-8), which cannot hold a path a reader would follow."""
+    with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
+        data = f.read()
+    if b"\0" in data:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def test_the_repository_points_nowhere_outside_itself():
+    """Every file git tracks, code, docs, configs and data alike (tests/data's .jsonl.gz decompressed; only binary
+    files such as the docs' .png figures are skipped), names nothing outside the repository: the shared conventions
+    are docs/estimators/conventions.md, and a script or test that needs a path takes it as an argument."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout: no list of tracked files")
+    hits, read_files = [], 0
+    for name in listed.decode().split("\0"):
+        path = os.path.join(REPO, name)
+        if not name or not os.path.isfile(path):  # deleted in the work tree, not yet committed
+            continue
+        text = tracked_text(path)
+        if text is None:
+            continue
+        read_files += 1
+        for number, line in enumerate(text.splitlines(), 1):
+            found = [s for s in OUTSIDE if s in line]
+            if found:
+                hits.append(f"{name}:{number}: {', '.join(found)}: {line.strip()[:120]}")
+    assert read_files > 100, f"read only {read_files} tracked text files"
+    assert not hits, "files point outside the repository:\n" + "\n".join(hits)

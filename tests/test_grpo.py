@@ -103,7 +103,7 @@ def test_token_mean_divides_by_the_batch_token_count():
 
 
 def reference_loss(logp, old, ref, A, mask, args):
-    """Loops, straight from ESTIMATORS.md."""
+    """Loops, straight from the objective of docs/estimators/grpo.md."""
     B, T = logp.shape
     keep = [bool(args.train_on == "all" or (args.train_on == "positive" and A[i] > 0)
                  or (args.train_on == "negative" and A[i] < 0)) for i in range(B)]

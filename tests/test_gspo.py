@@ -30,7 +30,7 @@ def test_zscore_advantages_by_hand():
 
 
 def reference(logp, old, ref, A, mask, args, tis=None):
-    """Loss and d loss / d logp with loops over tokens, straight from ESTIMATORS.md (GSPO section)."""
+    """Loss and d loss / d logp with loops over tokens, straight from the objective of docs/estimators/gspo.md."""
     B, T = logp.shape
     loss, grad = 0.0, [[0.0] * T for _ in range(B)]
     for i in range(B):

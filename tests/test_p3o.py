@@ -149,7 +149,7 @@ def test_tis_weights_scale_the_policy_term_per_token():
     torch.testing.assert_close(logp.grad, torch.tensor([[-0.5 / 3, -2.0 / 3, 0], [2.0 * 3.0 / 3, 0, 0]]))
 
 
-# Against loops straight from ESTIMATORS.md; micro-batches and processes
+# Against loops straight from docs/estimators/p3o.md's objective; micro-batches and processes
 
 
 def reference_loss(logp, old, ref, A, mask, args, tis=None, entropy=None):

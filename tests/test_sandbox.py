@@ -149,8 +149,8 @@ def test_cannot_read_project_files():
 
 def test_cannot_write_outside_its_directory():
     name = f"sandbox-test-{uuid.uuid4().hex}"
-    targets = [f"/tmp/{name}", os.path.join(REPO, name), f"/work/{name}", f"/{name}", f"/usr/{name}",
-               f"/dev/{name}", os.path.join(os.path.dirname(os.__file__), name)]  # the interpreter's own prefix
+    targets = [f"/tmp/{name}", os.path.join(REPO, name), os.path.join(os.path.expanduser("~"), name), f"/{name}",
+               f"/usr/{name}", f"/dev/{name}", os.path.join(os.path.dirname(os.__file__), name)]  # + the interpreter's
     code = ("for path in %r:\n"
             "    try:\n        open(path, 'w').write('x'); print('WROTE', path)\n"
             "    except OSError as e:\n        print('refused', path, type(e).__name__)\n") % targets

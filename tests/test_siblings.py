@@ -1,4 +1,5 @@
-"""The five scripts share one skeleton: `diff grpo.py X.py` shows only how the estimators differ.
+"""The estimator scripts (evals.ALGORITHMS, ten today) share one skeleton: `diff grpo.py X.py` shows only how the
+estimators differ.
 
 Allowed to differ: the module docstring, the `# Algorithm-specific` block of Args, the
 `# ALGO LOGIC` section (compute_advantages, batch_stats, compute_loss), and in main() only a few

@@ -204,7 +204,7 @@ def test_kl_is_importance_weighted_per_sequence_by_hand():
     torch.testing.assert_close(logp.grad, torch.tensor([row0 + [0.0], [row1] * 3]))
 
 
-# Against loops straight from ESTIMATORS.md, and micro-batches that split groups
+# Against loops straight from docs/estimators/snib.md's objective, and micro-batches that split groups
 
 
 def reference_loss(logp, old, ref, A, mask, args, tis=None):

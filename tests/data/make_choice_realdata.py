@@ -1,6 +1,6 @@
 """Writes tests/data/choice_realdata.jsonl.gz: real multiple-choice model outputs with gold letters (issue 31).
 
-    python tests/data/make_choice_realdata.py [MIRROR_ROOT]   # from the repository root; default /work/.mirror
+    python tests/data/make_choice_realdata.py MIRROR_ROOT     # from the repository root
 
 The source is read with ``git --git-dir=MIRROR_ROOT/<owner+name>/repo show <commit>:<path>`` from a clone of the
 repository (any clone works: pass a folder holding ``<owner>+<name>/repo`` git directories). Rows:
@@ -29,7 +29,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-MIRRORS = Path(sys.argv[1] if len(sys.argv) > 1 else "/work/.mirror")
+MIRRORS: Path  # MIRROR_ROOT, the command's one argument
+USAGE = f"""usage: python tests/data/{Path(__file__).name} MIRROR_ROOT
+
+MIRROR_ROOT: a folder holding one <owner>+<name>/repo git directory (a clone) per source repository named in this
+script's docstring; the data are read from those clones at the pinned commits."""
 OUT = Path(__file__).parent / "choice_realdata.jsonl.gz"
 MMLU_PRO = ("TIGER-AI-Lab/MMLU-Pro", "eeeb46ca13acc9e60ce45a8dc2fb141ee76600ab")
 SOURCES = {"gpt4o": "gpt-4o", "deepseek": "deepseek-chat"}
@@ -66,6 +70,9 @@ def rows_of(name: str) -> list[dict]:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 2 or sys.argv[1] in ("-h", "--help"):
+        sys.exit(USAGE)
+    MIRRORS = Path(sys.argv[1])
     rows = [row for name in SOURCES for row in rows_of(name)]
     assert len({r["id"] for r in rows}) == len(rows), "ids must be unique"
     with gzip.open(OUT, "wt", encoding="utf-8", compresslevel=9) as f:

@@ -1,6 +1,6 @@
 """Writes tests/data/grader_realdata.jsonl.gz: real model solutions with independent correctness labels (issue 15).
 
-    python tests/data/make_grader_realdata.py [MIRROR_ROOT]   # from the repository root; default /work/.mirror
+    python tests/data/make_grader_realdata.py MIRROR_ROOT     # from the repository root
 
 Each source is read with ``git --git-dir=MIRROR_ROOT/<owner+name>/repo show <commit>:<path>`` from a clone of the
 repository (any clone works: pass a folder holding ``<owner>+<name>/repo`` git directories). Rows:
@@ -38,7 +38,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-MIRRORS = Path(sys.argv[1] if len(sys.argv) > 1 else "/work/.mirror")
+MIRRORS: Path  # MIRROR_ROOT, the command's one argument
+USAGE = f"""usage: python tests/data/{Path(__file__).name} MIRROR_ROOT
+
+MIRROR_ROOT: a folder holding one <owner>+<name>/repo git directory (a clone) per source repository named in this
+script's docstring; the data are read from those clones at the pinned commits."""
 OUT = Path(__file__).parent / "grader_realdata.jsonl.gz"
 PROCESSBENCH = ("QwenLM/ProcessBench", "2f2fd8ae590aeb949f7be265478b05280f93db68")
 HARNESS = ("ZubinGou/math-evaluation-harness", "db77bc6bb2a17c90ed2d63e88ebd8c40a82858c5")
@@ -121,6 +125,9 @@ def reasoneval() -> list[dict]:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 2 or sys.argv[1] in ("-h", "--help"):
+        sys.exit(USAGE)
+    MIRRORS = Path(sys.argv[1])
     rows = [row for split in ("math", "olympiadbench", "omnimath", "gsm8k") for row in processbench(split)]
     rows += reasoneval()
     assert len({r["id"] for r in rows}) == len(rows), "ids must be unique"
