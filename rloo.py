@@ -22,15 +22,16 @@ Run:
 import os
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
 import torch
 
 from common.args import arg
-from common.batching import importance_weights
 from common.logprobs import completion_logprobs
+from common.offpolicy import importance_weights
 from common.run import end_step, finish, launch, progress_bar, setup
-from common.sampling import logprobs_of, sample_batch
+from common.sampling import current_logprobs, old_and_reference_logprobs, sample_batch
 from common.update import backward_share, masked_mean, microbatches, minibatches, save_dumps, sum_over_processes, take
 
 
@@ -183,35 +184,37 @@ def main(args: Args):
     for step in progress:
         step_start, metrics = time.time(), {}
 
-        # 1. Rollouts and rewards, with the old (behaviour) and reference log-probs of the weights that sampled them.
-        # --rollout_lag K: this step's batch was sampled K steps ago, and the batch of step + K is sampled now.
-        batch = run.queue.next(step, lambda index: sample_batch(run, index, metrics), args.total_steps)
-        mask, old_logp, ref_logp = batch["mask"], batch["old_logp"], batch["ref_logp"]  # (B, T) each
+        # 1. Rollouts and rewards, with the log-probs of the weights that sample them: the behaviour policy's (old)
+        # and the reference's. --rollout_lag K: the batch of step + K is sampled now, this step's was K steps ago.
+        for index in run.queue.steps_to_sample(step, args.total_steps):  # [step] at lag 0
+            batch = sample_batch(run, index, metrics)  # this process's rows of step `index` (common/batch.py)
+            batch.old_logp, batch.ref_logp = old_and_reference_logprobs(run, batch, metrics)  # (B, T) each
+            run.queue.put(batch, sampled_at=step)
+        batch = run.queue.take(step)
+        mask, old_logp, ref_logp = batch.mask, batch.old_logp, batch.ref_logp  # (B, T) each
         T = mask.shape[1]
 
         # 2. Advantages (and, for a sampler/trainer mismatch, truncated or masked importance weights)
-        kl = None if ref_logp is None else (mask * (batch["sampler_logp"] - ref_logp)).sum(-1)  # RLOO: KL_i (B,)
-        advantages = compute_advantages(batch["rewards"], args, kl)  # RLOO: (B,), the KL in the reward
+        kl = None if ref_logp is None else (mask * (batch.sampler_logp - ref_logp)).sum(-1)  # RLOO: KL_i (B,)
+        advantages = compute_advantages(batch.rewards, args, kl)  # RLOO: (B,), the KL in the reward
         tis_weights = None
         if args.tis_cap > 0:
             tis_weights, metrics["rollout/is_masked_frac"] = importance_weights(
-                old_logp, batch["sampler_logp"], mask, args.tis_cap, args.tis_mode, args.mis)  # (B, T)
+                old_logp, batch.sampler_logp, mask, args.tis_cap, args.tis_mode, args.mis)  # (B, T)
 
         # 3. Policy updates: num_iterations passes over the batch, one optimizer step per mini-batch
         model.train()
         update_start, update_metrics, grad_norms, dumps = time.time(), [], [], []
         for _ in range(args.num_iterations):
             for mini in minibatches(run):
-                # the whole optimizer batch's statistics, at the current weights (on-policy: the sampling weights)
-                def current_logp():  # (rows, T) at the current weights, without gradient
-                    return old_logp[mini] if run.on_policy else logprobs_of(run, model, batch, mini)
-
+                # the whole optimizer batch's statistics (some at the current weights: current_logp, when called)
+                current_logp = partial(current_logprobs, run, batch, mini)  # () -> (rows, T), without gradient
                 totals, per_row = batch_stats(current_logp, old_logp[mini], advantages[mini], mask[mini], args)
                 totals = sum_over_processes(totals, accelerator)  # sums over this process's rows -> the batch's
                 dumps.append(per_row)  # --dump_stats_steps (e.g. SNIB's Figure 2)
                 for micro in microbatches(run, batch, mini):
                     rows = micro - mini.start  # the micro-batch's rows within the mini-batch
-                    input_ids, attention = batch["input_ids"][micro], batch["attention_mask"][micro]  # (b, P+T) each
+                    input_ids, attention = batch.input_ids[micro], batch.attention_mask[micro]  # (b, P+T) each
                     with accelerator.accumulate(model):
                         logp, entropy = completion_logprobs(model, input_ids, attention, T, args.temperature)
                         if run.on_policy:  # these weights sampled the batch: old_logp is logp, without gradient

@@ -1,53 +1,96 @@
-"""The copy cost of a script: the project modules it imports at module level, transitively, and their lines.
+"""What copying a script takes: the files of this repository that a command really imports, and their lines.
 
-    python benchmarks/copy_cost.py grpo.py          # 2,500 lines in 13 files (2,726 at 3cd949a, 5,057 at 6375f11)
+    python benchmarks/copy_cost.py grpo.py --preset toy --total_steps 2 --eval_steps 2
+    python benchmarks/copy_cost.py --static grpo.py      # every file an import can reach: the upper bound
 
-Imports inside functions (the optional features: vLLM, the toy, multi-turn, the math grader, ...) are not counted:
-they load only when their flag is on (README, "Copying one script").
+The first form runs the command in this process, as `python grpo.py ARGS` would, and lists every file of the
+repository in `sys.modules` once it ends: the script, what it imports at the top, and what its flags import inside
+functions (vLLM's engine, the math grader, evaluation, LoRA, ...). `--static` follows every import statement instead,
+those inside functions too, whatever the flags: what a copy needs to keep every option working. The README's and
+docs/layout.md's figures come from here; tests/test_siblings.py holds them.
 """
 
 import ast
 import os
+import runpy
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def lines(path: str) -> int:
+    with open(path) as f:
+        return sum(1 for _ in f)
+
+
+def imported_files(script: str, argv: list[str]) -> list[str]:
+    """The repository's files in sys.modules after `python script ARGV` ran in this process (paths under REPO)."""
+    sys.argv = [script, *argv]
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    try:
+        runpy.run_path(os.path.join(REPO, script), run_name="__main__")
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise
+    files = {os.path.abspath(m.__file__) for m in list(sys.modules.values()) if getattr(m, "__file__", None)}
+    files.add(os.path.join(REPO, script))
+    return sorted(f for f in files if f.startswith(REPO + os.sep) and "benchmarks" + os.sep not in f)
+
+
 def module_file(name: str) -> str | None:
-    path = os.path.join(REPO, *name.split(".")) + ".py"
-    return path if os.path.exists(path) else None
+    base = os.path.join(REPO, *name.split("."))
+    for path in (base + ".py", os.path.join(base, "__init__.py")):
+        if os.path.exists(path):
+            return path
+    return None
 
 
-def module_level_imports(path: str) -> list[str]:
+def all_imports(path: str) -> list[str]:
+    """Every module an import statement of `path` names, at the top or inside a function."""
     names = []
-    for node in ast.parse(open(path).read()).body:  # the module's own statements, not function bodies
-        for n in ast.walk(node) if isinstance(node, (ast.If, ast.Try)) else [node]:
-            if isinstance(n, ast.Import):
-                names += [a.name for a in n.names]
-            elif isinstance(n, ast.ImportFrom) and n.module:
-                names += [n.module] + [f"{n.module}.{a.name}" for a in n.names]
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Import):
+            names += [a.name for a in n.names]
+        elif isinstance(n, ast.ImportFrom) and n.module:
+            names += [n.module] + [f"{n.module}.{a.name}" for a in n.names]
+        elif isinstance(n, ast.Call) and getattr(n.func, "attr", None) == "import_module" and n.args and \
+                isinstance(n.args[0], ast.Constant) and isinstance(n.args[0].value, str):
+            names.append(n.args[0].value)  # importlib.import_module("common.x")
     return names
 
 
-def copied_files(script: str) -> list[str]:
-    """The script and every project module it imports at module level, transitively (paths under REPO)."""
+def reachable_files(script: str) -> list[str]:
+    """The script and every repository file an import statement reaches from it, transitively."""
     seen, todo = set(), [os.path.join(REPO, script)]
     while todo:
         path = todo.pop()
         if path not in seen:
             seen.add(path)
-            todo += [f for f in map(module_file, module_level_imports(path)) if f]
+            todo += [f for f in map(module_file, all_imports(path)) if f]
+            package = os.path.join(os.path.dirname(path), "__init__.py")
+            if os.path.dirname(path) != REPO and os.path.exists(package):
+                todo.append(package)
     return sorted(seen)
 
 
-def main(script: str) -> None:
-    total = 0
-    for path in copied_files(script):
-        lines = sum(1 for _ in open(path))
-        total += lines
-        print(f"{lines:6d} {os.path.relpath(path, REPO)}")
-    print(f"{total:6d} total in {len(copied_files(script))} files")
+def report(files: list[str]) -> int:
+    total = sum(map(lines, files))
+    for path in files:
+        print(f"{lines(path):6d} {os.path.relpath(path, REPO)}")
+    print(f"{total:6d} total in {len(files)} files")
+    return total
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "grpo.py")
+    if len(sys.argv) < 2:
+        raise SystemExit("usage: python benchmarks/copy_cost.py SCRIPT [ARGS...] | --static SCRIPT")
+    if sys.argv[1] == "--static":
+        report(reachable_files(sys.argv[2]))
+    else:
+        command = " ".join(sys.argv[1:])
+        files = imported_files(sys.argv[1], sys.argv[2:])
+        print(f"\nthe files `python {command}` imported:", flush=True)
+        report(files)

@@ -23,11 +23,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from accelerate import Accelerator  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
+from common.batch import pad_rows  # noqa: E402
 from common.data import load_prompts  # noqa: E402
 from common.logprobs import completion_logprobs
 from common.rollout import HFEngine  # noqa: E402
 from common.toy import TOY_DIR, TOY_PRESET, prepare_toy  # noqa: E402
-from common.utils import pad_rows  # noqa: E402
 
 
 def main():

@@ -1,4 +1,4 @@
-"""Peak memory of completion log-probs: naive fp32 log-softmax vs per-row (before issue 6) vs lean (common/utils.py).
+"""Peak memory of completion log-probs: naive fp32 log-softmax vs per-row (before issue 6) vs lean (common/logprobs.py).
 
 Each (variant, dtype, pass) runs in a fresh subprocess on a random one-layer Qwen3 with Qwen3's vocabulary
 (V = 151,936, hidden 64, so the (B, T, V) head dominates everything else), and reports the growth of the
@@ -55,7 +55,7 @@ def naive_completion_logprobs(model, input_ids, attention_mask, num_completion_t
 
 def rowwise_completion_logprobs(model, input_ids, attention_mask, num_completion_tokens, temperature,
                                 entropy_grad=False):
-    """common/utils.py before issue 6: the naive form one row at a time."""
+    """common/logprobs.py before issue 6: the naive form one row at a time."""
     T = num_completion_tokens
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,

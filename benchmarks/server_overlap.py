@@ -5,7 +5,7 @@ takes G seconds and an update that takes T seconds (both stand-ins that sleep).
     python benchmarks/server_overlap.py --generate_s 1.0 --train_s 0.5 --lags 0,1,2 --steps 16
 
 Everything else is the real thing: the client (common/server_engine.py: ServerEngine's in-order sender, the
-weight sync through the filesystem after every step, OverlapQueue at K >= 1 and batching.RolloutQueue at K = 0,
+weight sync through the filesystem after every step, OverlapQueue at K >= 1 and offpolicy.RolloutQueue at K = 0,
 as common/run.py picks them) and the server's HTTP handler (common/serve.py make_handler), in threads of this
 process. The step time is the wall time of the steps after the first K + 1 (the start, where the requests of steps
 0..K are all made at once), divided by their number. Expected: G + T at K = 0; max(G, T) at K >= 1, plus the
@@ -25,7 +25,7 @@ import torch
 from accelerate import Accelerator
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common.batching import RolloutQueue  # noqa: E402
+from common.offpolicy import RolloutQueue  # noqa: E402
 from common.serve import VersionError, make_handler  # noqa: E402
 from common.server_engine import OverlapQueue, ServerEngine  # noqa: E402
 
@@ -65,13 +65,14 @@ def step_time(lag: int, steps: int, generate_s: float, train_s: float) -> tuple[
         requests = lambda index: ([[5, 6, 7]] * 8, [1000 * index + j for j in range(8)])  # noqa: E731
         sampling = dict(max_tokens=4, temperature=1.0, top_p=1.0)
         queue = OverlapQueue(lag, engine, requests, **sampling) if lag > 0 else RolloutQueue(0)
-        sample = lambda index: dict(zip(("ids", "logps"), engine.generate(None, *requests(index), **sampling)))  # noqa: E731
         stale, start = [], None
         for step in range(steps):
             if step == lag + 1:
                 start = time.perf_counter()
-            batch = queue.next(step, sample, steps)
-            stale.append(batch["staleness"])
+            for index in queue.steps_to_sample(step, steps):
+                ids, logps = engine.generate(None, *requests(index), **sampling)
+                queue.put(SimpleNamespace(ids=ids, logps=logps), sampled_at=step)
+            stale.append(queue.take(step).staleness)
             time.sleep(train_s)  # the update
             with torch.no_grad():
                 model.weight.add_(1.0)

@@ -27,7 +27,7 @@ trl==1.16.0 and transformers 5.19) on the same work, every setting taken from th
     model, dtype        --model loaded by TRL with model_init_kwargs dtype=--dtype; bf16=False, fp16=False (TRL's
                         default bf16=True would autocast), gradient_checkpointing=--gradient_checkpointing (TRL's
                         default is True)
-    prompts             the exact prompts grpo.py sees at steps 0..N-1 (common.utils.step_prompts), in that order,
+    prompts             the exact prompts grpo.py sees at steps 0..N-1 (common.sampling.step_prompts), in that order,
                         shuffle_dataset=False; the text after --prompt_template / chat template (TRL tokenizes it
                         again, with the tokenizer's special tokens: the same ids for tokenizers that add no BOS,
                         such as Qwen3's and the toy's)
@@ -136,7 +136,7 @@ def trl_config_and_data(argv: list[str], threads: int):
     import grpo
     from common.args import PRESET_MODULES, parse_args
     from common.data import load_prompts, resolve_dataset
-    from common.utils import step_prompts
+    from common.sampling import step_prompts
 
     args = parse_args(grpo.Args, argv)
     if args.preset:  # the toy's model and data, or the real model (common/models.py), built once
@@ -183,8 +183,8 @@ def run_trl(argv: list[str], threads: int) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOTrainer
 
+    from common.metrics import peak_memory_gib
     from common.rewards import get_reward_function
-    from common.utils import peak_memory_gib
 
     torch.set_num_threads(threads)
     args, config, dataset, tokenizer = trl_config_and_data(argv, threads)

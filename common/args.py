@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import difflib
 import importlib
+import os
 import re
 import sys
 import types
@@ -14,7 +15,7 @@ from transformers import HfArgumentParser
 
 # --preset NAME: the module holding its defaults (PRESETS) and building what it reads (prepare_preset), imported only
 # when the preset is asked for: the toys' common/toy.py, the real model's common/models.py
-PRESET_MODULES = {"toy": "common.toy", "toy_tir": "common.toy", "smollm2": "common.models"}
+PRESET_MODULES = {"toy": "common.toy", "toy_tir": "common.toy_tir", "smollm2": "common.models"}
 PRESET_NAMES = tuple(PRESET_MODULES)
 
 
@@ -100,3 +101,9 @@ def did_you_mean(unknown: list[str], args_cls) -> str:
     flags = [f"--{f.name}" for f in dataclasses.fields(args_cls)]
     close = [m for u in unknown if u.startswith("--") for m in difflib.get_close_matches(u.split("=")[0], flags, 1)]
     return f" (did you mean {', '.join(close)}?)" if close else ""
+
+
+def warn(message: str) -> None:
+    """One line on stderr from the first process of each machine (the others would repeat it)."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"warning: {message}", file=sys.stderr, flush=True)

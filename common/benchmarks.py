@@ -25,7 +25,6 @@ from huggingface_hub.errors import GatedRepoError
 from common.data import LOCAL_FORMATS, load_rows
 from common.math_grader import LETTERS
 from common.rewards import RewardFn, get_reward_function
-from common.toy import TOY_DIR  # importing common.toy registers the "toy_addition" reward
 
 MATH_TEMPLATE = "{prompt}\nPlease reason step by step, and put your final answer within \\boxed{}."
 CHOICE_TEMPLATE = "{prompt}\nPlease reason step by step, and put the letter of your final answer within \\boxed{}."
@@ -165,8 +164,8 @@ register_benchmark(Benchmark(
     keep=lambda row: row.get("error_type", "ok") == "ok",
     notes="answer is the index of the correct choice"))
 
-register_benchmark(Benchmark(
-    "toy", os.path.join(TOY_DIR, "test.jsonl"), "train", "prompt", "answer", grader="toy",
+register_benchmark(Benchmark(  # the toy's folder, common/toy.py TOY_DIR (not imported: only the toy imports the toy)
+    "toy", os.path.join("runs", "toy", "test.jsonl"), "train", "prompt", "answer", grader="toy",
     template="{prompt}", notes="held-out sums of the toy task, built by common.toy.prepare_toy"))
 
 

@@ -11,25 +11,21 @@ Everything here reads inputs and files; nothing touches advantages, ratios, clip
 """
 
 import dataclasses
-import fcntl
 import importlib.util
 import inspect
-import json
 import math
 import os
-import socket
-import time
 
 import torch
 from accelerate import PartialState
 from accelerate.utils import broadcast_object_list
 from transformers import AutoConfig, AutoTokenizer, SchedulerType, get_scheduler
 
-from common.args import preset_defaults
+from common.args import preset_defaults, warn
 from common.checkpoints import latest_checkpoint
 from common.data import LOCAL_FORMATS, load_rows, looks_local, resolve_dataset
+from common.devices import vllm_installed
 from common.rewards import get_reward_function
-from common.utils import TRACKER_MODULES, vllm_installed, warn
 
 # (field, holds, what it must be and why). Fields a script does not have are skipped, so one table serves all five.
 TRAIN_RANGES = [
@@ -71,6 +67,7 @@ def _changed(args, name: str) -> bool:
     """Set by the user: different from the preset's value, or from the field's default."""
     default = preset_defaults(args.preset).get(name, type(args).__dataclass_fields__[name].default)
     return hasattr(args, name) and getattr(args, name) != default
+TRACKER_MODULES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio", "mlflow": "mlflow"}
 
 
 def field_bound_problems(args) -> list[str]:
@@ -362,83 +359,6 @@ def check_args(args, num_processes: int) -> None:
         warn(note)
     if problems:
         raise SystemExit("\n".join(f"error: {p}" for p in problems))
-
-
-# ---------------------------------------------------------------------------
-# Run folders: never overwritten, one run at a time, resumed only with the same settings
-# ---------------------------------------------------------------------------
-
-LOCK = ".lock"
-_held_locks: dict[str, int] = {}  # run folder -> the open lock file of this process (released when it exits)
-
-
-def claim_run_dir(args, run_name: str) -> tuple[str, str | None]:
-    """The run's folder, locked for this run by the main process, and the checkpoint to resume from (or None): a new
-    folder (refused if another run's files are in it) or, with --resume_from, the resumed run's (refused if its
-    settings changed without --resume_overrides). The verdict is broadcast, so all processes stop together."""
-    outcome = [None, None, None]  # run folder, checkpoint, error
-    if PartialState().is_main_process:
-        try:
-            outcome[:2] = _claim(args, run_name)
-        except SystemExit as e:
-            outcome[2] = str(e)
-    broadcast_object_list(outcome)
-    if outcome[2]:
-        raise SystemExit(outcome[2])
-    return outcome[0], outcome[1]
-
-
-def _claim(args, run_name: str) -> tuple[str, str | None]:
-    if args.resume_from:  # its latest intact checkpoint, and its folder locked: common/resume.py
-        return importlib.import_module("common.resume").claim_resumed(args)
-    run_dir = os.path.join(args.output_dir, run_name)
-    try:
-        os.makedirs(run_dir, exist_ok=True)
-    except OSError as e:
-        raise SystemExit(f"error: cannot make the run folder {run_dir!r} ({e.strerror}); pass another --output_dir "
-                         f"or --run_name") from None
-    lock_run_dir(run_dir)
-    used = sorted(set(os.listdir(run_dir)) - {LOCK})
-    if used:
-        release_run_dir(run_dir)
-        again = f", continue it with --resume_from {run_dir}" if latest_checkpoint(run_dir) else ""
-        raise SystemExit(f"error: the run folder {run_dir} is in use ({', '.join(used[:4])}"
-                         f"{', ...' if len(used) > 4 else ''}); pass another --run_name{again}, or delete the folder")
-    return run_dir, None
-
-
-def lock_run_dir(run_dir: str) -> None:
-    """An exclusive flock on run_dir/.lock, held until this process exits (the kernel drops it then, so a crashed
-    run leaves no stale lock) or claims another folder (one run at a time per process: tests run several)."""
-    for held in list(_held_locks):
-        release_run_dir(held)
-    fd = os.open(os.path.join(run_dir, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        owner = os.read(fd, 200).decode(errors="replace").strip() or "another process"
-        os.close(fd)
-        raise SystemExit(f"error: the run folder {run_dir} is locked by a run in progress ({owner}); wait for it to "
-                         f"end, or pass another --run_name") from None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
-    _held_locks[run_dir] = fd
-
-
-def release_run_dir(run_dir: str) -> None:
-    fd = _held_locks.pop(run_dir, None)
-    if fd is not None:
-        os.close(fd)  # closing the file drops the flock
-
-
-def record_args(run_dir: str, args: dict, step: int) -> None:
-    """args.json holds the settings the run started with (never rewritten); args_history.jsonl gets one line per
-    start, {"time", "step", "args"}, so a resume with --resume_overrides leaves a trace."""
-    if not os.path.exists(os.path.join(run_dir, "args.json")):
-        with open(os.path.join(run_dir, "args.json"), "w") as f:
-            json.dump(args, f, indent=1)
-    with open(os.path.join(run_dir, "args_history.jsonl"), "a") as f:
-        f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "step": step, "args": args}) + "\n")
 
 
 # ---------------------------------------------------------------------------

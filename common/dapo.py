@@ -7,7 +7,7 @@ from dataclasses import fields
 
 import torch
 
-from common.batching import Rollouts
+from common.batch import Rollouts
 
 
 def groups(rollouts: Rollouts, index: list[int], G: int) -> Rollouts:

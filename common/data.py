@@ -12,7 +12,7 @@ import os
 
 import datasets
 
-from common.utils import warn
+from common.args import warn
 
 # The papers' datasets: `--dataset gsm8k` stands for the hub id, config, splits and columns below.
 DATASET_PRESETS = {

@@ -13,13 +13,11 @@ In a training loop: `load_eval_sets` once, then `evaluate_benchmarks` every eval
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-import torch
 from tqdm.auto import tqdm
 
-from common.benchmarks import Benchmark, get_benchmark, get_grader, load_benchmark, local_file
 from common.data import format_prompt
-from common.multiturn import sample_completions
 from common.rewards import compute_rewards
 from common.rollout import sample_seed
 
@@ -94,7 +92,7 @@ def flat_metrics(name: str, summary: dict, n: int) -> dict[str, float]:
 class EvalSet:
     """A benchmark's questions, formatted and tokenized for one tokenizer."""
     name: str
-    benchmark: Benchmark
+    benchmark: Any  # common.benchmarks.Benchmark
     path: str  # where the questions came from
     examples: list[dict]  # {"prompt", "answer", "groups", "prompt_text", "prompt_ids"}
 
@@ -102,6 +100,8 @@ class EvalSet:
 def prepare_eval_set(name: str, tokenizer, *, path_override: str | None = None, data_dir: str | None = None,
                      use_chat_template: bool = True, enable_thinking: bool = False, system_prompt: str = "",
                      max_questions: int = 0, max_prompt_length: int | None = None) -> EvalSet:
+    from common.benchmarks import get_benchmark, load_benchmark, local_file  # benchmark runs only
+
     benchmark = get_benchmark(name)
     if path_override is None and data_dir:
         path_override = local_file(name, data_dir)
@@ -144,6 +144,8 @@ def run_eval_set(engine, model, tokenizer, eval_set: EvalSet, *, n: int, tempera
     per_process = math.ceil(num_questions / num_processes)
     padded = mine + [mine[0] if mine else 0] * (per_process - len(mine))
     requests = [(q, j) for q in padded for j in range(n)]  # (question, sample)
+    from common.benchmarks import get_grader
+
     grader = get_grader(eval_set.benchmark)
     completions, lengths, truncated, scores = [], [], [], []
     chunks = range(0, len(requests), batch_size)
@@ -195,38 +197,4 @@ def evaluate_benchmarks(engine, model, tokenizer, eval_sets: list[EvalSet], *, n
         records = gather(records) if gather is not None else records
         metrics.update(flat_metrics(eval_set.name, summarize(eval_set, records, n), n))
     engine.sleep()
-    return metrics
-
-
-def heldout_accuracy(engine, model, tokenizer, eval_data, reward_func, reward_columns: list[str], *, max_tokens: int,
-                     accelerator, max_turns: int = 1, tool: str = "simpletir") -> dict[str, float]:
-    """`eval/accuracy`: the mean of `reward_func` (a training script's first reward) over greedy completions of the
-    held-out prompts (`load_prompts` rows), with the training run's tool turns, each process its slice, reduced over
-    processes."""
-    rows = eval_data.select(range(accelerator.process_index, len(eval_data), accelerator.num_processes))
-    engine.wake_up()
-    out = sample_completions(engine, model, tokenizer, rows["prompt_ids"], [0] * len(rows), max_tokens=max_tokens,
-                             temperature=0.0, top_p=1.0, max_turns=max_turns, tool=tool)
-    engine.sleep()
-    texts = tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
-    correct = reward_func(rows["prompt"], texts, **{c: rows[c] for c in reward_columns})
-    stats = accelerator.reduce(torch.tensor([sum(correct), len(correct)], device=accelerator.device), "sum")
-    return {"eval/accuracy": (stats[0] / stats[1]).item()}
-
-
-def evaluate_training(engine, model, tokenizer, args, accelerator, eval_sets: list[EvalSet], eval_data, reward_func,
-                      reward_columns: list[str]) -> dict[str, float]:
-    """A training script's evaluation: the --eval_benchmarks (avg@k, sampled when --eval_num_samples > 1) and, with
-    held-out prompts, eval/accuracy (greedy, the first reward function). `args`: the script's Args."""
-    from accelerate.utils import gather_object
-
-    metrics = evaluate_benchmarks(engine, model, tokenizer, eval_sets, n=args.eval_num_samples,
-                                  temperature=args.temperature if args.eval_num_samples > 1 else 0.0,
-                                  max_tokens=args.max_completion_length, top_p=args.top_p, seed=args.seed,
-                                  process_index=accelerator.process_index, num_processes=accelerator.num_processes,
-                                  gather=gather_object)
-    if eval_data is not None:
-        metrics.update(heldout_accuracy(engine, model, tokenizer, eval_data, reward_func, reward_columns,
-                                        max_tokens=args.max_completion_length, accelerator=accelerator,
-                                        max_turns=args.max_turns, tool=args.tool))
     return metrics

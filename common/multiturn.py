@@ -27,12 +27,12 @@ Needs: a tokenizer that encodes any tool output (byte-level BPE does) and has eo
 max_model_len of at least the longest prompt plus max_tokens (a later turn's prompt holds the earlier turns).
 """
 
+import importlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
-from transformers import StoppingCriteria
 
 from common.rollout import single_turn
 
@@ -245,10 +245,17 @@ class Tool:
     is_final: Callable[..., bool] | None = None
 
 
-TOOLS = {  # --tool NAME; common/toy.py registers the toy_tir calculator, "toy"
+TOOLS = {  # --tool NAME
     "simpletir": Tool(CODE_START, CODE_END, lambda code: FINAL_ANSWER_PREAMBLE + code, simpletir_output,
                       simpletir_is_final),
 }
+TOOL_MODULES = {"toy": "common.toy_tir"}  # tools registered by a module, imported when the tool is first asked for
+
+
+def get_tool(name: str) -> Tool:
+    if name not in TOOLS and name in TOOL_MODULES:
+        importlib.import_module(TOOL_MODULES[name])  # registers it
+    return TOOLS[name]
 
 
 def sample_completions(engine, model, tokenizer, prompt_ids: list[list[int]], seeds: list[int], *, max_tokens: int,
@@ -264,7 +271,7 @@ def sample_completions(engine, model, tokenizer, prompt_ids: list[list[int]], se
         return out
     from common.sandbox import run_python
 
-    spec = TOOLS[tool]
+    spec = get_tool(tool)
     return multi_turn_generate(engine, model, tokenizer, prompt_ids, seeds, max_turns=max_turns, max_tokens=max_tokens,
                                temperature=temperature, top_p=top_p,
                                run_tool=lambda code: run_python(spec.program(code)),
@@ -286,37 +293,10 @@ def multiturn_problems(tool: str) -> list[str]:
     """A known --tool, and a sandbox this machine can start (bubblewrap)."""
     from common.sandbox import SandboxUnavailable, isolation
 
-    if tool not in TOOLS:
-        return [f"--tool {tool!r}: choose one of {sorted(TOOLS)}"]
+    if tool not in TOOLS and tool not in TOOL_MODULES:
+        return [f"--tool {tool!r}: choose one of {sorted({*TOOLS, *TOOL_MODULES})}"]
     try:
         isolation()
     except SandboxUnavailable as e:
         return [f"--max_turns > 1 runs model-written code: {e}"]
     return []
-
-
-class StopRows(StoppingCriteria):
-    """Per row: stop at its own token budget, or after the token that completes one of the `stop` strings in the
-    completion's text (as vLLM's stop strings: the prompt's text is not searched, and a string that ends inside a
-    token keeps that whole token). Records where each row stopped, since `generate` pads a stopped row afterwards.
-
-    Each step decodes only the last len(longest stop string) + STOP_WINDOW_SLACK tokens of each row: a string
-    completed by this step's token lies within them unless that many tokens decode to nothing (special tokens)."""
-
-    STOP_WINDOW_SLACK = 16
-
-    def __init__(self, tokenizer, stop: list[str], budgets: list[int], prompt_width: int):
-        self.tokenizer, self.stop, self.budgets, self.width = tokenizer, stop, budgets, prompt_width
-        self.window = max(map(len, stop), default=0) + self.STOP_WINDOW_SLACK
-        self.lengths: list[int | None] = [None] * len(budgets)  # tokens kept per row, once stopped
-
-    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
-        n = input_ids.shape[1] - self.width  # tokens generated so far
-        for row, tail in enumerate(input_ids[:, -min(n, self.window):].tolist()):
-            if self.lengths[row] is None and (n >= self.budgets[row] or self.completes_stop(tail)):
-                self.lengths[row] = n
-        return torch.tensor([length is not None for length in self.lengths], device=input_ids.device)
-
-    def completes_stop(self, tail: list[int]) -> bool:
-        text = self.tokenizer.decode(tail, skip_special_tokens=True) if self.stop else ""
-        return any(s in text for s in self.stop)

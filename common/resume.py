@@ -3,9 +3,8 @@
 import json
 import os
 
+from common.args import warn
 from common.checkpoints import MANIFEST, checkpoint_steps
-from common.checks import lock_run_dir, release_run_dir
-from common.utils import warn
 
 # Settings a resumed run may change without --resume_overrides: they change neither the data, the samples'
 # distribution, the optimisation nor the estimator (micro-batching and process count are tested invariances).
@@ -26,16 +25,6 @@ def resume_problems(args) -> list[str]:
     except SystemExit as e:
         return [str(e).removeprefix("error: ")]
     return []
-
-
-def claim_resumed(args) -> tuple[str, str]:
-    """The resumed run's folder, locked for this run, and its latest intact checkpoint; refused if the settings
-    changed without --resume_overrides."""
-    resume = find_checkpoint(args.resume_from)
-    run_dir = os.path.dirname(os.path.dirname(resume))
-    lock_run_dir(run_dir)
-    check_resume(run_dir, args)
-    return run_dir, resume
 
 
 def checkpoint_damage(ckpt: str) -> str | None:
@@ -113,7 +102,6 @@ def check_resume(run_dir: str, args) -> None:
     new = {k: v for k, v in vars(args).items()}
     changed = [k for k in new if k in old and k not in may_change and old[k] != new[k]]
     if changed:
-        release_run_dir(run_dir)
         what = ", ".join(f"--{k} {old[k]!r} -> {new[k]!r}" for k in changed)
         raise SystemExit(f"error: --resume_from {run_dir}: {what} changed since the run started; a resume continues "
                          f"the same run: pass the run's values, or --resume_overrides {','.join(changed)} to change "

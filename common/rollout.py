@@ -17,8 +17,8 @@ import contextlib
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteriaList
 
+from common.devices import sharded_parameters
 from common.logprobs import shared_prompt_cache
-from common.utils import sharded_parameters
 
 # HFEngine: rows x (longest prompt + max_tokens) per `generate` call. Bounds the KV cache (Qwen3-4B in bf16:
 # ~19 GB at 2**17 tokens); short sequences go in one call, which is what makes a CPU run fast.
@@ -111,7 +111,7 @@ class HFEngine:
                 sampler = SeededSampler(seeds[i : i + batch_size], temperature, top_p)
                 processors, criteria = LogitsProcessorList([sampler]), StoppingCriteriaList()
                 if per_row or stop:  # tool rollouts (common/multiturn.py): a budget per row, stop strings
-                    from common.multiturn import StopRows
+                    from common.stopping import StopRows
 
                     criteria.append(StopRows(self.tokenizer, stop or [], budgets[i : i + batch_size], width))
                 # each distinct prompt, but its last token, prefilled once for all its rows (vLLM: prefix caching)

@@ -23,25 +23,23 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
 from common.args import PRESET_MODULES
-from common.batching import RolloutQueue
 from common.checkpoints import MetricsLog, TrainState, save_checkpoint
-from common.checks import check_args, claim_run_dir, record_args, stop_if_nonfinite
+from common.checks import check_args, stop_if_nonfinite
 from common.data import load_prompts, resolve_dataset
-from common.rewards import RewardError, get_reward_function
-from common.rollout import HFEngine
-from common.utils import (
+from common.devices import on_cpu, prepare_policy, prepare_reference, vllm_installed
+from common.metrics import (
     batch_metrics,
     check_weight_sync,
     logp_gap,
     mean_grad_norm,
     mean_over_processes,
-    on_cpu,
     peak_memory_gib,
-    prepare_policy,
-    prepare_reference,
     timed,
-    vllm_installed,
 )
+from common.offpolicy import RolloutQueue
+from common.rewards import RewardError, get_reward_function
+from common.rollout import HFEngine, single_turn
+from common.run_dir import claim_run_dir, record_args
 
 
 @dataclass
@@ -245,11 +243,37 @@ def rollout_engine(args, accelerator, tokenizer, model):
 
 
 def evaluate(run: Run) -> dict:
-    """The --eval_benchmarks and, on held-out prompts, greedy accuracy (the first reward function)."""
-    from common.evaluation import evaluate_training
+    """The --eval_benchmarks (avg@k, sampled when --eval_num_samples > 1: common/evaluation.py) and, on held-out
+    prompts, eval/accuracy: the mean of the first reward function over greedy completions (with the run's tool
+    turns), each process its slice of the prompts, reduced over processes."""
+    args, accelerator, metrics = run.args, run.accelerator, {}
+    if run.eval_sets:
+        from common.evaluation import evaluate_benchmarks
 
-    return evaluate_training(run.engine, run.model, run.tokenizer, run.args, run.accelerator, run.eval_sets,
-                             run.eval_data, run.reward_funcs[0], run.reward_columns)
+        metrics.update(evaluate_benchmarks(
+            run.engine, run.model, run.tokenizer, run.eval_sets, n=args.eval_num_samples, seed=args.seed,
+            temperature=args.temperature if args.eval_num_samples > 1 else 0.0, max_tokens=args.max_completion_length,
+            top_p=args.top_p, process_index=accelerator.process_index, num_processes=accelerator.num_processes,
+            gather=gather_object))
+    if run.eval_data is None:
+        return metrics
+    rows = run.eval_data.select(range(accelerator.process_index, len(run.eval_data), accelerator.num_processes))
+    greedy = dict(max_tokens=args.max_completion_length, temperature=0.0, top_p=1.0)
+    run.engine.wake_up()
+    if args.max_turns == 1:
+        completion_ids = single_turn(run.engine, run.model, run.tokenizer, rows["prompt_ids"], [0] * len(rows),
+                                     **greedy)[0]
+    else:  # with the run's tool turns (common/multiturn.py)
+        from common.multiturn import sample_completions
+
+        completion_ids = sample_completions(run.engine, run.model, run.tokenizer, rows["prompt_ids"],
+                                            [0] * len(rows), max_turns=args.max_turns, tool=args.tool,
+                                            **greedy).completion_ids
+    run.engine.sleep()
+    texts = run.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    correct = run.reward_funcs[0](rows["prompt"], texts, **{c: rows[c] for c in run.reward_columns})
+    stats = accelerator.reduce(torch.tensor([sum(correct), len(correct)], device=accelerator.device), "sum")
+    return {**metrics, "eval/accuracy": (stats[0] / stats[1]).item()}
 
 
 def progress_bar(run: Run) -> tqdm:
@@ -258,19 +282,19 @@ def progress_bar(run: Run) -> tqdm:
                 total=run.args.total_steps, disable=not run.accelerator.is_local_main_process, desc=run.args.exp_name)
 
 
-def end_step(run: Run, step: int, step_start: float, batch: dict, metrics: dict, update_metrics: list[dict],
+def end_step(run: Run, step: int, step_start: float, batch, metrics: dict, update_metrics: list[dict],
              grad_norms: list, progress: tqdm) -> None:
     """After the updates of step `step` (0-based): check and push the weights to the sampler, log the step's
     metrics, evaluate and save when due. A step whose metrics are not finite stops the run before it is saved."""
     args, accelerator = run.args, run.accelerator
-    metrics.update(logp_gap(batch["sampler_logp"], batch["old_logp"], batch["mask"]))  # sampler/trainer mismatch
+    metrics.update(logp_gap(batch.sampler_logp, batch.old_logp, batch.mask))  # sampler/trainer mismatch
     check_weight_sync(metrics["rollout/logp_gap_mean"], args.max_logp_gap, step + 1)  # a push that did not land?
     with timed(metrics, "time/weight_push"):
         run.engine.push_weights(run.model)
 
     metrics.update(mean_over_processes(update_metrics, accelerator))  # means over micro-batches, then processes
     metrics.update(batch_metrics(batch, args.num_generations, accelerator))
-    metrics["rollout/staleness"] = batch["staleness"]  # steps since the weights that sampled it (<= --rollout_lag)
+    metrics["rollout/staleness"] = batch.staleness  # steps since the weights that sampled it (<= --rollout_lag)
     metrics.update({"step": step + 1, "optim/grad_norm": mean_grad_norm(grad_norms),
                     "optim/lr": run.scheduler.get_last_lr()[0], "time/step": time.time() - step_start})
     metrics["time/tokens_per_s"] = metrics["completion/tokens"] / metrics["time/step"]

@@ -1,27 +1,25 @@
-"""One step's batch: rollouts, rewards, the tensors the update reads, and the log-probs of the weights that sampled.
-
-`sample_batch(run, index, metrics)` is what `RolloutQueue.next` calls for the batch trained at step `index`: at
---rollout_lag 0 right before that step, at lag K K steps earlier, with the weights of then. What depends on those
-weights is taken here, at sampling time: the completions, and their behaviour (old) and reference log-probs. The
-advantages depend on the rewards only; the scripts compute them where the step trains the batch.
+"""One step's batch: rollouts and their rewards (`sample_batch`), and the log-probs of the weights that sampled them
+(`old_and_reference_logprobs`), both called by the loop when it samples: at --rollout_lag 0 right before the step
+trains the batch, at lag K K steps earlier, with the weights of then. The advantages depend on the rewards only; the
+scripts compute them where the step trains the batch.
 """
 
 import contextlib
 
 import torch
 
-from common.batching import Rollouts
+from common.batch import Batch, Rollouts, pad_rows
+from common.devices import sharded_parameters
 from common.logprobs import completion_logprobs, length_buckets
+from common.metrics import timed
 from common.rewards import RewardError, compute_rewards
 from common.rollout import sample_seed, single_turn
-from common.utils import pad_rows, sharded_parameters, step_prompts, timed
 
 
-def sample_batch(run, index: int, metrics: dict) -> dict:
-    """The batch of step `index` on this process: {input_ids, attention_mask (B, P+T); completion_tokens, mask,
-    sampler_logp, old_logp, ref_logp (B, T); rewards, truncated (B,); per_func: {name: (B,)}}. `mask` marks the
-    tokens the loss sees: the model's own (not tool output), in rows not removed (--mask_truncated; groups that
-    --dynamic_sampling could not fill). On-policy, old_logp is zeros here: the update fills in its own logp."""
+def sample_batch(run, index: int, metrics: dict) -> Batch:
+    """The rollouts of step `index` on this process and their rewards, as tensors (old_logp and ref_logp not yet
+    set). `mask` marks the tokens the loss sees: the model's own (not tool output), in rows not removed
+    (--mask_truncated; groups that --dynamic_sampling could not fill)."""
     args, G, local_rows = run.args, run.args.num_generations, run.local_rows
     if args.dynamic_sampling:  # DAPO: more prompts until the batch holds local_rows // G groups with mixed rewards
         from common.dapo import fill_batch
@@ -31,11 +29,7 @@ def sample_batch(run, index: int, metrics: dict) -> dict:
     else:
         rollouts, removed = sample_round(run, index, 0, metrics), torch.zeros(local_rows, dtype=torch.bool)
     removed |= rollouts.truncated & args.mask_truncated  # (B,)
-    batch = to_tensors(rollouts, removed, run.tokenizer.pad_token_id)
-    batch = {k: v.to(run.accelerator.device) if torch.is_tensor(v) else v for k, v in batch.items()}
-    with timed(metrics, "time/logprobs"):
-        batch["old_logp"], batch["ref_logp"] = behaviour_and_reference_logp(run, batch)  # (B, T) each
-    return batch
+    return to_tensors(rollouts, removed, run.tokenizer.pad_token_id).to(run.accelerator.device)
 
 
 def sample_round(run, index: int, r: int, metrics: dict) -> Rollouts:
@@ -88,49 +82,75 @@ def round_prompts(run, index: int, r: int) -> tuple[dict, list[list[int]], list[
     return rows, [p for p in rows["prompt_ids"] for _ in range(G)], seeds
 
 
-def to_tensors(rollouts: Rollouts, removed: torch.Tensor, pad_token_id: int) -> dict:
+def to_tensors(rollouts: Rollouts, removed: torch.Tensor, pad_token_id: int) -> Batch:
     """[left-padded prompt | right-padded completion] and the per-token tensors of the loss."""
     prompts = pad_rows(rollouts.prompt_ids, pad_token_id, left=True)  # (B, P)
     # from the lengths, not `prompts != pad`: a chat template's end-of-turn token is often the pad token too
     prompt_tokens = pad_rows([[1] * len(p) for p in rollouts.prompt_ids], 0, left=True)  # (B, P)
     completion_tokens = pad_rows([[1] * len(c) for c in rollouts.completion_ids], 0)  # (B, T) EOS included
-    return {
-        "input_ids": torch.cat([prompts, pad_rows(rollouts.completion_ids, pad_token_id)], dim=1),  # (B, P+T)
-        "attention_mask": torch.cat([prompt_tokens, completion_tokens], dim=1),  # (B, P+T)
-        "completion_tokens": completion_tokens,
-        "mask": completion_tokens * pad_rows(rollouts.action_mask, 0) * ~removed[:, None],  # (B, T)
-        "sampler_logp": pad_rows(rollouts.sampler_logp, 0.0),  # (B, T)
-        "rewards": rollouts.rewards, "truncated": rollouts.truncated, "per_func": rollouts.per_func,  # (B,)
-    }
+    return Batch(
+        input_ids=torch.cat([prompts, pad_rows(rollouts.completion_ids, pad_token_id)], dim=1),  # (B, P+T)
+        attention_mask=torch.cat([prompt_tokens, completion_tokens], dim=1),  # (B, P+T)
+        completion_tokens=completion_tokens,
+        mask=completion_tokens * pad_rows(rollouts.action_mask, 0) * ~removed[:, None],  # (B, T)
+        sampler_logp=pad_rows(rollouts.sampler_logp, 0.0),  # (B, T)
+        rewards=rollouts.rewards, truncated=rollouts.truncated, per_func=rollouts.per_func,  # (B,)
+    )
 
 
-def behaviour_and_reference_logp(run, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """old_logp: the trainer's log-probs at the weights that sampled (--old_logp_source sampler: the sampler's;
-    on-policy: zeros, filled in by the update with its own); ref_logp: the reference's, or None without a KL term."""
+def old_and_reference_logprobs(run, batch: Batch, metrics: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(B, T) each, taken when the batch is sampled: old_logp, the trainer's log-probs at the weights that sampled
+    (--old_logp_source sampler: the sampler's; on-policy: zeros, which the update replaces with its own logp, the
+    same weights' without an extra pass); ref_logp, the reference's, or None without a KL term."""
     args = run.args
-    if run.on_policy:
-        old_logp = torch.zeros_like(batch["sampler_logp"])  # (B, T)
-    elif args.old_logp_source == "sampler":
-        old_logp = batch["sampler_logp"].clone()  # (B, T)
-    else:
-        old_logp = logprobs_of(run, run.model, batch)  # (B, T)
-    if args.beta == 0:
-        return old_logp, None
-    lora_reference = run.ref_model is None  # LoRA: the base model is the adapter turned off
-    with run.accelerator.unwrap_model(run.model).disable_adapter() if lora_reference else contextlib.nullcontext():
-        ref_logp = logprobs_of(run, run.model if lora_reference else run.ref_model, batch)  # (B, T)
-    return old_logp, ref_logp
+    with timed(metrics, "time/logprobs"):
+        if run.on_policy:
+            old_logp = torch.zeros_like(batch.sampler_logp)  # (B, T)
+        elif args.old_logp_source == "sampler":
+            old_logp = batch.sampler_logp.clone()  # (B, T)
+        else:
+            old_logp = logprobs_of(run, run.model, batch)  # (B, T)
+        if args.beta == 0:
+            return old_logp, None
+        lora_reference = run.ref_model is None  # LoRA: the base model is the adapter turned off
+        with run.accelerator.unwrap_model(run.model).disable_adapter() if lora_reference else contextlib.nullcontext():
+            ref_logp = logprobs_of(run, run.model if lora_reference else run.ref_model, batch)  # (B, T)
+        return old_logp, ref_logp
 
 
-def logprobs_of(run, net, batch: dict, rows: slice | None = None) -> torch.Tensor:
+def current_logprobs(run, batch: Batch, rows: slice) -> torch.Tensor:
+    """(rows, T) log-probs at the current weights, without gradient, for estimators whose batch statistics depend on
+    them (batch_stats calls it only then). On-policy these weights sampled the batch: its old_logp, no extra pass."""
+    return batch.old_logp[rows] if run.on_policy else logprobs_of(run, run.model, batch, rows)
+
+
+def logprobs_of(run, net, batch: Batch, rows: slice | None = None) -> torch.Tensor:
     """(rows, T) log-probs of the completions under `net`, without gradient: --logprob_batch_size rows per forward,
     of similar lengths; the rows of a prompt share one forward of it (unless the weights are sharded)."""
     rows = slice(0, run.local_rows) if rows is None else rows
     share = not sharded_parameters(run.accelerator)
     size = run.args.logprob_batch_size or run.args.micro_batch_size
     with torch.no_grad():
-        buckets = length_buckets(batch["completion_tokens"][rows], size, offset=rows.start)  # similar lengths
-        logp = torch.cat([completion_logprobs(net, batch["input_ids"][s], batch["attention_mask"][s],
-                                              batch["mask"].shape[1], run.args.temperature, share_prompts=share)[0]
+        buckets = length_buckets(batch.completion_tokens[rows], size, offset=rows.start)  # similar lengths
+        logp = torch.cat([completion_logprobs(net, batch.input_ids[s], batch.attention_mask[s],
+                                              batch.mask.shape[1], run.args.temperature, share_prompts=share)[0]
                           for s in buckets])  # (rows, T) by bucket
         return logp[torch.cat(buckets).argsort()]  # (rows, T) in row order
+
+
+def step_prompts(step: int, batch_size: int, num_generations: int, mini_batch_size: int, num_processes: int,
+                 process_index: int, dataset_size: int, seed: int) -> tuple[list[int], list[int]]:
+    """This process's prompts at `step`: (their indices within the step's global batch, their dataset rows).
+
+    The step's N prompts are consecutive entries of a seeded per-epoch permutation of the dataset.
+    Mini-batch k is prompts [k*Nm, (k+1)*Nm) of the step and each process takes a contiguous 1/P of
+    every mini-batch, so the global batch, and every optimizer step's share of it, does not depend on P.
+    """
+    N, Nm = batch_size // num_generations, (mini_batch_size or batch_size) // num_generations
+    positions = torch.arange(N).view(N // Nm, num_processes, Nm // num_processes)[:, process_index].flatten()
+    stream = step * N + positions  # (n,) positions in the endless stream of prompts
+    epochs = stream // dataset_size
+    perms = {e: torch.randperm(dataset_size, generator=torch.Generator().manual_seed(seed + e))
+             for e in set(epochs.tolist())}
+    rows = [int(perms[int(e)][o]) for e, o in zip(epochs, stream % dataset_size)]
+    return positions.tolist(), rows

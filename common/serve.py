@@ -168,7 +168,7 @@ def parse(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse(argv)
-    from common.utils import vllm_installed
+    from common.devices import vllm_installed
 
     if args.engine == "vllm" and not vllm_installed():
         raise SystemExit("error: --engine vllm needs vLLM (pip install -r requirements.txt); or use --engine hf")

@@ -274,7 +274,7 @@ class ServerEngine:
 
 
 class OverlapQueue:
-    """Server mode at --rollout_lag K >= 1, in place of batching.RolloutQueue: before step s trains, the generate
+    """Server mode at --rollout_lag K >= 1, in place of offpolicy.RolloutQueue: before step s trains, the generate
     requests of steps s+1..s+K have been made, so the server samples them while the trainer trains (verl's
     one-step-off and fully async modes, prime-rl's async level). The request of step s+K is made at step s, after
     the push of step s's weights: the weights the colocated queue samples it with, so a run matches a colocated run
@@ -284,19 +284,28 @@ class OverlapQueue:
     def __init__(self, lag: int, engine: ServerEngine, requests, **sampling):
         self.lag, self.engine, self.requests, self.sampling = lag, engine, requests, sampling
         self.sent: dict[int, tuple[int, list[int]]] = {}  # step -> (the step its request was made at, its seeds)
+        self.ready = None  # the batch of the step being trained, between `put` and `take`
 
-    def next(self, step: int, sample, total_steps: int | None = None) -> dict:
-        last = step + self.lag if total_steps is None else min(step + self.lag, total_steps - 1)
-        for index in range(step, last + 1):
+    def steps_to_sample(self, step: int, total_steps: int) -> list[int]:
+        """Makes the generate requests of steps step..step+K not yet made (never one at or past `total_steps`); the
+        batch of `step` alone is made now, its generate call taking the answer of the request made for it."""
+        for index in range(step, min(step + self.lag, total_steps - 1) + 1):
             if index not in self.sent:
                 prompt_ids, seeds = self.requests(index)
                 self.engine.send_ahead(prompt_ids, seeds, **self.sampling)
                 self.sent[index] = (step, seeds)
-        batch = sample(step)  # its generate call takes the answer of the request made for it
+        return [step]
+
+    def put(self, batch, sampled_at: int) -> None:
+        self.ready = batch  # made now from an answer sampled when its request was made (`take` says when)
+
+    def take(self, step: int):
+        batch, self.ready = self.ready, None
         staleness = step - self.sent.pop(step)[0]
         if not 0 <= staleness <= self.lag:
             raise RuntimeError(f"step {step + 1}: its batch is {staleness} steps stale, --rollout_lag is {self.lag}")
-        return {**batch, "sampled_at": step - staleness, "staleness": staleness}
+        batch.sampled_at, batch.staleness = step - staleness, staleness
+        return batch
 
     def save(self, state_dir: str, process_index: int) -> None:
         """Collective: the answers of the requests made ahead (waiting for them), so a resumed run trains on what

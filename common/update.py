@@ -1,8 +1,8 @@
 """The policy update's plumbing, each rule named and written down where it is applied.
 
 The scripts call their estimator once per micro-batch, but the estimator's loss is the whole optimizer batch's
-(docs/estimators/conventions.md: full-batch semantics). Three rules make the micro-batched, multi-process update equal to one call
-on the whole batch:
+(docs/estimators/conventions.md: full-batch semantics). Three rules make the micro-batched, multi-process update
+equal to one call on the whole batch:
 - `batch_stats` returns (totals, per_row): totals are sums over this process's rows, added up over the processes
   here (`sum_over_processes`); per-row values stay with their rows (a group never straddles processes);
 - `compute_loss` then returns each micro-batch's share of the batch loss, and `backward_share` undoes what
@@ -22,9 +22,9 @@ def minibatches(run) -> list[slice]:
     return [slice(start, start + run.local_mini) for start in range(0, run.local_rows, run.local_mini)]
 
 
-def microbatches(run, batch: dict, mini: slice) -> list[torch.Tensor]:
+def microbatches(run, batch, mini: slice) -> list[torch.Tensor]:
     """The rows of `mini` in groups of --micro_batch_size, of similar completion lengths (less padding)."""
-    return length_buckets(batch["completion_tokens"][mini], run.args.micro_batch_size, offset=mini.start)
+    return length_buckets(batch.completion_tokens[mini], run.args.micro_batch_size, offset=mini.start)
 
 
 def sum_over_processes(totals: dict[str, torch.Tensor], accelerator) -> dict[str, torch.Tensor]:

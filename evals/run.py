@@ -32,6 +32,7 @@ from common.benchmarks import benchmark_problems
 from common.checkpoints import format_seconds
 from common.checks import range_problems
 from common.data import looks_local
+from common.devices import on_cpu
 from common.evaluation import (
     flat_metrics,
     k_values,
@@ -40,7 +41,6 @@ from common.evaluation import (
     summarize,
 )
 from common.rollout import HFEngine
-from common.utils import on_cpu
 
 
 @dataclass

@@ -1,17 +1,20 @@
-"""common/batching.py by hand (importance weights, overlong penalty, dynamic sampling, the lag queue), and rows
-removed from the loss, tool tokens and TIS / MIS in every estimator (docs/estimators/conventions.md)."""
+"""common/offpolicy.py and common/dapo.py by hand (importance weights, overlong penalty, dynamic sampling, the lag
+queue), and rows removed from the loss, tool tokens and TIS / MIS in every estimator
+(docs/estimators/conventions.md)."""
 
 import importlib
 import math
 import os
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from common.args import parse_args
-from common.batching import RolloutQueue, Rollouts, importance_weights
+from common.batch import Batch, Rollouts
 from common.dapo import fill_batch, overlong_penalty
+from common.offpolicy import RolloutQueue, importance_weights
 from evals import ALGORITHMS
 
 SCRIPTS = {name: importlib.import_module(name) for name in ALGORITHMS}
@@ -99,18 +102,27 @@ def test_rollout_queue_trains_each_step_on_the_batch_sampled_k_steps_earlier(tmp
     for lag in (0, 1, 2, 4):
         queue, weights, trained = RolloutQueue(lag), 0, []
         for step in range(8):
-            batch = queue.next(step, lambda index: {"index": index, "weights": weights})
-            trained.append((batch["index"], batch["weights"], batch["staleness"]))
+            for index in queue.steps_to_sample(step, total_steps=8):
+                queue.put(SimpleNamespace(index=index, weights=weights), sampled_at=step)
+            batch = queue.take(step)
+            trained.append((batch.index, batch.weights, batch.staleness))
             weights += 1  # the update of this step
         assert trained == [(s, max(0, s - lag), min(s, lag)) for s in range(8)]  # data of step s, weights of s - K
+        assert not queue.batches  # nothing sampled for a step past the last
 
     queue = RolloutQueue(2)
-    queue.next(0, lambda index: {"index": torch.tensor(index), "old_logp": torch.randn(2, 3), "ref_logp": None})
+    for index in queue.steps_to_sample(0, total_steps=8):
+        T = index + 1
+        queue.put(Batch(*(torch.full((2, T), index) for _ in range(5)), rewards=torch.zeros(2),
+                        truncated=torch.zeros(2, dtype=torch.bool), per_func={"f": torch.ones(2)},
+                        old_logp=torch.randn(2, T), ref_logp=None), sampled_at=0)
+    queue.take(0)
     queue.save(str(tmp_path), process_index=1)
     restored = RolloutQueue(2)
     restored.load(str(tmp_path), process_index=1)
-    assert [int(b["index"]) for b in restored.batches] == [1, 2]
-    torch.testing.assert_close(restored.batches[0]["old_logp"], queue.batches[0]["old_logp"])
+    assert [int(b.input_ids[0, 0]) for b in restored.batches] == [1, 2]
+    assert all(torch.equal(a.old_logp, b.old_logp) and a.as_dict().keys() == b.as_dict().keys()
+               for a, b in zip(restored.batches, queue.batches))
     empty = RolloutQueue(0)
     empty.save(str(tmp_path / "none"), process_index=0)  # lag 0: nothing between steps, no file
     assert not os.path.exists(tmp_path / "none")

@@ -10,11 +10,12 @@ from accelerate import Accelerator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.args import parse_args
+from common.batch import pad_rows
 from common.data import load_prompts, resolve_dataset
 from common.logprobs import completion_logprobs
 from common.rollout import HFEngine, sample_seed
+from common.sampling import step_prompts
 from common.toy import TOY_DIR
-from common.utils import pad_rows, step_prompts
 
 ROWS = [{"q": "1+2=", "a": "3", "level": 1}, {"q": "10+20=", "a": "30", "level": 2}]
 
@@ -183,7 +184,7 @@ def test_a_pad_token_inside_a_prompt_is_attended_to():
     """Chat templates end each turn with a token that is often also the pad token (SmolLM2: <|im_end|> is EOS and
     pad). The prompt's attention mask comes from its length, not from `!= pad`, or the trainer would read a prompt
     without its turn ends while the sampler read them: a log-prob gap of 0.12 per token on SmolLM2-135M-Instruct."""
-    from common.batching import Rollouts
+    from common.batch import Rollouts
     from common.sampling import to_tensors
 
     pad = 2
@@ -192,9 +193,9 @@ def test_a_pad_token_inside_a_prompt_is_attended_to():
                         truncated=torch.zeros(2, dtype=torch.bool),
                         action_mask=[[1, 1], [1]])
     batch = to_tensors(rollouts, torch.zeros(2, dtype=torch.bool), pad)
-    assert batch["input_ids"].tolist() == [[5, 2, 7, 4, 2], [2, 2, 9, 6, 2]]
-    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [0, 1, 1, 1, 0]]
-    assert batch["mask"].tolist() == [[1, 1], [1, 0]]
+    assert batch.input_ids.tolist() == [[5, 2, 7, 4, 2], [2, 2, 9, 6, 2]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1], [0, 1, 1, 1, 0]]
+    assert batch.mask.tolist() == [[1, 1], [1, 0]]
 
 
 def test_the_toy_is_built_once_by_one_builder_that_says_so(tmp_path, monkeypatch, capsys):

@@ -13,9 +13,9 @@ from transformers import AutoModelForCausalLM
 
 import common.logprobs
 from benchmarks.logprobs_memory import make_batch, naive_completion_logprobs, tiny_model
+from common.batch import pad_rows
 from common.logprobs import HeadLogprobs, TokenLogprobs, completion_logprobs, fused_head, length_buckets
 from common.toy import TOY_DIR
-from common.utils import pad_rows
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 

@@ -22,6 +22,7 @@ from accelerate import Accelerator
 from conftest import subprocess_env
 
 from common import multiturn
+from common.batch import pad_rows
 from common.logprobs import completion_logprobs
 from common.multiturn import (
     FINAL_ANSWER_PREAMBLE,
@@ -33,7 +34,6 @@ from common.multiturn import (
     turn_seed,
 )
 from common.rollout import HFEngine
-from common.utils import pad_rows
 from common.vllm_engine import vllm_available
 
 ToolResult = namedtuple("ToolResult", "output error seconds")  # as common.sandbox.ToolResult

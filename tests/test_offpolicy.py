@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import grpo
 import snib
 from common.logprobs import completion_logprobs
-from common.utils import step_prompts
+from common.sampling import step_prompts
 
 TOY = os.path.join("runs", "toy")
 

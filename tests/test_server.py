@@ -10,6 +10,7 @@ import threading
 import time
 import urllib.request
 from http.server import HTTPServer
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -171,8 +172,8 @@ def test_a_server_with_another_dtype_is_refused(served):
 
 
 def test_the_server_refuses_an_engine_it_cannot_run(tmp_path):
+    from common.devices import vllm_installed
     from common.serve import main
-    from common.utils import vllm_installed
 
     if vllm_installed():
         pytest.skip("vLLM is installed here")
@@ -310,13 +311,15 @@ def test_the_overlap_queue_requests_k_steps_ahead_each_sampled_by_the_weights_of
     weights = [moved_copy(sampler.model, seed=None)]  # each step's weights (version 0: --model; the server's own
     # model object is overwritten by each sync)
     for step in range(5):
-        batch = queue.next(step, lambda index: dict(zip(("ids", "logps"), client.generate(None, *requests(index),
-                                                                                           **SAMPLING))), 5)
-        assert batch["staleness"] == min(step, 2) and batch["sampled_at"] == max(step - 2, 0)
+        for index in queue.steps_to_sample(step, total_steps=5):
+            ids, logps = client.generate(None, *requests(index), **SAMPLING)
+            queue.put(SimpleNamespace(ids=ids, logps=logps), sampled_at=step)
+        batch = queue.take(step)
+        assert batch.staleness == min(step, 2) and batch.sampled_at == max(step - 2, 0)
         assert sorted(queue.sent) == list(range(step + 1, min(step + 3, 5)))  # in flight while step s trains
         assert len(client.ahead) == len(queue.sent)
-        want = local.generate(weights[batch["sampled_at"]], *requests(step), **SAMPLING)
-        assert (batch["ids"], batch["logps"]) == want
+        want = local.generate(weights[batch.sampled_at], *requests(step), **SAMPLING)
+        assert (batch.ids, batch.logps) == want
         weights.append(moved_copy(weights[-1], step))  # the optimizer step
         client.push_weights(weights[-1])
     client.wait()

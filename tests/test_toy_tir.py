@@ -9,15 +9,12 @@ from conftest import read_metrics, run_script
 import grpo
 from common.multiturn import TOOLS, sample_completions
 from common.sandbox import ToolResult
-from common.toy import (
-    CHARS,
-    NUM_TEST,
-    SPECIAL,
+from common.toy import CHARS, NUM_TEST, SPECIAL, build_tokenizer
+from common.toy_tir import (
     TIR_CHARS,
     TIR_DIGITS,
     TIR_NUM_TRAIN,
     TOY_TIR_DIR,
-    build_tokenizer,
     calculator_output,
     make_tir_splits,
     prepare_toy_tir,

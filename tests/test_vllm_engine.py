@@ -253,7 +253,7 @@ def test_a_partial_or_skipped_push_is_caught(setup, monkeypatch):
     """The checks above can fail: a push that misses the MLPs, or no push at all, leaves a gap that
     assert_runs and the training loop's check_weight_sync both see."""
     import common.vllm_engine as vllm_engine
-    from common.utils import check_weight_sync
+    from common.metrics import check_weight_sync
 
     new = perturb_(copy.deepcopy(setup.hf))
     full = vllm_engine.iter_weight_buckets

@@ -133,3 +133,13 @@ def test_the_real_model_through_vllm(smollm2_workdir):
     gaps = [m["rollout/logp_gap_mean"] for m in steps]
     assert len(steps) == 3 and max(gaps) < 1e-3, gaps
     assert steps[0]["completion/truncated_frac"] < 1 and "reward/number_accuracy/mean" in steps[0], steps[0]
+
+
+def test_copying_grpo_for_the_gpu_command_on_vllm_takes_what_its_run_imports(toy_workdir):
+    """The README's GPU command stood in for as tests/test_siblings.py does, here on vLLM itself: the files it
+    imports, vLLM's engine among them, stay within the copy cost's bound."""
+    from test_siblings import COPY_COST, GPU_STAND_IN, copy_cost
+
+    lines, files = copy_cost(toy_workdir, GPU_STAND_IN + VLLM + ["--run_name", "copy_cost_vllm"])
+    assert "common/vllm_engine.py" in files and "common/math_grader.py" in files, files
+    assert lines <= COPY_COST["gpu"], (lines, files)
