@@ -158,7 +158,7 @@ def setup(args) -> Run:
     accelerator.register_for_checkpointing(train_state)
     if resume:
         accelerator.load_state(os.path.join(resume, "state"))
-    engine = rollout_engine(args, accelerator, tokenizer, model)
+    engine = rollout_engine(args, accelerator, tokenizer, model, run_dir)
 
     if accelerator.is_main_process:
         accelerator.init_trackers(run_name[0], config={k: v for k, v in asdict(args).items() if v is not None})
@@ -227,11 +227,11 @@ def load_data(args, tokenizer, accelerator):
     return train_data, eval_data, eval_sets
 
 
-def rollout_engine(args, accelerator, tokenizer, model):
+def rollout_engine(args, accelerator, tokenizer, model, run_dir: str):
     """A rollout server (--server_url), vLLM (--rollout_engine vllm, or auto where installed) or transformers'."""
-    if args.server_url:  # python -m common.serve on devices of its own; its client is imported in server mode only
+    if args.server_url:  # vllm serve (or python -m common.serve) on devices of its own: common/server_engine.py
         from common.server_engine import ServerEngine
-        return ServerEngine(args, accelerator, model)
+        return ServerEngine(args, accelerator, model, sync_dir=os.path.join(run_dir, "server_weights"))
     if args.rollout_engine == "vllm" or (args.rollout_engine == "auto" and vllm_installed()):
         from common.vllm_engine import VLLMEngine
         engine = VLLMEngine(args.model, accelerator=accelerator, tensor_parallel_size=args.vllm_tensor_parallel_size,

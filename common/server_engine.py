@@ -1,11 +1,14 @@
-"""The client of a rollout server (common/serve.py): the engine interface of common/rollout.py over HTTP.
+"""The client of a rollout server: the engine interface of common/rollout.py over HTTP, to `vllm serve` (with
+common/vllm_worker.py's disk engine) or to common/serve.py (transformers' engine, the exact-seed reference).
 
 --server_url http://HOST:PORT switches a script to it (TRL's vllm_mode="server"); imported only then. Weights reach
 the server through the filesystem: after each step the trainer writes the full weights (LoRA merged) as safetensors
-to SYNC_DIR/.version_N.tmp, renames the folder to SYNC_DIR/version_N once complete and tells the server N; the
-server answers once it has loaded them, and version N-1 is removed. Every request waits at most --server_timeout
-seconds for an answer: one that gets none, or an error, stops the run with one line naming the server and the
-request (never a silent hang).
+to SYNC_DIR/.version_N.tmp, renames the folder to SYNC_DIR/version_N once complete and tells the server N (vllm
+serve: its pause / start / update / finish / resume handshake, SYNC_DIR the run's server_weights folder; common.serve:
+POST /sync, SYNC_DIR its --sync_dir); the server loads them before any later generate request, and version N-1 is
+removed. Every answer names the weight version that sampled it, checked against the one pushed last. Every request
+waits at most --server_timeout seconds for an answer: one that gets none, or an error, stops the run with one line
+naming the server and the request (never a silent hang).
 
 One client per trainer: the main process sends every request, one at a time and in the order they were made, from
 a thread of its own (the other processes' rows are gathered into its generate requests, and their answers
@@ -23,7 +26,7 @@ import socket
 import threading
 import urllib.error
 import urllib.request
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from http.client import HTTPException
 
@@ -42,6 +45,7 @@ def call(url: str, path: str, body: dict | None, timeout: float, what: str) -> d
     except urllib.error.HTTPError as e:
         try:
             reason = json.loads(e.read())["error"]
+            reason = reason.get("message", reason) if isinstance(reason, dict) else reason  # vllm serve's form
         except Exception:
             reason = f"HTTP {e.code}"
         raise SystemExit(f"error: the rollout server at {url} refused the {what}: {reason}") from None
@@ -51,23 +55,48 @@ def call(url: str, path: str, body: dict | None, timeout: float, what: str) -> d
         if isinstance(e.reason, (TimeoutError, socket.timeout)):
             why = f"within {timeout:g} s (--server_timeout): it is hung, or slower than the limit"
         else:
-            why = f"({e.reason}): is python -m common.serve running at this address?"
+            why = f"({e.reason}): is vllm serve (or python -m common.serve) running at this address?"
     except (ConnectionError, HTTPException) as e:  # it closed the connection: it died while answering
         why = f"({type(e).__name__}: the connection closed: the server stopped?)"
     raise SystemExit(f"error: the rollout server at {url} did not answer the {what} {why}")
+
+
+GENERATE_CONCURRENCY = 64  # vllm serve: rows of one generate request in flight at once (its scheduler batches them)
+
+
+def served_by_vllm(url: str, timeout: float) -> bool:
+    """Whether `vllm serve` answers at url (its /health has an empty body; common.serve's is JSON), refusing one
+    started without VLLM_SERVER_DEV_MODE=1 (no weight-update routes then)."""
+    request = urllib.request.Request(url.rstrip("/") + "/health")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            body = response.read()
+    except Exception:
+        call(url, "/health", None, timeout, "health check")  # raises SystemExit with the reason in one line
+        raise
+    if body.strip():
+        return False
+    try:
+        call(url, "/weight_info", None, timeout, "weight query")
+    except SystemExit:
+        raise SystemExit(f"error: vllm serve at {url} has no weight-update routes: start it with "
+                         f"VLLM_SERVER_DEV_MODE=1 (docs/rollouts.md, \"Server mode\")") from None
+    return True
 
 
 def server_problems(args) -> list[str]:
     """Before any weights load (common/checks.py): the address is http(s)://HOST:PORT, a rollout server answers
     there, and it runs the trainer's --dtype."""
     if not re.fullmatch(r"https?://[^/\s:]+(:\d+)?/?", args.server_url):
-        return [f"--server_url {args.server_url!r}: give http://HOST:PORT, where python -m common.serve listens"]
+        return [f"--server_url {args.server_url!r}: give http://HOST:PORT, where vllm serve (or python -m "
+                f"common.serve) listens"]
     try:
-        info = call(args.server_url, "/health", None, args.server_timeout, "health check")
+        vllm = served_by_vllm(args.server_url, args.server_timeout)
+        info = None if vllm else call(args.server_url, "/health", None, args.server_timeout, "health check")
     except SystemExit as e:
         return [str(e).removeprefix("error: ")]
     problems = []
-    if info["dtype"] != args.dtype:
+    if info is not None and info["dtype"] != args.dtype:
         problems.append(f"--server_url {args.server_url}: the server runs --dtype {info['dtype']}, the trainer "
                         f"--dtype {args.dtype}; start it with the trainer's")
     if args.rollout_lag > 0:  # OverlapQueue: the server samples while the trainer trains
@@ -119,10 +148,17 @@ class ServerEngine:
     request whose answer a later generate() of the same rows takes (OverlapQueue). Every method is collective:
     each process calls it at the same point."""
 
-    def __init__(self, args, accelerator, model=None):
+    def __init__(self, args, accelerator, model=None, sync_dir: str | None = None):
         self.url, self.timeout, self.accelerator = args.server_url, args.server_timeout, accelerator
-        info = call(self.url, "/health", None, self.timeout, "health check")
-        self.sync_dir, self.version = info["sync_dir"], info["version"]
+        self.vllm = served_by_vllm(self.url, self.timeout)
+        if self.vllm:  # vllm serve: weights go to a folder of the trainer's that the server can read (sync_dir)
+            self.sync_dir, version = sync_dir, call(self.url, "/weight_info", None, self.timeout, "weight query")
+            self.version = int(version["weight_version"]) if str(version["weight_version"]).isdigit() else 0
+            if accelerator.is_main_process:
+                os.makedirs(self.sync_dir, exist_ok=True)
+        else:  # python -m common.serve names its folder
+            info = call(self.url, "/health", None, self.timeout, "health check")
+            self.sync_dir, self.version = info["sync_dir"], info["version"]
         self.ahead: dict[tuple, Sent | tuple] = {}  # the rows' seeds -> their request, or its answer (ids, logps)
         self.outbox, self.failure, self.last = queue.SimpleQueue(), None, None
         if accelerator.is_main_process:
@@ -137,7 +173,7 @@ class ServerEngine:
             future, path, body, what, then = self.outbox.get()
             if self.failure is None:
                 try:
-                    answer = call(self.url, path, body, self.timeout, what)
+                    answer = path(body) if callable(path) else call(self.url, path, body, self.timeout, what)
                     future.set_result(then(answer) if then else answer)
                     continue
                 except SystemExit as e:
@@ -146,8 +182,9 @@ class ServerEngine:
                     self.failure = f"error: the answer of the rollout server at {self.url} to the {what}: {e!r}"
             future.set_exception(SystemExit(self.failure))
 
-    def post(self, path: str, body: dict, what: str, then=None) -> Future:
-        """Queue a request (main process); its answer, passed through `then`, comes in the returned future."""
+    def post(self, path, body: dict, what: str, then=None) -> Future:
+        """Queue a request (main process): a path of the server, or a function of ours making several (vllm serve);
+        its answer, passed through `then`, comes in the returned future."""
         self.last = future = Future()
         self.outbox.put((future, path, body, what, then))
         return future
@@ -177,8 +214,9 @@ class ServerEngine:
                                      f"version {version} with version {answer.get('version')}")
                 return answer
 
-            future = self.post("/generate", body, f"generate request ({len(body['seeds'])} prompts, weights version "
-                               f"{version})", sampled_by_that_version)
+            future = self.post(self.vllm_generate if self.vllm else "/generate", body,
+                               f"generate request ({len(body['seeds'])} prompts, weights version {version})",
+                               sampled_by_that_version)
         self.ahead[tuple(seeds)] = Sent(future, [len(ids) for ids, _, _ in shares])
 
     def answer(self, seeds: list[int]) -> tuple[list[list[int]], list[list[float]]]:
@@ -244,8 +282,8 @@ class ServerEngine:
                 return answer
 
             if error[0] is None:
-                self.post("/sync", {"version": version}, f"weight sync (version {version} in {self.sync_dir})",
-                          loaded)
+                self.post(self.vllm_sync if self.vllm else "/sync", {"version": version},
+                          f"weight sync (version {version} in {self.sync_dir})", loaded)
         else:
             for _ in buckets:  # the collective gathers, in step with the main process
                 pass
@@ -254,6 +292,47 @@ class ServerEngine:
         if error[0]:
             raise SystemExit(error[0])
         self.version = version
+
+    def vllm_generate(self, body: dict) -> dict:
+        """A generate request to vllm serve (the sender thread): one POST /inference/v1/generate per row, with its own
+        seed and budget (a batched /v1/completions request shares one seed), GENERATE_CONCURRENCY at a time; the
+        answer in common.serve's form, with the weight version every row was sampled by (a row's tokens may span
+        versions only if a sync landed mid-row: then it names both and is refused)."""
+        n, version = len(body["seeds"]), str(body["version"])
+        budgets = body["max_tokens"] if isinstance(body["max_tokens"], list) else [body["max_tokens"]] * n
+        text = dict(detokenize=False) if not body["stop"] else dict(stop=body["stop"], include_stop_str_in_output=True)
+
+        def one(i: int) -> tuple[list[int], list[float], set[str]]:
+            params = dict(n=1, seed=body["seeds"][i], max_tokens=budgets[i], temperature=body["temperature"],
+                          top_p=body["top_p"], logprobs=0, **text)
+            answer = call(self.url, "/inference/v1/generate", {"token_ids": body["prompt_ids"][i],
+                                                                "sampling_params": params}, self.timeout,
+                          f"generate request (row {i} of {n}, weights version {version})")
+            choice = answer["choices"][0]
+            logps = [t["logprob"] for t in (choice.get("logprobs") or {}).get("content") or []]
+            return choice["token_ids"], logps, {w["version"] for w in choice.get("weight_versions") or []}
+
+        with ThreadPoolExecutor(GENERATE_CONCURRENCY) as pool:
+            rows = list(pool.map(one, range(n)))
+        versions = set().union(*(v for _, _, v in rows))
+        return {"completion_ids": [ids for ids, _, _ in rows], "sampler_logp": [lp for _, lp, _ in rows],
+                "version": body["version"] if versions <= {version} else ", ".join(sorted(versions))}
+
+    def vllm_sync(self, body: dict) -> dict:
+        """A weight sync with vllm serve (the sender thread), vLLM's own handshake: pause (letting running requests
+        finish), start, update from the version's folder (common/vllm_worker.py's disk engine), finish with the
+        version, drop the prefix cache (its blocks hold the old weights' keys and values), resume."""
+        version, what = body["version"], f"weight sync (version {body['version']})"
+        path = os.path.abspath(os.path.join(self.sync_dir, f"version_{version}"))
+        try:
+            for route, payload in [("/pause?mode=wait", {}), ("/start_weight_update", {}),
+                                   ("/update_weights", {"update_info": {"path": path}}),
+                                   ("/finish_weight_update", {"weight_version": str(version)}),
+                                   ("/reset_prefix_cache", {})]:
+                call(self.url, route, payload, self.timeout, f"{what}: {route.split('?')[0]}")
+        finally:  # a refused update leaves the server unpaused (vLLM ends the update itself), for the next client
+            call(self.url, "/resume", {}, self.timeout, f"{what}: /resume")
+        return {"version": version}
 
     def collective(self) -> bool:
         """Under several processes every generate call gathers the rows of all of them (multi-turn rollouts then

@@ -145,12 +145,14 @@ def test_a_server_that_does_not_answer_stops_the_client_within_the_timeout():
     assert str(e.value) == (f"error: the rollout server at {url} did not answer the weight sync (version 1) within "
                             f"1 s (--server_timeout): it is hung, or slower than the limit")
     silent.close()
-    with pytest.raises(SystemExit, match=r"did not answer the generate \(.*refused.*\): is python -m common.serve"):
+    with pytest.raises(SystemExit, match=r"did not answer the generate \(.*refused.*\): is vllm serve \(or python -m "
+                                         r"common.serve\)"):
         call(f"http://localhost:{free_port()}", "/generate", {}, 1.0, "generate")
 
 
 @pytest.mark.parametrize("url, message", [
-    ("localhost:8000", "--server_url 'localhost:8000': give http://HOST:PORT, where python -m common.serve listens"),
+    ("localhost:8000", "--server_url 'localhost:8000': give http://HOST:PORT, where vllm serve (or python -m "
+                       "common.serve) listens"),
     ("http://localhost:{port}", "the rollout server at http://localhost:{port} did not answer the health check"),
 ])
 def test_a_bad_server_url_is_refused_before_any_weights_load(in_toy_workdir, url, message):
