@@ -298,7 +298,7 @@ class ServerEngine:
         seed and budget (a batched /v1/completions request shares one seed), GENERATE_CONCURRENCY at a time; the
         answer in common.serve's form, with the weight version every row was sampled by (a row's tokens may span
         versions only if a sync landed mid-row: then it names both and is refused)."""
-        n, version = len(body["seeds"]), str(body["version"])
+        n, version = len(body["seeds"]), str(body["version"] or "default")  # 0: the server's own --model weights
         budgets = body["max_tokens"] if isinstance(body["max_tokens"], list) else [body["max_tokens"]] * n
         text = dict(detokenize=False) if not body["stop"] else dict(stop=body["stop"], include_stop_str_in_output=True)
 

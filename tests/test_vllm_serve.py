@@ -162,3 +162,57 @@ def test_weights_the_server_cannot_load_stop_the_run_in_one_line_and_leave_it_se
                          sync_dir=sync)
     ids, logps = fresh.generate(None, [[3, 4, 12]], [5], max_tokens=4, temperature=1.0, top_p=1.0)
     assert len(ids[0]) == len(logps[0]) > 0
+
+
+def test_two_training_processes_overlapped_take_the_one_process_steps(toy_workdir, vllm_served):
+    """Lag 2, two training processes (gloo) against vllm serve: the main process sends every process's rows, one
+    request per row with that row's seed, so every step's rewards and tokens equal the one-process run's; the weights
+    agree to the usual process-count tolerance; the server holds the last version the main process pushed."""
+    argv = SMALL + ["--total_steps", "3", "--micro_batch_size", "2", "--rollout_lag", "2", "--old_logp_source",
+                    "sampler", "--server_url", vllm_served]
+    launch(toy_workdir, "grpo.py", argv + ["--run_name", "vllm_overlap_1"])
+    launch(toy_workdir, "grpo.py", argv + ["--run_name", "vllm_overlap_2"], num_processes=2)
+    one, two = (os.path.join(toy_workdir, "runs", r) for r in ("vllm_overlap_1", "vllm_overlap_2"))
+    for a, b in zip(read_metrics(one), read_metrics(two), strict=True):
+        assert (a["reward/mean"], a["completion/tokens"]) == (b["reward/mean"], b["completion/tokens"])
+        assert a["rollout/staleness"] == b["rollout/staleness"]
+    assert_same_weights(final_weights(one, 3), final_weights(two, 3), atol=1e-5)
+    assert os.listdir(os.path.join(two, "server_weights")) == [f"version_{weight_version(vllm_served)}"]
+
+
+def test_tool_rollouts_budgets_and_stop_strings_reach_vllm_serve(toy_workdir, vllm_served):
+    """Multi-turn rollouts ask for one budget per prompt and stop strings (common/multiturn.py): each row ends at its
+    own budget or right after the token completing a stop string, as colocated vLLM ends it, with a log-prob per
+    token."""
+    from types import SimpleNamespace
+
+    from accelerate import Accelerator
+    from transformers import AutoTokenizer
+
+    from common.server_engine import ServerEngine
+
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(toy_workdir, "runs", "toy", "model"))
+    engine = ServerEngine(SimpleNamespace(server_url=vllm_served, server_timeout=120.0), Accelerator(cpu=True), None,
+                          sync_dir=os.path.join(toy_workdir, "tool_sync"))
+    engine.version = int(weight_version(vllm_served)) if weight_version(vllm_served).isdigit() else 0
+    prompts = [tokenizer.encode(p) for p in ("50+13=", "37+68=", "2+11=", "73+81=")] * 4
+    budgets = [6, 2, 4, 6] * 4
+    ids, logps = engine.generate(None, prompts, list(range(16)), max_tokens=budgets, temperature=1.0, top_p=1.0,
+                                 stop=["1", "5"])
+    texts = [tokenizer.decode(c, skip_special_tokens=True) for c in ids]
+    assert all(len(c) <= b and len(c) == len(lp) for c, b, lp in zip(ids, budgets, logps))
+    for c, text in zip(ids, texts):  # a stop string ends the row at the token that completed it
+        first = min((text.index(s) for s in ("1", "5") if s in text), default=None)
+        assert first is None or first == len(text) - 1, (text, c)
+    assert any(t and t[-1] in "15" and len(c) < b for t, c, b in zip(texts, ids, budgets))  # precondition
+
+
+def test_lora_pushes_merged_weights_to_vllm_serve_as_to_colocated_vllm(toy_workdir, vllm_served):
+    """--lora_r: each sync writes the base weights with the adapter merged (checkpoint names), so a served LoRA run
+    takes the colocated vLLM LoRA run's steps: the same rewards, tokens and losses."""
+    argv = SMALL + ["--total_steps", "2", "--lora_r", "8", "--lora_alpha", "16", "--learning_rate", "1e-2"]
+    launch(toy_workdir, "grpo.py", argv + ["--rollout_engine", "vllm", "--run_name", "vllm_lora_colocated"])
+    launch(toy_workdir, "grpo.py", argv + ["--server_url", vllm_served, "--run_name", "vllm_lora_served"])
+    colocated, served = (os.path.join(toy_workdir, "runs", r) for r in ("vllm_lora_colocated", "vllm_lora_served"))
+    assert_same_steps(colocated, served)
+    assert read_metrics(served)[-1]["rollout/logp_gap_mean"] < 1e-5
