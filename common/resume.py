@@ -3,6 +3,8 @@
 import json
 import os
 
+from accelerate import PartialState
+
 from common.args import warn
 from common.checkpoints import MANIFEST, checkpoint_steps
 
@@ -21,9 +23,22 @@ def resume_problems(args) -> list[str]:
     if not os.path.exists(args.resume_from):
         return [f"--resume_from {args.resume_from!r}: no such directory"]
     try:
-        find_checkpoint(args.resume_from)  # a damaged checkpoint, or none
+        ckpt = find_checkpoint(args.resume_from)  # a damaged checkpoint, or none
     except SystemExit as e:
         return [str(e).removeprefix("error: ")]
+    return ahead_problems(ckpt, PartialState().num_processes)
+
+
+def ahead_problems(ckpt: str, num_processes: int) -> list[str]:
+    """The batches sampled ahead (--rollout_lag K) are saved by each process, its own rows: a resume under another
+    process count would give the processes rows of the wrong shape, and abort in a collective. Refused instead."""
+    state = os.path.join(ckpt, "state")
+    saved = [f for f in os.listdir(state) if f.startswith(("rollout_queue_", "rollout_requests_"))] \
+        if os.path.isdir(state) else []
+    if saved and len(saved) != num_processes:
+        return [f"--resume_from: {ckpt} holds the batches sampled ahead of it (--rollout_lag) by {len(saved)} "
+                f"process{'es' if len(saved) > 1 else ''}, and this run has {num_processes}: resume with "
+                f"{len(saved)} (accelerate launch --num_processes {len(saved)}), or start a new run"]
     return []
 
 

@@ -3,11 +3,12 @@ exact resume and 2-process invariance with a lag, dynamic sampling, truncation m
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
 from conftest import launch, read_metrics, run_script
-from test_train import SMALL, assert_same_weights, final_weights, run_interrupted
+from test_train import REPO, SMALL, assert_same_weights, final_weights, run_interrupted
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import grpo
@@ -108,3 +109,19 @@ def test_mask_truncated_overlong_and_sequence_mis_run_together(in_toy_workdir):
         assert m["completion/removed_frac"] == m["completion/truncated_frac"]
         assert -0.5 <= m["reward/overlong/mean"] < 0  # truncated rows are at the limit: -0.5 each
         assert m["rollout/is_masked_frac"] == 0  # the HF sampler runs the trainer's weights: rho = 1
+
+
+def test_a_lagged_checkpoint_resumed_under_another_process_count_is_refused_in_one_line(in_toy_workdir):
+    """At --rollout_lag 1 each process saves the batch it sampled ahead, its own rows. Resumed by 2 processes, the
+    1-process checkpoint of step 2 is refused before any weights load, naming the count to use (it aborted in a
+    gloo collective before)."""
+    argv = SMALL + ["--total_steps", "4", "--save_steps", "2", "--micro_batch_size", "2", "--rollout_lag", "1"]
+    run_script(grpo, argv + ["--run_name", "lag1_one"])
+    run = os.path.join(in_toy_workdir, "runs", "lag1_one")
+    shutil.rmtree(os.path.join(run, "checkpoints", "step_4"))  # as if stopped after step 2's checkpoint
+    assert "rollout_queue_0.pt" in os.listdir(os.path.join(run, "checkpoints", "step_2", "state"))  # precondition
+    with pytest.raises(AssertionError) as e:
+        launch(in_toy_workdir, "grpo.py", argv + ["--resume_from", run], num_processes=2)
+    assert ("holds the batches sampled ahead of it (--rollout_lag) by 1 process, and this run has 2: resume with 1 "
+            "(accelerate launch --num_processes 1)") in str(e.value), str(e.value)[-3000:]
+    assert f'File "{REPO}' not in str(e.value)  # no traceback of ours (accelerate's launcher prints its own)

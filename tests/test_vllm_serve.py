@@ -4,6 +4,7 @@ extension's disk weight-transfer engine (common/vllm_worker.py), driven by commo
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -29,29 +30,44 @@ def vllm_serve_command(model: str, port: int) -> list[str]:
             "--kv-cache-memory-bytes", str(2**30)]
 
 
-@pytest.fixture(scope="module")
-def vllm_served(toy_workdir):
-    """One server on the toy for the module (it starts in about a minute); its output in vllm_serve.log."""
+def start_vllm_serve(workdir, log_name: str) -> tuple[subprocess.Popen, str]:
+    """The server on the toy, in a process group of its own (its engine and workers are children: stopping the
+    server stops the group); ready when /health answers (about a minute on a CPU)."""
     port = free_port()
     env = {**subprocess_env(), "VLLM_SERVER_DEV_MODE": "1"}
-    log_path = os.path.join(toy_workdir, "vllm_serve.log")
+    log_path = os.path.join(workdir, log_name)
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(vllm_serve_command(os.path.join("runs", "toy", "model"), port), cwd=toy_workdir,
-                                env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(vllm_serve_command(os.path.join("runs", "toy", "model"), port), cwd=workdir, env=env,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 600
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop(proc)
+            raise AssertionError("vllm serve did not start: " + open(log_path).read()[-4000:])
+        try:
+            urllib.request.urlopen(url + "/health", timeout=1).read()
+            return proc, url
+        except OSError:
+            time.sleep(1)
+
+
+def stop(proc: subprocess.Popen, sig=signal.SIGKILL) -> None:
     try:
-        while True:
-            assert proc.poll() is None, open(log_path).read()[-4000:]
-            assert time.monotonic() < deadline, "vllm serve did not start within 600 s"
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1).read()
-                break
-            except OSError:
-                time.sleep(1)
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+    if sig == signal.SIGKILL:
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def vllm_served(toy_workdir):
+    """One server on the toy for the module; its output in vllm_serve.log."""
+    proc, url = start_vllm_serve(toy_workdir, "vllm_serve.log")
+    try:
         yield url
     finally:
-        proc.kill()
-        proc.wait()
+        stop(proc)
 
 
 def weight_version(url: str) -> str:
@@ -216,3 +232,36 @@ def test_lora_pushes_merged_weights_to_vllm_serve_as_to_colocated_vllm(toy_workd
     colocated, served = (os.path.join(toy_workdir, "runs", r) for r in ("vllm_lora_colocated", "vllm_lora_served"))
     assert_same_steps(colocated, served)
     assert read_metrics(served)[-1]["rollout/logp_gap_mean"] < 1e-5
+
+
+def test_a_server_that_hangs_or_dies_stops_the_trainer_with_one_line(toy_workdir):
+    """Hung (SIGSTOP of the server's processes: connections accepted, never answered) at lag 1 with a request in
+    flight, then killed (SIGKILL: connections refused): each time the trainer stops within --server_timeout with one
+    line naming the server and the request, no traceback, no silent hang."""
+    server, url = start_vllm_serve(toy_workdir, "vllm_serve_dies.log")
+    try:
+        for how in ("hung", "killed"):
+            run_dir = os.path.join(toy_workdir, "runs", f"vllm_orphan_{how}")
+            argv = SMALL + ["--total_steps", "10000", "--run_name", f"vllm_orphan_{how}", "--server_url", url,
+                            "--server_timeout", "10", "--rollout_lag", "1", "--old_logp_source", "sampler"]
+            trainer = subprocess.Popen([sys.executable, os.path.join(REPO, "grpo.py"), *argv], cwd=toy_workdir,
+                                       env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            try:
+                deadline = time.monotonic() + 300
+                while not (os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and read_metrics(run_dir)):
+                    assert trainer.poll() is None and time.monotonic() < deadline, trainer.communicate()[1][-3000:]
+                    time.sleep(0.2)
+                stop(server, signal.SIGSTOP if how == "hung" else signal.SIGKILL)
+                stopped = time.monotonic()
+                out, err = trainer.communicate(timeout=120)
+                assert time.monotonic() - stopped < 10 + 20  # the timeout, then the exit
+            finally:
+                trainer.kill()
+                stop(server, signal.SIGCONT)
+            assert trainer.returncode == 1 and "Traceback" not in err, err[-3000:]
+            last = err.strip().splitlines()[-1]
+            assert last.startswith(f"error: the rollout server at {url} did not answer the "), err[-3000:]
+            if how == "hung":
+                assert "within 10 s (--server_timeout)" in last, last
+    finally:
+        stop(server)
