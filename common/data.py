@@ -11,6 +11,7 @@ arguments) plus:
 import os
 
 import datasets
+import huggingface_hub
 
 from common.args import warn
 
@@ -61,12 +62,24 @@ def load_rows(path: str, name: str | None, split: str) -> datasets.Dataset:
             raise FileNotFoundError(f"no such file or directory: {path}")
         return datasets.load_dataset(path, name, split=split)
     except Exception as e:
-        known = ", ".join(DATASET_PRESETS)
-        raise ValueError(
-            f"Could not load dataset {path!r} (config {name!r}, split {split!r}): {type(e).__name__}: {e}\n"
-            f"Pass a hub id reachable from this machine, a local .jsonl/.json/.parquet/.csv file or directory, "
-            f"or one of the presets: {known}."
-        ) from e
+        raise ValueError(f"Could not load dataset {path!r} (config {name!r}, split {split!r}): {type(e).__name__}: "
+                         f"{(str(e).strip().splitlines() or [''])[0]}; {load_hint(path, name)}") from e
+
+
+def load_hint(path: str, name: str | None) -> str:
+    """What to do about a data set that did not load: a preset's own hub id is not sent back to the presets."""
+    if looks_local(path):
+        return f"pass a local {'/'.join(LOCAL_FORMATS)} file or folder, a hub id, or one of the presets: " \
+               f"{', '.join(DATASET_PRESETS)}"
+    preset = next((k for k, v in DATASET_PRESETS.items() if v["path"] == path), None)
+    what = f"the hub data set of the preset {preset}" if preset else "the hub data set"
+    fetch = f"load it once where the hub is reachable (datasets.load_dataset({path!r}{f', {name!r}' if name else ''}))"
+    if huggingface_hub.is_offline_mode():
+        return f"{what} is not in the local cache and HF_HUB_OFFLINE is set: {fetch}, or unset HF_HUB_OFFLINE"
+    if preset:
+        return f"it is {what}; without network, {fetch} and set HF_HUB_OFFLINE=1 to use the local cache only"
+    return (f"pass a hub id reachable from here, a local file or folder, or one of the presets: "
+            f"{', '.join(DATASET_PRESETS)}")
 
 
 def format_prompt(tokenizer, prompt: str, template: str, system_prompt: str, use_chat_template: bool,
