@@ -66,9 +66,12 @@ def parse_args(args_cls, argv: list[str] | None = None):
         defaults.update(preset_defaults(known.preset))
     recipe = {}
     if known.config is not None:
-        from common.recipes import read_recipe
+        from common.recipes import read_recipe, script_problem
 
         recipe = read_recipe(known.config)
+        script = getattr(args_cls, "exp_name", None)  # an estimator's Args: the script's name
+        if script and script_problem(known.config, script):
+            raise SystemExit(script_problem(known.config, script))
         fields = {f.name for f in dataclasses.fields(args_cls)}
         unknown = sorted(set(recipe) - fields)
         if unknown:
