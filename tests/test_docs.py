@@ -177,3 +177,41 @@ def test_the_repository_points_nowhere_outside_itself():
                 hits.append(f"{name}:{number}: {', '.join(found)}: {line.strip()[:120]}")
     assert read_files > 100, f"read only {read_files} tracked text files"
     assert not hits, "files point outside the repository:\n" + "\n".join(hits)
+
+
+def expand_braces(text: str) -> list[str]:
+    """`{grpo,gspo}_qwen3_{4b,14b}.yaml` -> the four names it stands for (shell brace expansion, no nesting)."""
+    match = re.search(r"\{([^{}]*)\}", text)
+    if match is None:
+        return [text]
+    return [name for option in match.group(1).split(",")
+            for name in expand_braces(text[: match.start()] + option + text[match.end():])]
+
+
+def test_replicating_lists_every_recipe():
+    """docs/replicating.md's table (its first column) names every file of configs/recipes/ (brace forms expanded),
+    and no other."""
+    cells = re.findall(r"^\| ([^|]+) \|", read(os.path.join(DOCS, "replicating.md")), re.M)
+    listed = {name for cell in cells for quoted in re.findall(r"`([^`]+\.yaml)`", cell)
+              for name in expand_braces(quoted)}
+    on_disk = {os.path.basename(p) for p in glob.glob(os.path.join(REPO, "configs", "recipes", "*.yaml"))}
+    assert listed == on_disk, f"replicating.md: missing {sorted(on_disk - listed)}, extra {sorted(listed - on_disk)}"
+
+
+def test_every_metric_key_the_code_writes_is_in_metrics_md():
+    """Every literal metric key of the scripts and common/ (a string `namespace/name` in a namespace the logs use:
+    policy/, loss/, optim/, reward/, ... and each estimator's own, snib/, p3o/, ...) appears in docs/metrics.md as
+    `key`. Keys built at run time (reward/<fn>/mean, ctpo's position buckets) are documented by their pattern."""
+    from evals import ALGORITHMS
+
+    spaces = ["policy", "loss", "optim", "reward", "completion", "dynamic", "rollout", "tool", "time", "memory",
+              "eval", *ALGORITHMS]
+    key = re.compile(r"[\"']((?:" + "|".join(spaces) + r")/[\w@.=-]+)[\"']")
+    written = {}
+    for path in glob.glob(os.path.join(REPO, "*.py")) + glob.glob(os.path.join(REPO, "common", "*.py")):
+        for name in key.findall(read(path)):
+            written.setdefault(name, set()).add(rel(path))
+    page = read(os.path.join(DOCS, "metrics.md"))
+    assert len(written) > 40, sorted(written)
+    missing = {name: sorted(where) for name, where in written.items() if f"`{name}`" not in page}
+    assert not missing, f"metric keys written but not in docs/metrics.md: {missing}"
