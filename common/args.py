@@ -69,9 +69,8 @@ def parse_args(args_cls, argv: list[str] | None = None):
         from common.recipes import read_recipe, script_problem
 
         recipe = read_recipe(known.config)
-        script = getattr(args_cls, "exp_name", None)  # an estimator's Args: the script's name
-        if script and script_problem(known.config, script):
-            raise SystemExit(script_problem(known.config, script))
+        if problem := script_problem(known.config, getattr(args_cls, "exp_name", None)):  # another estimator's?
+            raise SystemExit(problem)
         fields = {f.name for f in dataclasses.fields(args_cls)}
         unknown = sorted(set(recipe) - fields)
         if unknown:

@@ -11,7 +11,6 @@ arguments) plus:
 import os
 
 import datasets
-import huggingface_hub
 
 from common.args import warn
 
@@ -27,6 +26,8 @@ DATASET_PRESETS = {
                        prompt_column="problem", answer_column="answer"),
 }
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+OFFLINE = "without network, load it once where the hub is reachable (datasets.load_dataset({0!r}, {1!r})), then set " \
+          "HF_HUB_OFFLINE=1 to use the local cache only"  # datasets reads its own cache offline, not hf download's
 
 
 def resolve_dataset(dataset: str, split: str | None, prompt_column: str | None, answer_column: str | None,
@@ -62,24 +63,11 @@ def load_rows(path: str, name: str | None, split: str) -> datasets.Dataset:
             raise FileNotFoundError(f"no such file or directory: {path}")
         return datasets.load_dataset(path, name, split=split)
     except Exception as e:
+        preset = next((k for k, v in DATASET_PRESETS.items() if v["path"] == path), None)  # not "use a preset"
+        hint = f"it is the hub data set of the preset {preset}" if preset else "pass a hub id reachable from here, " \
+            f"a local .jsonl/.json/.parquet/.csv file or folder, or one of the presets: {', '.join(DATASET_PRESETS)}"
         raise ValueError(f"Could not load dataset {path!r} (config {name!r}, split {split!r}): {type(e).__name__}: "
-                         f"{(str(e).strip().splitlines() or [''])[0]}; {load_hint(path, name)}") from e
-
-
-def load_hint(path: str, name: str | None) -> str:
-    """What to do about a data set that did not load: a preset's own hub id is not sent back to the presets."""
-    if looks_local(path):
-        return f"pass a local {'/'.join(LOCAL_FORMATS)} file or folder, a hub id, or one of the presets: " \
-               f"{', '.join(DATASET_PRESETS)}"
-    preset = next((k for k, v in DATASET_PRESETS.items() if v["path"] == path), None)
-    what = f"the hub data set of the preset {preset}" if preset else "the hub data set"
-    fetch = f"load it once where the hub is reachable (datasets.load_dataset({path!r}{f', {name!r}' if name else ''}))"
-    if huggingface_hub.is_offline_mode():
-        return f"{what} is not in the local cache and HF_HUB_OFFLINE is set: {fetch}, or unset HF_HUB_OFFLINE"
-    if preset:
-        return f"it is {what}; without network, {fetch} and set HF_HUB_OFFLINE=1 to use the local cache only"
-    return (f"pass a hub id reachable from here, a local file or folder, or one of the presets: "
-            f"{', '.join(DATASET_PRESETS)}")
+                         f"{(str(e).strip().splitlines() or [''])[0]}; {hint}; {OFFLINE.format(path, name)}") from e
 
 
 def format_prompt(tokenizer, prompt: str, template: str, system_prompt: str, use_chat_template: bool,

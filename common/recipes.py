@@ -35,10 +35,11 @@ def script_of(path: str) -> str | None:
     return named.group(1) if named else prefix if os.path.isfile(os.path.join(root, f"{prefix}.py")) else None
 
 
-def script_problem(path: str, script: str) -> str | None:
-    """A recipe of another estimator would run this one with another paper's settings: refused, naming the fix."""
+def script_problem(path: str, script: str | None) -> str | None:
+    """A recipe of another estimator would run this one with another paper's settings: refused, naming the fix.
+    `script`: the running script's name (its Args' exp_name; None for Args of no estimator, such as evals.run's)."""
     owner = script_of(path)
-    if owner is None or owner == script:
+    if script is None or owner is None or owner == script:
         return None
     return (f"error: --config {path} is a recipe of {owner}.py, not {script}.py: run python {owner}.py --config "
             f"{path}; to use its settings with {script}.py, copy it under a name that does not start with "
