@@ -215,3 +215,24 @@ def test_every_metric_key_the_code_writes_is_in_metrics_md():
     assert len(written) > 40, sorted(written)
     missing = {name: sorted(where) for name, where in written.items() if f"`{name}`" not in page}
     assert not missing, f"metric keys written but not in docs/metrics.md: {missing}"
+
+
+def test_the_readme_reward_example_runs(tmp_path, monkeypatch):
+    """README's custom reward function, saved as the file its first line names, selected by the `--reward_funcs`
+    of the command under it, and called as the trainer calls it (common/rewards.py compute_rewards) on toy rows:
+    one finite number per completion, the right sum above a wrong one. At most ten lines, as the README says."""
+    from common.rewards import compute_rewards, get_reward_function
+
+    readme = read(README)
+    section = readme[readme.index("## A custom reward function"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert len(code.strip().splitlines()) <= 10, code
+    filename = re.match(r"# (\w+\.py)", code).group(1)
+    spec = re.search(r"--reward_funcs (\S+)", section).group(1)
+    assert spec.split(":")[0] == filename[: -len(".py")], (spec, filename)
+    (tmp_path / filename).write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fn = get_reward_function(spec)
+    prompts, answers = ["12+34=", "12+34=", "5+5="], ["46", "46", "10"]
+    total, per_function = compute_rewards([fn], None, prompts, ["46", "47", "10"], {"answer": answers})
+    assert total.shape == (3,) and bool(total.isfinite().all()) and total[0] > total[1], total
