@@ -66,9 +66,11 @@ def parse_args(args_cls, argv: list[str] | None = None):
         defaults.update(preset_defaults(known.preset))
     recipe = {}
     if known.config is not None:
-        from common.recipes import read_recipe
+        from common.recipes import read_recipe, script_problem
 
         recipe = read_recipe(known.config)
+        if problem := script_problem(known.config, getattr(args_cls, "exp_name", None)):  # another estimator's?
+            raise SystemExit(problem)
         fields = {f.name for f in dataclasses.fields(args_cls)}
         unknown = sorted(set(recipe) - fields)
         if unknown:

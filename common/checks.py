@@ -16,6 +16,7 @@ import inspect
 import math
 import os
 
+import huggingface_hub
 import torch
 from accelerate import PartialState
 from accelerate.utils import broadcast_object_list
@@ -166,9 +167,25 @@ def model_problems(flag: str, path: str) -> tuple[list[str], object]:
         AutoTokenizer.from_pretrained(path)
     except Exception as e:
         where = "" if os.path.exists(path) else " (no local folder of that name either)"
-        return [f"cannot load {flag} {path!r}{where}: {type(e).__name__}: {_first_line(e)}; pass a local folder "
-                f"written by save_pretrained, or a hub id reachable from here"], None
+        fix = (f"HF_HUB_OFFLINE is set: fetch it where the hub is reachable (hf download {path}), or unset it"
+               if huggingface_hub.is_offline_mode() else "pass a local folder written by save_pretrained, or a hub id")
+        return [f"cannot load {flag} {path!r}{where}: {type(e).__name__}: {_first_line(e)}; {fix}"], None
     return [], config
+
+
+def hub_problems(args) -> list[str]:
+    """Hub ids without network: one request (seconds), not huggingface_hub's retries (~30 s); none offline."""
+    data = [resolve_dataset(d, None, None, None) for d in (args.dataset, args.eval_steps and args.eval_dataset) if d]
+    fetch = [f"hf download {args.model}"] * (not looks_local(args.model)) + [f"datasets.load_dataset({d['path']!r}, "
+             f"{args.dataset_config or d['name']!r})" for d in data if not looks_local(d["path"])]
+    try:
+        if fetch and not huggingface_hub.is_offline_mode():
+            huggingface_hub.get_session().head(huggingface_hub.constants.ENDPOINT, timeout=5)
+    except Exception as e:  # no answer: not connected, a timeout, a proxy
+        return [f"the hub ({huggingface_hub.constants.ENDPOINT}) cannot be reached from here ({type(e).__name__}), "
+                f"and --model / --dataset name hub ids: set HF_HUB_OFFLINE=1 to use the local cache only; to fill "
+                f"it where the hub is reachable: {'; '.join(fetch)} (or huggingface-cli download for a model)"]
+    return []
 
 
 def _first_line(e: BaseException) -> str:
@@ -180,9 +197,9 @@ def data_problems(flag: str, path: str, name: str | None, split: str, prompt_col
                   answer_column: str | None, answers_needed: bool = True) -> tuple[list[str], object]:
     """(problems, rows or None) of a local file or folder, every row read a batch at a time: empty prompts refused
     (count, first row); empty answers, when a reward reads `answer`, refused in every row, else warned about. Hub
-    datasets cannot be reached from every machine: they are checked when they load (after the model)."""
-    if not os.path.exists(path):
-        return ([f"{flag} {path!r}: no such file or directory"] if looks_local(path) else []), None
+    datasets are checked when they load (after the model), or here from the local cache with HF_HUB_OFFLINE=1."""
+    if not os.path.exists(path) and (looks_local(path) or not huggingface_hub.is_offline_mode()):
+        return ([f"{flag} {path!r}: no such file or directory"] if looks_local(path) else []), None  # hub: loads later
     if os.path.isfile(path) and os.path.splitext(path)[1] not in LOCAL_FORMATS:
         return [f"{flag} {path!r}: unsupported file type; use {', '.join(LOCAL_FORMATS)}"], None
     try:
@@ -349,8 +366,8 @@ def check_args(args, num_processes: int) -> None:
     state = PartialState()
     verdict = [None, None]  # problems, warnings
     if state.is_main_process:
-        problems = argument_problems(args, num_processes)
-        if not problems:  # files and the model only once the flags make sense
+        problems, config = argument_problems(args, num_processes) or hub_problems(args), None
+        if not problems:  # files and the model only once the flags make sense and the hub answers
             problems, config = resource_problems(args)
         verdict = [problems, [] if problems else ignored_settings(args) + model_length_notes(args, config)]
     broadcast_object_list(verdict)

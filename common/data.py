@@ -26,6 +26,8 @@ DATASET_PRESETS = {
                        prompt_column="problem", answer_column="answer"),
 }
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+OFFLINE = "without network, load it once where the hub is reachable (datasets.load_dataset({0!r}, {1!r})), then set " \
+          "HF_HUB_OFFLINE=1 to use the local cache only"  # datasets reads its own cache offline, not hf download's
 
 
 def resolve_dataset(dataset: str, split: str | None, prompt_column: str | None, answer_column: str | None,
@@ -61,12 +63,11 @@ def load_rows(path: str, name: str | None, split: str) -> datasets.Dataset:
             raise FileNotFoundError(f"no such file or directory: {path}")
         return datasets.load_dataset(path, name, split=split)
     except Exception as e:
-        known = ", ".join(DATASET_PRESETS)
-        raise ValueError(
-            f"Could not load dataset {path!r} (config {name!r}, split {split!r}): {type(e).__name__}: {e}\n"
-            f"Pass a hub id reachable from this machine, a local .jsonl/.json/.parquet/.csv file or directory, "
-            f"or one of the presets: {known}."
-        ) from e
+        preset = next((k for k, v in DATASET_PRESETS.items() if v["path"] == path), None)  # not "use a preset"
+        hint = f"it is the hub data set of the preset {preset}" if preset else "pass a hub id reachable from here, " \
+            f"a local .jsonl/.json/.parquet/.csv file or folder, or one of the presets: {', '.join(DATASET_PRESETS)}"
+        raise ValueError(f"Could not load dataset {path!r} (config {name!r}, split {split!r}): {type(e).__name__}: "
+                         f"{(str(e).strip().splitlines() or [''])[0]}; {hint}; {OFFLINE.format(path, name)}") from e
 
 
 def format_prompt(tokenizer, prompt: str, template: str, system_prompt: str, use_chat_template: bool,

@@ -1,5 +1,7 @@
-"""--config FILE.yaml: a recipe, read and type-checked (imported only when a recipe is given)."""
+"""--config FILE.yaml: a recipe, read, matched to its script and type-checked (imported only when a recipe is given)."""
 
+import os
+import re
 import types
 import typing
 
@@ -21,6 +23,27 @@ def read_recipe(path: str) -> dict:
         raise SystemExit(f"error: --config {path!r} must be a mapping of Args fields (name: value), "
                          f"not a {type(recipe).__name__}")
     return recipe or {}
+
+
+def script_of(path: str) -> str | None:
+    """The estimator a recipe is for: a `# script: NAME` line, else the file name's prefix when it names a script of
+    the repository (configs/recipes/snib_qwen3_4b.yaml -> snib); None for a recipe of no script (my_run.yaml)."""
+    with open(path) as f:
+        named = re.search(r"^# script: (\w+)", f.read(), re.MULTILINE)
+    prefix = os.path.basename(path).split("_")[0]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return named.group(1) if named else prefix if os.path.isfile(os.path.join(root, f"{prefix}.py")) else None
+
+
+def script_problem(path: str, script: str | None) -> str | None:
+    """A recipe of another estimator would run this one with another paper's settings: refused, naming the fix.
+    `script`: the running script's name (its Args' exp_name; None for Args of no estimator, such as evals.run's)."""
+    owner = script_of(path)
+    if script is None or owner is None or owner == script:
+        return None
+    return (f"error: --config {path} is a recipe of {owner}.py, not {script}.py: run python {owner}.py --config "
+            f"{path}; to use its settings with {script}.py, copy it under a name that does not start with "
+            f"'{owner}_' (or add a line '# script: {script}')")
 
 
 def type_problems(args, recipe: dict, config: str | None) -> list[str]:

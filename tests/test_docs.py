@@ -177,3 +177,62 @@ def test_the_repository_points_nowhere_outside_itself():
                 hits.append(f"{name}:{number}: {', '.join(found)}: {line.strip()[:120]}")
     assert read_files > 100, f"read only {read_files} tracked text files"
     assert not hits, "files point outside the repository:\n" + "\n".join(hits)
+
+
+def expand_braces(text: str) -> list[str]:
+    """`{grpo,gspo}_qwen3_{4b,14b}.yaml` -> the four names it stands for (shell brace expansion, no nesting)."""
+    match = re.search(r"\{([^{}]*)\}", text)
+    if match is None:
+        return [text]
+    return [name for option in match.group(1).split(",")
+            for name in expand_braces(text[: match.start()] + option + text[match.end():])]
+
+
+def test_replicating_lists_every_recipe():
+    """docs/replicating.md's table (its first column) names every file of configs/recipes/ (brace forms expanded),
+    and no other."""
+    cells = re.findall(r"^\| ([^|]+) \|", read(os.path.join(DOCS, "replicating.md")), re.M)
+    listed = {name for cell in cells for quoted in re.findall(r"`([^`]+\.yaml)`", cell)
+              for name in expand_braces(quoted)}
+    on_disk = {os.path.basename(p) for p in glob.glob(os.path.join(REPO, "configs", "recipes", "*.yaml"))}
+    assert listed == on_disk, f"replicating.md: missing {sorted(on_disk - listed)}, extra {sorted(listed - on_disk)}"
+
+
+def test_every_metric_key_the_code_writes_is_in_metrics_md():
+    """Every literal metric key of the scripts and common/ (a string `namespace/name` in a namespace the logs use:
+    policy/, loss/, optim/, reward/, ... and each estimator's own, snib/, p3o/, ...) appears in docs/metrics.md as
+    `key`. Keys built at run time (reward/<fn>/mean, ctpo's position buckets) are documented by their pattern."""
+    from evals import ALGORITHMS
+
+    spaces = ["policy", "loss", "optim", "reward", "completion", "dynamic", "rollout", "tool", "time", "memory",
+              "eval", *ALGORITHMS]
+    key = re.compile(r"[\"']((?:" + "|".join(spaces) + r")/[\w@.=-]+)[\"']")
+    written = {}
+    for path in glob.glob(os.path.join(REPO, "*.py")) + glob.glob(os.path.join(REPO, "common", "*.py")):
+        for name in key.findall(read(path)):
+            written.setdefault(name, set()).add(rel(path))
+    page = read(os.path.join(DOCS, "metrics.md"))
+    assert len(written) > 40, sorted(written)
+    missing = {name: sorted(where) for name, where in written.items() if f"`{name}`" not in page}
+    assert not missing, f"metric keys written but not in docs/metrics.md: {missing}"
+
+
+def test_the_readme_reward_example_runs(tmp_path, monkeypatch):
+    """README's custom reward function, saved as the file its first line names, selected by the `--reward_funcs`
+    of the command under it, and called as the trainer calls it (common/rewards.py compute_rewards) on toy rows:
+    one finite number per completion, the right sum above a wrong one. At most ten lines, as the README says."""
+    from common.rewards import compute_rewards, get_reward_function
+
+    readme = read(README)
+    section = readme[readme.index("## A custom reward function"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert len(code.strip().splitlines()) <= 10, code
+    filename = re.match(r"# (\w+\.py)", code).group(1)
+    spec = re.search(r"--reward_funcs (\S+)", section).group(1)
+    assert spec.split(":")[0] == filename[: -len(".py")], (spec, filename)
+    (tmp_path / filename).write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fn = get_reward_function(spec)
+    prompts, answers = ["12+34=", "12+34=", "5+5="], ["46", "46", "10"]
+    total, per_function = compute_rewards([fn], None, prompts, ["46", "47", "10"], {"answer": answers})
+    assert total.shape == (3,) and bool(total.isfinite().all()) and total[0] > total[1], total

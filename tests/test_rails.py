@@ -13,11 +13,12 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 import transformers
-from conftest import read_metrics, run_script, subprocess_env
+from conftest import free_port, read_metrics, run_script, subprocess_env
 from safetensors.torch import load_file
 
 from common import checks
@@ -351,6 +352,48 @@ def test_the_command_line_prints_one_line_and_no_traceback(workdir):
         errors = [line for line in err.splitlines() if line.startswith("error: ")]
         assert len(errors) == 1, (name, err[-2000:])
     assert "--n 0 must be at least 1" in errors[0]
+
+
+def test_hub_ids_without_network_fail_in_seconds_naming_the_fix(workdir, no_weights, capsys, monkeypatch):
+    """No network (the hub's address a closed local port): one line in a few seconds, before any weights load and
+    before huggingface_hub's retries (~29 s), naming HF_HUB_OFFLINE and how to fill the cache."""
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    start = time.monotonic()
+    message = refusal(lambda: run_script(importlib.import_module("grpo"), [
+        "--model", "Qwen/Qwen3-4B", "--dataset", "gsm8k", "--report_to", "none"]), capsys)
+    assert time.monotonic() - start < 5, time.monotonic() - start
+    assert "cannot be reached" in message and "set HF_HUB_OFFLINE=1 to use the local cache only" in message
+    assert "hf download Qwen/Qwen3-4B; datasets.load_dataset('openai/gsm8k', 'main')" in message
+
+
+def test_the_command_line_honours_hf_endpoint_and_hf_hub_offline(workdir, tmp_path):
+    """Real processes, each environment variable read as huggingface_hub reads it: HF_ENDPOINT at a closed port is
+    refused without one retry; HF_HUB_OFFLINE=1 with an empty cache names what is missing and how to fetch it,
+    and a preset's data set is not sent back to "one of the presets"."""
+    base = {**subprocess_env(), "HF_HOME": str(tmp_path / "hf")}
+    base.pop("HF_HUB_OFFLINE", None), base.pop("TRANSFORMERS_OFFLINE", None)
+    hub = [os.path.join(REPO, "grpo.py"), "--dataset", "gsm8k", "--report_to", "none", "--model"]
+    closed, offline = {**base, "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}"}, {**base, "HF_HUB_OFFLINE": "1"}
+    runs = {"no network": (closed, hub + ["Qwen/Qwen3-4B"]), "offline": (offline, hub + ["Qwen/Qwen3-4B"]),
+            "offline data": (offline, hub + ["runs/toy/model"])}
+    start = time.monotonic()
+    running = {name: subprocess.Popen([sys.executable, *cmd], cwd=workdir, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True) for name, (env, cmd) in runs.items()}
+    errors = {}
+    for name, process in running.items():
+        out, err = process.communicate(timeout=300)
+        assert process.returncode == 1 and "Traceback" not in err and "Retrying" not in err, (name, err[-2000:])
+        errors[name] = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert time.monotonic() - start < 120  # three processes importing torch at once; the retries alone took 29 s
+    assert len(errors["no network"]) == 1 and "HF_HUB_OFFLINE=1" in errors["no network"][0]
+    [model, _] = errors["offline"]  # and the data set's line
+    assert "HF_HUB_OFFLINE is set: fetch it where the hub is reachable (hf download Qwen/Qwen3-4B)" in model
+    [data] = errors["offline data"]
+    assert "it is the hub data set of the preset gsm8k" in data and "one of the presets" not in data, data
+    assert "datasets.load_dataset('openai/gsm8k', 'main')" in data
 
 
 def test_ignored_settings_warn(workdir, capsys):

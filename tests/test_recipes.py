@@ -13,6 +13,7 @@ import yaml
 
 from common import args as arguments
 from common import checks
+from common.recipes import script_of  # a `# script: NAME` line, else the file name's prefix
 from evals import ALGORITHMS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,13 +26,6 @@ def sandboxed(path: str):
     with open(path) as f:
         tools = (yaml.safe_load(f).get("max_turns") or 1) > 1
     return pytest.param(path, marks=[pytest.mark.sandbox] if tools else [], id=os.path.basename(path))
-
-
-def script_of(path: str) -> str:
-    """The script a recipe is for: a `# script: NAME` line, else the file name's prefix (snib_qwen3_4b -> snib)."""
-    with open(path) as f:
-        named = re.search(r"^# script: (\w+)", f.read(), re.MULTILINE)
-    return named.group(1) if named else os.path.basename(path).split("_")[0]
 
 
 def header(path: str) -> str:
@@ -93,6 +87,23 @@ def test_a_recipe_with_an_unknown_key_is_rejected(tmp_path):
     recipe.write_text("learning_rate: 1.0e-5\nlearning_rat: 1.0e-5\n")
     with pytest.raises(SystemExit, match=r"typo.yaml sets \['learning_rat'\], which are not fields of Args"):
         arguments.parse_args(snib.Args, ["--config", str(recipe)])
+
+
+def test_a_recipe_of_another_estimator_is_refused_in_one_line(tmp_path):
+    """`grpo.py --config configs/recipes/snib_qwen3_4b.yaml` would run GRPO with SNIB's paper settings (the fields
+    both share): refused, naming the right script; a copy under another name, or a `# script:` line, is a choice."""
+    import grpo
+
+    path = os.path.join(REPO, "configs", "recipes", "snib_qwen3_4b.yaml")
+    with pytest.raises(SystemExit) as refused:
+        arguments.parse_args(grpo.Args, ["--config", path])
+    message = refused.value.code
+    assert message.startswith("error: ") and "\n" not in message, message
+    assert f"is a recipe of snib.py, not grpo.py: run python snib.py --config {path}" in message
+    shared = {k: v for k, v in yaml.safe_load(open(path)).items() if k in grpo.Args.__dataclass_fields__}
+    for name, text in [("mine.yaml", ""), ("snib_mine.yaml", "# script: grpo\n")]:
+        (tmp_path / name).write_text(text + yaml.safe_dump(shared))
+        assert arguments.parse_args(grpo.Args, ["--config", str(tmp_path / name)]).lora_r == 16
 
 
 def test_the_command_line_overrides_a_recipe():
