@@ -2,10 +2,8 @@
 
     check_args(args, P)           every flag's range, every name and path, the data's first rows and the model's
                                   config, before any weights load; one line per problem, naming the flag and the fix
-    claim_run_dir(args, name)     a new run folder (a used one is refused) or the resumed run's, locked by this run;
-                                  a resume with changed settings is refused unless --resume_overrides names them
-    record_args(run_dir, ...)     args.json once, and one line per start in args_history.jsonl
     stop_if_nonfinite(...)        a non-finite loss or gradient norm stops the run before anything is saved
+(run folders, never overwritten, and resumes that keep their settings: common/run_dir.py)
 
 Everything here reads inputs and files; nothing touches advantages, ratios, clipping, KL or loss aggregation.
 """
@@ -358,18 +356,20 @@ def model_length_notes(args, config) -> list[str]:
     return []
 
 
-def check_args(args, num_processes: int) -> None:
-    """Fail before any weights load, one line per problem naming the flag and the fix; warn about ignored settings.
-
-    The main process checks (it alone reads the data: no race on the datasets cache) and broadcasts the verdict,
-    so every process stops together and none waits forever for one that left."""
+def check_args(args, num_processes: int, files: bool = True) -> None:
+    """Fail before any weights load, one line per problem naming the flag and the fix; warn about ignored settings
+    (files=False: the flags alone, in seconds). The main process checks (it alone reads the data: no race on the
+    datasets cache) and broadcasts the verdict, so every process stops together and none waits for one that left."""
     state = PartialState()
     verdict = [None, None]  # problems, warnings
     if state.is_main_process:
-        problems, config = argument_problems(args, num_processes) or hub_problems(args), None
-        if not problems:  # files and the model only once the flags make sense and the hub answers
-            problems, config = resource_problems(args)
-        verdict = [problems, [] if problems else ignored_settings(args) + model_length_notes(args, config)]
+        problems, notes = argument_problems(args, num_processes), []
+        if not problems and files:  # the hub, files and the model only once the flags make sense
+            problems, config = hub_problems(args), None
+            if not problems:
+                problems, config = resource_problems(args)
+            notes = [] if problems else ignored_settings(args) + model_length_notes(args, config)
+        verdict = [problems, notes]
     broadcast_object_list(verdict)
     problems, notes = verdict
     for note in notes:

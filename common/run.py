@@ -122,6 +122,7 @@ def launch(main, args_cls) -> None:
 def setup(args) -> Run:
     """Check the arguments (before any weights load), claim the run folder, load and prepare everything."""
     state = PartialState(cpu=on_cpu())  # on a CPU-only machine accelerate forms a gloo group only when told
+    check_args(args, state.num_processes, files=False)  # a wrong flag is refused before a preset builds anything
     if args.preset:
         with state.main_process_first():  # the toy's model and data, or the real model's (common/models.py), once
             importlib.import_module(PRESET_MODULES[args.preset]).prepare_preset(args.preset)

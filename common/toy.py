@@ -259,3 +259,4 @@ def prepare_preset(preset: str | None) -> None:
     """Build what --preset toy reads from disk (the toy's model and data), once (common/args.py PRESET_MODULES)."""
     if preset == "toy":
         prepare_toy(TOY_DIR)
+        torch.set_num_threads(1)  # for the run too: a model this small gains nothing from more, busy cores lose much

@@ -642,6 +642,17 @@ def test_a_wrong_type_is_one_line_without_the_usage(tmp_path):
     assert proc.stderr.strip() == ("error: argument --total_steps: invalid int value: 'ten'; --help lists the flags")
 
 
+def test_a_wrong_flag_with_a_preset_is_refused_before_the_preset_builds_anything(tmp_path):
+    """`--preset toy --beta -1` in a folder without the toy: refused in one line before the toy's build starts (it
+    printed nothing for minutes while the build ran, then refused)."""
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "grpo.py"), "--preset", "toy", "--beta", "-1"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": REPO, "TOY_CACHE": ""})
+    assert proc.returncode == 1 and "toy: building" not in proc.stdout, proc.stdout[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: --beta -1"), proc.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "runs")
+
+
 def test_help_describes_the_script_and_lists_every_flag_and_preset(capsys):
     """--help: the script's one-line description, --config, every preset, and `--no_X` twins in their own words."""
     import grpo
