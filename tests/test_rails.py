@@ -396,6 +396,20 @@ def test_the_command_line_honours_hf_endpoint_and_hf_hub_offline(workdir, tmp_pa
     assert "datasets.load_dataset('openai/gsm8k', 'main')" in data
 
 
+def test_evals_run_with_a_hub_model_and_no_network_fails_in_seconds(tmp_path):
+    """`python -m evals.run --model HUB_ID` without network: one line naming the fix, without huggingface_hub's
+    retries (about 30 s)."""
+    env = {**subprocess_env(), "HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}"}
+    env.pop("HF_HUB_OFFLINE", None)
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "evals.run", "--model", "Qwen/Qwen3-4B", "--benchmarks", "math500"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr and "Retrying" not in proc.stderr, proc.stderr
+    assert time.monotonic() - start < 60
+    [line] = [x for x in proc.stderr.splitlines() if x.startswith("error: ")]
+    assert "cannot be reached" in line and "HF_HUB_OFFLINE=1" in line and "hf download Qwen/Qwen3-4B" in line
+
+
 def test_ignored_settings_warn(workdir, capsys):
     """A setting that would change nothing says so (and the run goes on)."""
     args = parse_args(importlib.import_module("grpo").Args, SMALL + [
