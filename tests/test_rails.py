@@ -181,6 +181,10 @@ TRAIN_CASES = [
     ("p3o", ["--micro_batch_size", "0"], "--micro_batch_size 0 must be at least 1"),
     ("p3o", ["--lora_r", "8", "--lora_target_modules", "qkv"], "--lora_target_modules: qkv not in qwen3"),
     ("p3o", ["--lr_scheduler_type", "linar"], "--lr_scheduler_type 'linar' is not a transformers scheduler"),
+    ("reinforcepp", ["--beta=-0.01"], "--beta -0.01 must be >= 0"),
+    ("reinforcepp", ["--clip_ratio_c", "0.5"], "--clip_ratio_c 0.5 must be >= 1"),
+    ("maxrl", ["--epsilon=-0.2"], "--epsilon -0.2 must be >= 0"),
+    ("maxrl", ["--clip_ratio_c", "0"], "--clip_ratio_c 0.0 must be >= 1"),
 ]
 if not vllm_available():
     TRAIN_CASES.append(("grpo", ["--rollout_engine", "vllm"], "--rollout_engine vllm needs vLLM: pip install"))
