@@ -22,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from common import choice_grader  # noqa: E402
 from common import math_grader as rewards  # noqa: E402
 
 UNITS = [" ", "\n", "\t", "  \n", "\\)", "\\]", " \\)", "\\quad", "\\quad ", "1", "12 ", "1,", "1.", "1 = ", "= ",
@@ -37,9 +38,9 @@ RULES = {
     "extract_gold": rewards.extract_gold,
     "prepared(pred)": lambda text: rewards._prepared(text, "1"),
     "prepared(gold)": lambda text: rewards._prepared("1", text),
-    "extract_choice": rewards.extract_choice,
-    "extract_choice(options)": lambda text: rewards.extract_choice(text, "ABCD", OPTIONS),
-    "options_of": rewards.options_of,
+    "extract_choice": choice_grader.extract_choice,
+    "extract_choice(options)": lambda text: choice_grader.extract_choice(text, "ABCD", OPTIONS),
+    "options_of": choice_grader.options_of,
     "format_reward": lambda text: rewards.format_reward(["q"], [text]),
 }
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import datasets
 from huggingface_hub.errors import GatedRepoError
 
+from common.choice_grader import LETTERS
 from common.data import LOCAL_FORMATS, load_rows
-from common.math_grader import LETTERS
 from common.rewards import RewardFn, get_reward_function
 
 MATH_TEMPLATE = "{prompt}\nPlease reason step by step, and put your final answer within \\boxed{}."

@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 
 RewardFn = Callable[..., Sequence[float]]
 # Registered names whose module is imported when they are first asked for (common/math_grader.py is 800 lines).
-BUILT_IN_MODULES = {**{name: "common.math_grader" for name in ("math_accuracy", "choice_accuracy", "format")},
+BUILT_IN_MODULES = {**{name: "common.math_grader" for name in ("math_accuracy", "format")},
+                    "choice_accuracy": "common.choice_grader",
                     **{name: "common.toy" for name in ("toy_addition", "toy_closeness")},
                     "toy_tir_addition": "common.toy_tir", "number_accuracy": "common.models"}
 

@@ -14,8 +14,9 @@ import torch
 from huggingface_hub.errors import GatedRepoError
 
 from common.benchmarks import BENCHMARKS, get_benchmark, get_grader, load_benchmark
+from common.choice_grader import choice_accuracy, extract_choice
 from common.evaluation import _stats, evaluate_benchmarks, k_values, load_eval_sets, pass_at_k, run_eval_set
-from common.math_grader import choice_accuracy, extract_choice, is_equivalent, math_accuracy
+from common.math_grader import is_equivalent, math_accuracy
 from common.rewards import get_reward_function
 from common.toy import TOY_DIR, toy_addition
 from evals.run import EvalArgs, load_model, main

@@ -13,16 +13,14 @@ import pytest
 import torch
 
 import common.math_grader as rewards_module
+from common.choice_grader import choice_accuracy, extract_choice, options_of
 from common.math_grader import (
     TIME_LIMIT_S,
-    choice_accuracy,
     extract_answer,
-    extract_choice,
     extract_gold,
     format_reward,
     is_equivalent,
     math_accuracy,
-    options_of,
 )
 from common.rewards import REWARD_FUNCTIONS, RewardError, Rewards, compute_rewards, get_reward_function, register_reward
 
