@@ -22,7 +22,7 @@ from transformers import AutoConfig, AutoTokenizer, SchedulerType, get_scheduler
 
 from common.args import preset_defaults, warn
 from common.checkpoints import latest_checkpoint
-from common.data import LOCAL_FORMATS, load_rows, looks_local, resolve_dataset
+from common.data import LOCAL_FORMATS, format_prompt, load_rows, looks_local, resolve_dataset
 from common.devices import vllm_installed
 from common.rewards import get_reward_function
 
@@ -171,6 +171,26 @@ def model_problems(flag: str, path: str) -> tuple[list[str], object]:
     return [], config
 
 
+def tokenizer_problems(args) -> list[str]:
+    """The tokenizer as the run uses it: a vocabulary (a folder without tokenizer files loads as one token), an
+    end-of-sequence token (without one no completion ends before --max_completion_length), and a chat template
+    that takes the run's turns (several families refuse a system turn)."""
+    tokenizer, name = AutoTokenizer.from_pretrained(args.model), f"--model {args.model!r}"
+    if len(tokenizer) < 2:
+        return [f"{name}: its tokenizer has {len(tokenizer)} token: the folder has no tokenizer files "
+                f"(tokenizer.json, tokenizer_config.json); save the tokenizer beside the model (save_pretrained)"]
+    if tokenizer.eos_token_id is None:
+        return [f"{name}: its tokenizer has no end-of-sequence token, so no completion could end before "
+                f"--max_completion_length; set eos_token in its tokenizer_config.json"]
+    if args.system_prompt and args.use_chat_template and tokenizer.chat_template:
+        try:
+            format_prompt(tokenizer, "1 + 1", args.prompt_template, args.system_prompt, True, args.enable_thinking)
+        except Exception as e:
+            return [f"{name}: its chat template refuses the --system_prompt turn ({type(e).__name__}: "
+                    f"{_first_line(e)}); put the instruction in --prompt_template instead"]
+    return []
+
+
 def hub_problems(args) -> list[str]:
     """Hub ids without network: one request (seconds), not huggingface_hub's retries (~30 s); none offline."""
     data = [resolve_dataset(d, None, None, None) for d in (args.dataset, args.eval_steps and args.eval_dataset) if d]
@@ -272,7 +292,7 @@ def resource_problems(args) -> tuple[list[str], object]:
     problems and the model's config (None where it did not load)."""
     problems = importlib.import_module("common.resume").resume_problems(args) if args.resume_from else []
     found, config = model_problems("--model", args.model)
-    problems += found
+    problems += found or tokenizer_problems(args)
     if config is not None and args.lora_r > 0:
         problems += importlib.import_module("common.lora").lora_target_problems(args, config)
     data = resolve_dataset(args.dataset, args.split, args.prompt_column, args.answer_column, args.eval_split)
@@ -350,10 +370,12 @@ def ignored_settings(args) -> list[str]:
 
 def model_length_notes(args, config) -> list[str]:
     limit, total = getattr(config, "max_position_embeddings", None), args.max_prompt_length + args.max_completion_length
-    if limit is not None and total > limit:
-        return [f"--max_prompt_length + --max_completion_length = {total} exceeds the model's "
-                f"max_position_embeddings {limit}"]
-    return []
+    notes = [f"--max_prompt_length + --max_completion_length = {total} exceeds the model's max_position_embeddings "
+             f"{limit}"] if limit is not None and total > limit else []
+    if args.system_prompt and args.use_chat_template and not AutoTokenizer.from_pretrained(args.model).chat_template:
+        notes.append(f"--system_prompt is not used: the tokenizer of --model {args.model} has no chat template, so "
+                     f"a prompt is --prompt_template alone; put the instruction there")
+    return notes
 
 
 def check_args(args, num_processes: int, files: bool = True) -> None:

@@ -236,3 +236,11 @@ def test_the_readme_reward_example_runs(tmp_path, monkeypatch):
     prompts, answers = ["12+34=", "12+34=", "5+5="], ["46", "46", "10"]
     total, per_function = compute_rewards([fn], None, prompts, ["46", "47", "10"], {"answer": answers})
     assert total.shape == (3,) and bool(total.isfinite().all()) and total[0] > total[1], total
+
+
+def test_the_count_of_bad_inputs_in_the_safety_page_is_the_tests_count():
+    """docs/safety.md says how many bad inputs tests/test_rails.py refuses: the number of rows of its *_CASES."""
+    import test_rails
+
+    count = sum(len(getattr(test_rails, name)) for name in dir(test_rails) if name.endswith("_CASES"))
+    assert f"`tests/test_rails.py` holds {count} bad inputs" in read(os.path.join(REPO, "docs", "safety.md")), count

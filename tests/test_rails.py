@@ -108,8 +108,8 @@ TRAIN_CASES = [
     ("grpo", ["--reward_funcs", "toy_additon"], "--reward_funcs: unknown reward function 'toy_additon'"),
     ("grpo", ["--reward_funcs", "no_such_module:fn"], "--reward_funcs: cannot import reward function"),
     ("grpo", ["--reward_funcs", "common.rewards:no_such_fn"], "--reward_funcs: cannot import reward function"),
-    ("grpo", ["--reward_funcs", "common.math_grader:LETTERS"],
-     "--reward_funcs: 'common.math_grader:LETTERS' is not callable"),
+    ("grpo", ["--reward_funcs", "common.math_grader:TIME_LIMIT_S"],
+     "--reward_funcs: 'common.math_grader:TIME_LIMIT_S' is not callable"),
     ("grpo", ["--reward_funcs", "toy_addition,"], "--reward_funcs: unknown reward function ''"),
     ("grpo", ["--reward_weights", "1,2"], "--reward_weights gives 2 weights for 1 --reward_funcs"),
     ("grpo", ["--reward_weights", "one"], "--reward_weights 'one': 'one' is not a finite number"),
@@ -120,6 +120,12 @@ TRAIN_CASES = [
     # paths and data
     ("grpo", ["--model", "./no/such/model"], "cannot load --model './no/such/model': no such directory"),
     ("grpo", ["--model", "runs/toy"], "no config.json (not a save_pretrained folder); did you mean runs/toy/model?"),
+    # tokenizers as they come: none saved (it loaded as one token), no EOS (every completion ran to the limit), a
+    # chat template refusing a system turn (a jinja traceback)
+    ("grpo", ["--model", "bad/tokenless"], "its tokenizer has 1 token: the folder has no tokenizer files"),
+    ("grpo", ["--model", "bad/eosless"], "its tokenizer has no end-of-sequence token, so no completion could end"),
+    ("grpo", ["--model", "bad/no_system", "--system_prompt", "Be brief."],
+     "its chat template refuses the --system_prompt turn (TemplateError: System role not supported)"),
     ("grpo", ["--dataset", "./no/such/data.jsonl"], "--dataset './no/such/data.jsonl': no such file or directory"),
     ("grpo", ["--dataset", "data/train.jsonl"], "--dataset 'data/train.jsonl': no such file or directory"),
     ("grpo", ["--dataset", "bad/empty.jsonl"], "--dataset 'bad/empty.jsonl'"),
@@ -257,6 +263,14 @@ def quick_toy(tmp_path_factory):
         (bad / name).write_text(text)
     tokenizer.save_pretrained(bad / "weightless")  # a model folder with its config and tokenizer, but no weights
     build_model(tokenizer, seed=0).config.save_pretrained(bad / "weightless")
+    for name in ("tokenless", "eosless", "no_system"):  # weights and config; tokenizer: none, no EOS, a strict template
+        build_model(tokenizer, seed=0).save_pretrained(bad / name)
+    eosless, strict = build_tokenizer(), build_tokenizer()
+    eosless.eos_token = None
+    eosless.save_pretrained(bad / "eosless")
+    strict.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role "
+                            "not supported') }}{% endif %}{{ m['content'] }}{% endfor %}")  # as several families do
+    strict.save_pretrained(bad / "no_system")
     return workdir
 
 
@@ -412,6 +426,14 @@ def test_evals_run_with_a_hub_model_and_no_network_fails_in_seconds(tmp_path):
     assert time.monotonic() - start < 60
     [line] = [x for x in proc.stderr.splitlines() if x.startswith("error: ")]
     assert "cannot be reached" in line and "HF_HUB_OFFLINE=1" in line and "hf download Qwen/Qwen3-4B" in line
+
+
+def test_a_system_prompt_without_a_chat_template_is_said_to_be_unused(workdir, capsys):
+    """The toy's tokenizer has no chat template: --system_prompt would be dropped without a word."""
+    args = parse_args(importlib.import_module("grpo").Args, SMALL + ["--system_prompt", "Be brief."])
+    checks.check_args(args, num_processes=1)
+    assert "--system_prompt is not used: the tokenizer of --model runs/toy/model has no chat template" in \
+        capsys.readouterr().err
 
 
 def test_ignored_settings_warn(workdir, capsys):
