@@ -234,7 +234,11 @@ def data_problems(flag: str, path: str, name: str | None, split: str, prompt_col
     bad_prompts, no_answers = [], []  # row numbers
     read = rows.select_columns([prompt_column] + ([answer_column] if check_answers else []))  # once, not per batch
     for start in range(0, len(rows), 10_000):  # a batch at a time: a large file costs no memory
-        batch = read[start:start + 10_000]
+        try:
+            batch = read[start:start + 10_000]
+        except UnicodeDecodeError as e:  # pyarrow reads a byte that is not UTF-8 inside a string, then cannot decode it
+            return [f"{flag} {path!r}: rows {start} to {start + 9_999} are not UTF-8 text ({_first_line(e)}); "
+                    f"convert the file to UTF-8"], None
         bad_prompts += [i for i, v in enumerate(batch[prompt_column], start) if not isinstance(v, str) or not v.strip()]
         if check_answers:
             no_answers += [i for i, a in enumerate(batch[answer_column], start)

@@ -63,6 +63,13 @@ def load_rows(path: str, name: str | None, split: str) -> datasets.Dataset:
             raise FileNotFoundError(f"no such file or directory: {path}")
         return datasets.load_dataset(path, name, split=split)
     except Exception as e:
+        if os.path.exists(path):  # a local file or folder that does not parse: its own first error, not the hub's
+            root = e
+            while (root.__cause__ or root.__context__) is not None:
+                root = root.__cause__ or root.__context__
+            first = (str(root).strip().splitlines() or [""])[0]
+            raise ValueError(f"Could not read {path!r}: {type(root).__name__}: {first}; a .jsonl file holds one "
+                             f"JSON object per line, in UTF-8") from e
         preset = next((k for k, v in DATASET_PRESETS.items() if v["path"] == path), None)  # not "use a preset"
         hint = f"it is the hub data set of the preset {preset}" if preset else "pass a hub id reachable from here, " \
             f"a local .jsonl/.json/.parquet/.csv file or folder, or one of the presets: {', '.join(DATASET_PRESETS)}"

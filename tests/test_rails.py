@@ -120,6 +120,10 @@ TRAIN_CASES = [
     # paths and data
     ("grpo", ["--model", "./no/such/model"], "cannot load --model './no/such/model': no such directory"),
     ("grpo", ["--model", "runs/toy"], "no config.json (not a save_pretrained folder); did you mean runs/toy/model?"),
+    ("grpo", ["--dataset", "bad/not_utf8.jsonl"],
+     "--dataset 'bad/not_utf8.jsonl': rows 0 to 9999 are not UTF-8 text ('utf-8' codec can't decode byte 0xe9"),
+    ("grpo", ["--dataset", "bad/not_json.jsonl"],
+     "Could not read 'bad/not_json.jsonl': UnicodeDecodeError: 'utf-8' codec can't decode byte 0xff"),
     # tokenizers as they come: none saved (it loaded as one token), no EOS (every completion ran to the limit), a
     # chat template refusing a system turn (a jinja traceback)
     ("grpo", ["--model", "bad/tokenless"], "its tokenizer has 1 token: the folder has no tokenizer files"),
@@ -263,6 +267,8 @@ def quick_toy(tmp_path_factory):
         (bad / name).write_text(text)
     tokenizer.save_pretrained(bad / "weightless")  # a model folder with its config and tokenizer, but no weights
     build_model(tokenizer, seed=0).config.save_pretrained(bad / "weightless")
+    (bad / "not_utf8.jsonl").write_bytes(b'{"prompt": "caf\xe9 1+1=", "answer": "2"}\n')  # Latin-1, as exports come
+    (bad / "not_json.jsonl").write_bytes(b'\xff\xfe{"prompt": "1+1=", "answer": "2"}\n')  # a UTF-16 byte-order mark
     for name in ("tokenless", "eosless", "no_system"):  # weights and config; tokenizer: none, no EOS, a strict template
         build_model(tokenizer, seed=0).save_pretrained(bad / name)
     eosless, strict = build_tokenizer(), build_tokenizer()
