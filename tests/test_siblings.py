@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import subprocess_env
 
 from evals import ALGORITHMS
 
@@ -90,7 +91,7 @@ COPY_COST = {"toy": 3000, "gpu": 4000}  # lines, at most (issue 41's targets)
 def copy_cost(cwd, command: list[str], python=sys.executable) -> tuple[int, list[str]]:
     """(lines, files) of what `python COMMAND` imported from the repository, by benchmarks/copy_cost.py."""
     out = subprocess.run([python, os.path.join(REPO, "benchmarks", "copy_cost.py"), *command], cwd=cwd,
-                         capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                         capture_output=True, text=True, timeout=900, env=subprocess_env())  # no MASTER_PORT of ours
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     table = out.stdout[out.stdout.rindex("imported:"):].splitlines()[1:]
     return int(table[-1].split()[0]), [line.split()[1] for line in table[:-1]]
