@@ -139,7 +139,7 @@ def test_a_restarted_server_is_refused_in_one_line(toy_workdir, vllm_served):
 
 def test_toy_learns_at_lag_2_from_vllm_serve(toy_workdir, vllm_served):
     """The toy preset, 150 steps at lag 2 with the sampler's log-probs, every rollout from the server: held-out
-    accuracy rises by 10 points (measured: 49.4% -> 60.8% at step 75 -> 64.2% at step 150, 3 min on 2 cores), and no
+    accuracy rises by 8 points (measured: 49.4% -> 60.8% at step 75 -> 64.2% at step 150, 3 min on 2 cores), and no
     sampled token is without its log-prob."""
     proc = subprocess.run([sys.executable, os.path.join(REPO, "grpo.py"), "--preset", "toy", "--total_steps", "150",
                            "--eval_steps", "75", "--rollout_lag", "2", "--old_logp_source", "sampler",
@@ -148,7 +148,7 @@ def test_toy_learns_at_lag_2_from_vllm_serve(toy_workdir, vllm_served):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     metrics = read_metrics(os.path.join(toy_workdir, "runs", "vllm_serve_learns"))
     evals = [m["eval/accuracy"] for m in metrics if "eval/accuracy" in m]
-    assert len(evals) == 3 and evals[-1] >= evals[0] + 0.10, evals
+    assert len(evals) == 3 and evals[-1] >= evals[0] + 0.08, evals  # 8 points: 4 standard errors of 500 prompts
     assert all(m["completion/tokens"] > 0 for m in metrics if "completion/tokens" in m)
 
 
