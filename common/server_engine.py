@@ -41,7 +41,12 @@ def call(url: str, path: str, body: dict | None, timeout: float, what: str) -> d
     request = urllib.request.Request(url.rstrip("/") + path, data=data, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            return json.loads(response.read())
+            body = response.read()
+        try:
+            return json.loads(body)
+        except ValueError:  # another kind of service at that address (a web page, a proxy's notice)
+            raise SystemExit(f"error: the service at {url} answered the {what} with {body[:60]!r}, not JSON: is "
+                             f"vllm serve (or python -m common.serve) running at this address?") from None
     except urllib.error.HTTPError as e:
         try:
             reason = json.loads(e.read())["error"]
@@ -95,6 +100,9 @@ def server_problems(args) -> list[str]:
         info = None if vllm else call(args.server_url, "/health", None, args.server_timeout, "health check")
     except SystemExit as e:
         return [str(e).removeprefix("error: ")]
+    if info is not None and not (isinstance(info, dict) and {"dtype", "sync_dir"} <= info.keys()):
+        return [f"--server_url {args.server_url}: the service there is neither vllm serve nor python -m common.serve "
+                f"(its /health answered {str(info)[:60]})"]
     problems = []
     if info is not None and info["dtype"] != args.dtype:
         problems.append(f"--server_url {args.server_url}: the server runs --dtype {info['dtype']}, the trainer "

@@ -150,6 +150,35 @@ def test_a_server_that_does_not_answer_stops_the_client_within_the_timeout():
         call(f"http://localhost:{free_port()}", "/generate", {}, 1.0, "generate")
 
 
+@pytest.mark.parametrize("body", [b"<html><body>It works!</body></html>", b'{"status": "ok"}'])
+def test_another_service_at_the_server_url_is_refused_in_one_line(in_toy_workdir, body):
+    """A web page or another JSON service at --server_url (it gave a KeyError or a traceback): one line naming what
+    answered, before any weights load."""
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    class Other(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    other = HTTPServer(("127.0.0.1", 0), Other)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{other.server_port}"
+    try:
+        with pytest.raises(SystemExit) as e:
+            run_script(grpo, SMALL + ["--server_url", url, "--run_name", "other_service"])
+    finally:
+        other.shutdown()
+    message = str(e.value)
+    assert "\n" not in message and message.startswith("error: "), message
+    assert ("not JSON: is vllm serve" in message) if body.startswith(b"<") else \
+        ("the service there is neither vllm serve nor python -m common.serve" in message), message
+
+
 @pytest.mark.parametrize("url, message", [
     ("localhost:8000", "--server_url 'localhost:8000': give http://HOST:PORT, where vllm serve (or python -m "
                        "common.serve) listens"),
