@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     import torch
 
 RewardFn = Callable[..., Sequence[float]]
+MAX_REWARD = 1e15  # larger rewards make a group's std overflow in float32 (inf, then NaN losses)
 # Registered names whose module is imported when they are first asked for (common/math_grader.py is 800 lines).
 BUILT_IN_MODULES = {**{name: "common.math_grader" for name in ("math_accuracy", "format")},
                     "choice_accuracy": "common.choice_grader",
@@ -184,8 +185,9 @@ def _call_reward(
             v = float(v)
         except (TypeError, ValueError):
             raise RewardError(_describe(name, f"returned non-number {v!r}", i, prompts, completions)) from None
-        if not math.isfinite(v):
-            raise RewardError(_describe(name, f"returned {v}", i, prompts, completions))
+        if not math.isfinite(v) or abs(v) > MAX_REWARD:  # beyond it, float32 statistics (a group's std) overflow
+            bound = f" (rewards must stay within +-{MAX_REWARD:g})" if math.isfinite(v) else ""
+            raise RewardError(_describe(name, f"returned {v}{bound}", i, prompts, completions))
         values.append(v)
     metrics = getattr(out, "metrics", {})
     for key, diagnostics in metrics.items():

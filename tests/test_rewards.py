@@ -275,6 +275,19 @@ def test_reward_error_on_non_finite(bad):
     assert "broken" in str(info.value) and "sample 1" in str(info.value) and "it is 5" in str(info.value)
 
 
+@pytest.mark.parametrize("huge", [1e39, -1e16])
+def test_a_reward_too_large_for_float32_statistics_names_its_function(huge):
+    """1e39 is a finite Python float but inf in float32 (and 1e16's square overflows a group's std): a NaN loss
+    later would name no reward function. Refused here, naming the function, the sample and the bound."""
+    def huge_reward(prompts, completions, **_):
+        return [1.0, huge]
+
+    with pytest.raises(RewardError) as info:
+        compute_rewards([huge_reward], None, PROMPTS, COMPLETIONS, COLUMNS)
+    message = str(info.value)
+    assert "'huge_reward'" in message and "sample 1" in message and "rewards must stay within +-1e+15" in message
+
+
 def test_reward_error_on_wrong_length():
     def short(prompts, completions, **_):
         return [1.0]
