@@ -196,14 +196,22 @@ def hub_problems(args) -> list[str]:
     data = [resolve_dataset(d, None, None, None) for d in (args.dataset, args.eval_steps and args.eval_dataset) if d]
     fetch = [f"hf download {args.model}"] * (not looks_local(args.model)) + [f"datasets.load_dataset({d['path']!r}, "
              f"{args.dataset_config or d['name']!r})" for d in data if not looks_local(d["path"])]
-    try:
-        if fetch and not huggingface_hub.is_offline_mode():
-            huggingface_hub.get_session().head(huggingface_hub.constants.ENDPOINT, timeout=5)
-    except Exception as e:  # no answer: not connected, a timeout, a proxy
-        return [f"the hub ({huggingface_hub.constants.ENDPOINT}) cannot be reached from here ({type(e).__name__}), "
+    if fetch and (why := hub_unreachable()):
+        return [f"the hub ({huggingface_hub.constants.ENDPOINT}) cannot be reached from here ({why}), "
                 f"and --model / --dataset name hub ids: set HF_HUB_OFFLINE=1 to use the local cache only; to fill "
                 f"it where the hub is reachable: {'; '.join(fetch)} (or huggingface-cli download for a model)"]
     return []
+
+
+def hub_unreachable() -> str | None:
+    """Why the hub does not answer one request (seconds, not huggingface_hub's ~30 s of retries), or None; None
+    offline too (HF_HUB_OFFLINE: nothing is asked of it)."""
+    try:
+        if not huggingface_hub.is_offline_mode():
+            huggingface_hub.get_session().head(huggingface_hub.constants.ENDPOINT, timeout=5)
+    except Exception as e:  # no answer: not connected, a timeout, a proxy
+        return type(e).__name__
+    return None
 
 
 def _first_line(e: BaseException) -> str:

@@ -115,15 +115,20 @@ def _free_port() -> int:
 
 
 def _reprocess_tied_layers(worker) -> int:
-    """Re-run the post-load processing of every layer that shares its weight with another (a tied lm_head).
+    """reprocess_tied_layers on a worker's model (collective_rpc: the executor is in-process with external_launcher)."""
+    return reprocess_tied_layers(worker.get_model())
+
+
+def reprocess_tied_layers(model: torch.nn.Module) -> int:
+    """Re-run the post-load processing of every layer that shares its weight with another (a tied lm_head); returns
+    the number of layers processed. Also run by vllm serve's disk engine (common/vllm_worker.py).
 
     vLLM's in-place reload processes each layer whose own tensors it loaded. A tied lm_head loads none (its weight
     is embed_tokens'), so it keeps what its processing made of the old weights: nothing on a GPU, but on the CPU
     backend a packed copy for the logits GEMM (layers/utils.py dispatch_cpu_unquantized_gemm), which then goes stale
-    (seen: the toy's sampler/trainer gap grew from 5e-7 to 0.03 in 15 steps). Runs in this process (the executor is
-    in-process with external_launcher); returns the number of layers processed."""
+    (seen: the toy's sampler/trainer gap grew from 5e-7 to 0.03 in 15 steps)."""
     owner, done = {}, 0
-    for module in worker.get_model().modules():
+    for module in model.modules():
         for param in module.parameters(recurse=False):
             if id(param) in owner and getattr(module, "quant_method", None) is not None:
                 module.quant_method.process_weights_after_loading(module)

@@ -18,6 +18,8 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+from common.vllm_engine import reprocess_tied_layers
+
 
 @dataclass
 class DiskInitInfo:
@@ -29,41 +31,25 @@ class DiskUpdateInfo:
     path: str  # a folder of *.safetensors files holding every weight, in the checkpoint's names
 
 
-def read_weights(path: str, expected: dict[str, torch.Size]):
-    """The (name, tensor) pairs of every *.safetensors file in `path`, after checking the names and shapes against
-    the model's checkpoint (`expected`): a weight missing or of another shape is refused before any is loaded."""
+def weight_files(path: str, expected: dict[str, torch.Size]) -> list[str]:
+    """The *.safetensors files of `path`, after checking their tensors' names and shapes against the model's
+    checkpoint (`expected`): a weight missing or of another shape is refused before any is loaded."""
     from safetensors import safe_open
 
-    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors")) if os.path.isdir(path) else []
+    files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors")) \
+        if os.path.isdir(path) else []
     if not files:
         raise ValueError(f"disk weight transfer: no *.safetensors file in {path!r}")
     shapes = {}
     for name in files:
-        with safe_open(os.path.join(path, name), framework="pt") as f:
+        with safe_open(name, framework="pt") as f:
             shapes.update({key: torch.Size(f.get_slice(key).get_shape()) for key in f.keys()})
     missing = sorted(set(expected) - set(shapes))
     wrong = sorted(k for k in set(expected) & set(shapes) if expected[k] != shapes[k])
     if missing or wrong:
         raise ValueError(f"disk weight transfer from {path}: missing {missing[:5]}, of another shape "
                          f"{[(k, tuple(shapes[k]), tuple(expected[k])) for k in wrong[:5]]}")
-    for name in files:
-        with safe_open(os.path.join(path, name), framework="pt") as f:
-            for key in f.keys():
-                yield key, f.get_tensor(key)
-
-
-def reprocess_tied_layers(model: torch.nn.Module) -> int:
-    """Re-run the post-load processing of every layer that shares its weight with another (a tied lm_head): vLLM's
-    reload processes the layers whose own tensors it loaded, and on the CPU backend a tied head keeps a stale packed
-    copy otherwise (common/vllm_engine.py's colocated engine does the same)."""
-    owner, done = {}, 0
-    for module in model.modules():
-        for param in module.parameters(recurse=False):
-            if id(param) in owner and getattr(module, "quant_method", None) is not None:
-                module.quant_method.process_weights_after_loading(module)
-                done += 1
-            owner.setdefault(id(param), module)
-    return done
+    return files
 
 
 class DiskWeightTransferEngine(WeightTransferEngine[DiskInitInfo, DiskUpdateInfo]):
@@ -94,12 +80,13 @@ class DiskWeightTransferEngine(WeightTransferEngine[DiskInitInfo, DiskUpdateInfo
 
     def receive_weights(self, update_info: DiskUpdateInfo) -> None:
         from vllm.model_executor.model_loader.reload.inplace import reload_weights
+        from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
 
         if self.expected is None:  # the first update: what the served checkpoint holds
             self.expected = dict(checkpoint_shapes(self.model_config.model))
-        weights = list(read_weights(update_info.path, self.expected))
-        reload_weights(self.vllm_config, self.model, weights_iterator=iter(weights), weights_path=None,
-                       is_checkpoint_format=True)
+        files = weight_files(update_info.path, self.expected)  # checked whole before the reload touches a layer
+        reload_weights(self.vllm_config, self.model, weights_iterator=safetensors_weights_iterator(files, False),
+                       weights_path=None, is_checkpoint_format=True)  # one tensor at a time: no second copy
         reprocess_tied_layers(self.model)
 
     def shutdown(self) -> None:

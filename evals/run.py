@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.benchmarks import benchmark_problems
 from common.checkpoints import format_seconds
-from common.checks import range_problems
+from common.checks import hub_unreachable, range_problems
 from common.data import looks_local
 from common.devices import on_cpu
 from common.evaluation import (
@@ -93,14 +93,11 @@ def check_eval_args(args) -> None:
     if not os.path.exists(args.model) and looks_local(args.model):
         problems.append(f"cannot load --model {args.model!r}: no such directory; pass a hub id, a save_pretrained "
                         f"folder, a LoRA adapter, a training checkpoint or a run folder")
-    elif not problems and not os.path.exists(args.model) and not huggingface_hub.is_offline_mode():
-        try:  # one request (seconds), not huggingface_hub's retries (about 30 s) before the same failure
-            huggingface_hub.get_session().head(huggingface_hub.constants.ENDPOINT, timeout=5)
-        except Exception as e:
-            problems.append(f"the hub ({huggingface_hub.constants.ENDPOINT}) cannot be reached from here "
-                            f"({type(e).__name__}), and --model {args.model} is a hub id: set HF_HUB_OFFLINE=1 to "
-                            f"use the local cache only; to fill it where the hub is reachable: hf download "
-                            f"{args.model} (benchmarks: --data_dir with local copies, docs/evaluation.md)")
+    elif not problems and not os.path.exists(args.model) and (why := hub_unreachable()):
+        problems.append(f"the hub ({huggingface_hub.constants.ENDPOINT}) cannot be reached from here ({why}), and "
+                        f"--model {args.model} is a hub id: set HF_HUB_OFFLINE=1 to use the local cache only; to fill "
+                        f"it where the hub is reachable: hf download {args.model} (benchmarks: --data_dir with local "
+                        f"copies, docs/evaluation.md)")
     if problems:
         raise SystemExit("\n".join(f"error: {p}" for p in problems))
 
