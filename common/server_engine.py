@@ -89,6 +89,13 @@ def served_by_vllm(url: str, timeout: float) -> bool:
     return True
 
 
+def weight_transfer_backend(url: str, timeout: float) -> str | None:
+    """vllm serve's --weight-transfer-config backend ("disk": common/vllm_worker.py's; "nccl": GPUs), read from its
+    configuration (/server_info, a VLLM_SERVER_DEV_MODE route)."""
+    config = call(url, "/server_info?config_format=json", None, timeout, "configuration query")["vllm_config"]
+    return (config.get("weight_transfer_config") or {}).get("backend")
+
+
 def server_problems(args) -> list[str]:
     """Before any weights load (common/checks.py): the address is http(s)://HOST:PORT, a rollout server answers
     there, and it runs the trainer's --dtype."""
@@ -104,6 +111,16 @@ def server_problems(args) -> list[str]:
         return [f"--server_url {args.server_url}: the service there is neither vllm serve nor python -m common.serve "
                 f"(its /health answered {str(info)[:60]})"]
     problems = []
+    backend = weight_transfer_backend(args.server_url, args.server_timeout) if vllm else None
+    if vllm and backend not in ("disk", "nccl"):
+        runs = f"the weight-transfer backend {backend!r}" if backend else "without --weight-transfer-config"
+        problems.append(f"--server_url {args.server_url}: vllm serve runs {runs}"
+                        f"; start it with --weight-transfer-config '{{\"backend\": \"disk\"}}' (a filesystem it "
+                        f"shares with the trainer) or '{{\"backend\": \"nccl\"}}' (GPUs) (docs/rollouts.md)")
+    if backend == "nccl" and not torch.cuda.is_available():
+        problems.append(f"--server_url {args.server_url}: vllm serve takes its weights over NCCL, which needs a CUDA "
+                        f"GPU in the trainer too (this process sees none); start the server with "
+                        f"--weight-transfer-config '{{\"backend\": \"disk\"}}'")
     if info is not None and info["dtype"] != args.dtype:
         problems.append(f"--server_url {args.server_url}: the server runs --dtype {info['dtype']}, the trainer "
                         f"--dtype {args.dtype}; start it with the trainer's")
@@ -162,6 +179,7 @@ class ServerEngine:
         if self.vllm:  # vllm serve: weights go to a folder of the trainer's that the server can read (sync_dir)
             self.sync_dir, version = sync_dir, call(self.url, "/weight_info", None, self.timeout, "weight query")
             self.version = int(version["weight_version"]) if str(version["weight_version"]).isdigit() else 0
+            self.backend, self.sender = weight_transfer_backend(self.url, self.timeout), None  # nccl: built once
             if accelerator.is_main_process:
                 os.makedirs(self.sync_dir, exist_ok=True)
         else:  # python -m common.serve names its folder
@@ -273,6 +291,8 @@ class ServerEngine:
         writes them and queues the sync, which the server loads before any generate request made after it."""
         from common.vllm_engine import iter_weight_buckets  # HF checkpoint names, LoRA merged, shards gathered
 
+        if self.vllm and self.backend == "nccl":
+            return self.nccl_push(model)
         buckets = iter_weight_buckets(self.accelerator.unwrap_model(model))
         version, error = self.version + 1, [None]
         if self.accelerator.is_main_process:
@@ -342,6 +362,36 @@ class ServerEngine:
             call(self.url, "/resume", {}, self.timeout, f"{what}: /resume")
         return {"version": version}
 
+    def nccl_push(self, model) -> None:
+        """A weight sync over NCCL (GPUs; common/nccl_sync.py, vLLM's own trainer engine). The requests made before
+        it are answered first (their rows belong to the weights before it); then the server pauses, its workers
+        receive the broadcast, it finishes with the version, drops its prefix cache and resumes. Collective, and
+        the trainer waits for it: no second copy of the weights is kept for a sync queued behind requests."""
+        from common.nccl_sync import nccl_sender
+
+        main, version = self.accelerator.is_main_process, self.version + 1
+        what = f"weight sync (version {version}, NCCL)"
+        self.wait()
+        if self.sender is None:  # the rendezvous of the trainer's main process with every worker of the server
+            size = call(self.url, "/get_world_size", None, self.timeout, "world size query")["world_size"] if main \
+                else 0
+            self.sender = nccl_sender(self.url, self.timeout, self.accelerator.unwrap_model(model),
+                                      self.accelerator.process_index, size)
+        if main:
+            call(self.url, "/pause?mode=wait", {}, self.timeout, f"{what}: /pause")
+            self.sender.client.version = str(version)
+        try:
+            self.sender.send_weights()  # start / update (while the main process broadcasts) / finish, with version
+        except Exception as e:
+            raise SystemExit(f"error: the {what} to the rollout server at {self.url} failed: {e}") from None
+        finally:
+            if main:
+                try:
+                    call(self.url, "/reset_prefix_cache", {}, self.timeout, f"{what}: /reset_prefix_cache")
+                finally:
+                    call(self.url, "/resume", {}, self.timeout, f"{what}: /resume")
+        self.version = version
+
     def collective(self) -> bool:
         """Under several processes every generate call gathers the rows of all of them (multi-turn rollouts then
         make the same number of calls everywhere: common/multiturn.py)."""
@@ -358,6 +408,8 @@ class ServerEngine:
     def shutdown(self) -> None:
         """The server holds the final weights once the run ends (or the run stops with the reason it does not)."""
         self.wait()
+        if getattr(self, "sender", None) is not None:  # NCCL: leave the transfer group
+            self.sender.shutdown()
 
 
 class OverlapQueue:

@@ -78,6 +78,12 @@ def _full_tensor(p: Tensor, zero3: bool = False) -> Tensor:
     return p.detach().clone() if zero3 else p.detach()
 
 
+def checkpoint_params(model: torch.nn.Module) -> list[tuple[str, Tensor]]:
+    """(vllm_name, parameter) of every parameter vLLM loads, in the order iter_weight_buckets yields them."""
+    renamed = [(vllm_param_name(n), p) for n, p in model.named_parameters()]
+    return [(n, p) for n, p in renamed if n is not None]
+
+
 def iter_weight_buckets(model: torch.nn.Module,
                         max_bytes: int = PUSH_BUCKET_BYTES) -> Iterator[list[tuple[str, Tensor]]]:
     """Yield buckets of full (vllm_name, tensor) pairs of an unwrapped training model (plain, peft LoRA,
@@ -90,8 +96,7 @@ def iter_weight_buckets(model: torch.nn.Module,
         gather = deepspeed.zero.GatheredParameters  # read-only gather (modifier_rank=None)
     else:
         gather = lambda ps: nullcontext()  # noqa: E731
-    renamed = [(vllm_param_name(n), p) for n, p in params]
-    renamed = [(n, p) for n, p in renamed if n is not None]
+    renamed = checkpoint_params(model)
     if hasattr(model, "merge_adapter") and hasattr(model, "unmerge_adapter"):  # peft LoRA
         # Merging needs the whole unsharded weights, so ZeRO-3 gathers the full model once (as TRL does).
         # FSDP2 + LoRA is unverified: peft's merge on DTensor weights is not guaranteed.

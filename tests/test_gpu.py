@@ -75,6 +75,29 @@ def test_server_mode_on_cuda(in_toy_workdir, tmp_path):
     assert [m["rollout/staleness"] for m in read_metrics(lagged)] == [0, 1, 2, 2]
 
 
+@pytest.mark.vllm
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL puts the trainer and the server on two GPUs")
+def test_vllm_serve_nccl_sync(in_toy_workdir):
+    """vllm serve on GPU 1 with --weight-transfer-config '{"backend": "nccl"}', the trainer on GPU 0: every step's
+    weights reach the server over NCCL (vLLM's own trainer engine, common/nccl_sync.py): the server's log-probs stay
+    the trainer's while the weights move (a sync that did not land would open the gap at the learning rate below),
+    every answer names the version pushed last, and lag 2 overlaps as with the disk engine."""
+    from test_vllm_serve import start_vllm_serve, stop, weight_version
+
+    server, url = start_vllm_serve(in_toy_workdir, "vllm_serve_nccl.log", backend="nccl",
+                                   env={"CUDA_VISIBLE_DEVICES": "1"})
+    try:
+        argv = SMALL + ["--server_url", url, "--dtype", "float32", "--learning_rate", "1e-3"]
+        served = run_script(SCRIPTS["grpo"], argv + ["--total_steps", "3", "--run_name", "gpu_nccl"])
+        assert int(weight_version(url)) >= 3, weight_version(url)  # a version per push, not the server's "default"
+        lagged = run_script(SCRIPTS["grpo"], argv + ["--total_steps", "4", "--rollout_lag", "2", "--old_logp_source",
+                                                     "sampler", "--run_name", "gpu_nccl_lag2"])
+    finally:
+        stop(server)
+    assert all(m["rollout/logp_gap_mean"] < 1e-3 for m in read_metrics(served)), read_metrics(served)
+    assert [m["rollout/staleness"] for m in read_metrics(lagged)] == [0, 1, 2, 2]
+
+
 @pytest.mark.parametrize("V", [32_000, 152_064])
 def test_chunked_head_logprobs_match_naive_in_bf16_and_use_less_memory(V):
     """bf16 on CUDA: the same log-probs, entropies and gradients as the naive log-softmax over (B, T, V), with a

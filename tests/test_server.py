@@ -1,6 +1,7 @@
 """Server mode (--server_url): the rollout server (common/serve.py), its client (common/server_engine.py) and the
 filesystem weight transport; end-to-end, a trainer against a server process on the toy (CPU)."""
 
+import json
 import os
 import signal
 import socket
@@ -177,6 +178,44 @@ def test_another_service_at_the_server_url_is_refused_in_one_line(in_toy_workdir
     assert "\n" not in message and message.startswith("error: "), message
     assert ("not JSON: is vllm serve" in message) if body.startswith(b"<") else \
         ("the service there is neither vllm serve nor python -m common.serve" in message), message
+
+
+@pytest.mark.parametrize("backend, message", [
+    (None, "vllm serve runs without --weight-transfer-config; start it with --weight-transfer-config "
+           "'{\"backend\": \"disk\"}'"),
+    ("ipc", "vllm serve runs the weight-transfer backend 'ipc'; start it with --weight-transfer-config"),
+    ("nccl", "vllm serve takes its weights over NCCL, which needs a CUDA GPU in the trainer too (this process sees "
+             "none)"),
+])
+def test_a_vllm_serve_whose_weights_the_trainer_cannot_send_is_refused(in_toy_workdir, backend, message):
+    """vllm serve's weight-transfer backend is read from its configuration (/server_info): without one, with one
+    the trainer does not drive, or NCCL from a trainer without a GPU, the run is refused in one line before any
+    weights load (it used to fail at the first sync, after the model had loaded)."""
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    if backend == "nccl" and torch.cuda.is_available():
+        pytest.skip("a trainer with a GPU may use NCCL")
+
+    class StubVllmServe(BaseHTTPRequestHandler):  # the routes the checks read, as vllm serve answers them
+        def do_GET(self):
+            config = {"weight_transfer_config": None if backend is None else {"backend": backend}}
+            body = {"/health": b"", "/weight_info": b'{"weight_version": "default"}',
+                    "/server_info?config_format=json": json.dumps({"vllm_config": config}).encode()}[self.path]
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    stub = HTTPServer(("127.0.0.1", 0), StubVllmServe)
+    threading.Thread(target=stub.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(SystemExit) as e:
+            run_script(grpo, SMALL + ["--server_url", f"http://127.0.0.1:{stub.server_port}", "--run_name", "stub"])
+    finally:
+        stub.shutdown()
+    assert "\n" not in str(e.value) and message in str(e.value), str(e.value)
 
 
 @pytest.mark.parametrize("url, message", [

@@ -20,25 +20,26 @@ from common.vllm_engine import vllm_available
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not vllm_available(), reason="needs vLLM")]
 
 
-def vllm_serve_command(model: str, port: int) -> list[str]:
+def vllm_serve_command(model: str, port: int, backend: str = "disk") -> list[str]:
     """The documented server command (docs/rollouts.md, "Server mode"), with the CPU's settings: eager, a 1 GiB KV
     cache (vLLM's CPU default takes most of the machine's memory), the toy's context."""
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
             "--dtype", "float32", "--enable-scale-out", "--logprobs-mode", "processed_logprobs", "--seed", "1",
             "--worker-extension-cls", "common.vllm_worker.WorkerExtension",
-            "--weight-transfer-config", json.dumps({"backend": "disk"}), "--enforce-eager", "--max-model-len", "64",
+            "--weight-transfer-config", json.dumps({"backend": backend}), "--enforce-eager", "--max-model-len", "64",
             "--kv-cache-memory-bytes", str(2**30)]
 
 
-def start_vllm_serve(workdir, log_name: str) -> tuple[subprocess.Popen, str]:
+def start_vllm_serve(workdir, log_name: str, backend: str = "disk", env: dict | None = None
+                     ) -> tuple[subprocess.Popen, str]:
     """The server on the toy, in a process group of its own (its engine and workers are children: stopping the
     server stops the group); ready when /health answers (about a minute on a CPU)."""
     port = free_port()
-    env = {**subprocess_env(), "VLLM_SERVER_DEV_MODE": "1"}
+    env = {**subprocess_env(), "VLLM_SERVER_DEV_MODE": "1", **(env or {})}
     log_path = os.path.join(workdir, log_name)
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(vllm_serve_command(os.path.join("runs", "toy", "model"), port), cwd=workdir, env=env,
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(vllm_serve_command(os.path.join("runs", "toy", "model"), port, backend), cwd=workdir,
+                                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 600
     while True:
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -78,6 +79,33 @@ def assert_same_steps(a_dir: str, b_dir: str):
     for a, b in zip(read_metrics(a_dir), read_metrics(b_dir), strict=True):
         same = {k for k in a if not k.startswith(("time/", "memory/"))}
         assert {k: a[k] for k in same} == {k: b[k] for k in same}
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_the_nccl_source_declares_what_it_sends(toy_workdir, lora):
+    """The NCCL sync (GPUs only) sizes the workers' receive buffers from the source's metadata() before it sends;
+    vLLM's own sender check (NCCLTrainerWeightTransferEngine._checked_iter) must pass on the toy, plain and with
+    LoRA (merged base weights under their checkpoint names, no adapter factors), and the version reaches
+    /finish_weight_update."""
+    import peft
+    from transformers import AutoModelForCausalLM
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
+
+    from common.nccl_sync import CheckpointSource, VersionedClient
+
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(toy_workdir, "runs", "toy", "model"))
+    names = {n for n, _ in model.named_parameters()}
+    if lora:
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    source = CheckpointSource(model)
+    sent = list(NCCLTrainerWeightTransferEngine._checked_iter(source, source.metadata()))
+    assert sorted(name for name, _ in sent) == sorted(names)  # each base weight once, by its checkpoint name
+    posted = []
+    client = VersionedClient("http://127.0.0.1:1")
+    client._post = lambda path, json=None: posted.append((path, json))
+    client.version = "3"
+    client.finish_weight_update()
+    assert posted == [("finish_weight_update", {"weight_version": "3"})]
 
 
 def test_at_lag_0_vllm_serve_takes_exactly_the_colocated_vllm_steps(toy_workdir, vllm_served):
