@@ -66,6 +66,26 @@ def test_step_time_runs_a_script_and_trl_on_the_same_work(toy_workdir, tmp_path)
     assert report["ratios"]["grpo/trl time/step"] > 0 and report["ratios"]["grpo/trl cpu/step"] > 0
 
 
+@pytest.mark.slow
+@pytest.mark.peer
+def test_trl_curve_evaluates_trl_as_grpo_py_does(toy_workdir, tmp_path):
+    """benchmarks/trl_curve.py: 2 tiny TRL steps on the toy, held-out accuracy at steps 0, 1 and 2; step 0 equals
+    grpo.py's own step-0 eval/accuracy on the same work (the same model and greedy decoding of the same prompts)."""
+    flags = ["--total_steps", "2", "--eval_steps", "1", "--batch_size", "8", "--num_generations", "4",
+             "--micro_batch_size", "4"]
+    out = tmp_path / "curve.json"
+    run_benchmark([os.path.join(REPO, "benchmarks", "trl_curve.py"), "--preset", "toy", "--out", str(out), "--",
+                   *flags, "--output_dir", str(tmp_path / "runs")], cwd=toy_workdir)
+    curve = json.loads(out.read_text())["curve"]
+    assert [c["step"] for c in curve] == [0, 1, 2] and all(0 <= c["accuracy"] <= 1 for c in curve), curve
+    assert curve[0]["wall_s"] == 0 and curve[2]["wall_s"] > 0 and curve[2]["cpu_s"] > 0, curve
+    run_benchmark([os.path.join(REPO, "grpo.py"), "--preset", "toy", *flags, "--output_dir", str(tmp_path / "runs"),
+                   "--run_name", "grpo_curve"], cwd=toy_workdir)
+    with open(tmp_path / "runs" / "grpo_curve" / "metrics.jsonl") as f:
+        grpo_step0 = next(m for m in map(json.loads, f) if "eval/accuracy" in m)
+    assert grpo_step0["step"] == 0 and grpo_step0["eval/accuracy"] == pytest.approx(curve[0]["accuracy"]), grpo_step0
+
+
 def test_grader_agreement_reads_the_gsm8k_files(tmp_path):
     """benchmarks/grader_agreement.py on a two-problem copy of the files it reads: the agreement lines, and a wrong
     label written out as a disagreement."""
