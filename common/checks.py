@@ -17,7 +17,7 @@ import os
 import huggingface_hub
 import torch
 from accelerate import PartialState
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import broadcast_object_list, gather_object
 from transformers import AutoConfig, AutoTokenizer, SchedulerType, get_scheduler
 
 from common.args import preset_defaults, warn
@@ -395,6 +395,12 @@ def check_args(args, num_processes: int, files: bool = True) -> None:
     (files=False: the flags alone, in seconds). The main process checks (it alone reads the data: no race on the
     datasets cache) and broadcasts the verdict, so every process stops together and none waits for one that left."""
     state = PartialState()
+    if num_processes > 1 and not files:  # a node started with other flags would train another run, silently
+        flags = gather_object([vars(args)])  # every process gets every process's flags: all stop together
+        if differ := [(i, k) for i, other in enumerate(flags) for k in flags[0] if other.get(k) != flags[0][k]]:
+            i, k = differ[0]
+            raise SystemExit(f"error: process {i} was started with --{k} {flags[i][k]!r}, process 0 with "
+                             f"{flags[0][k]!r}: start every node with the same arguments")
     verdict = [None, None]  # problems, warnings
     if state.is_main_process:
         problems, notes = argument_problems(args, num_processes), []
