@@ -59,11 +59,6 @@ def parse_args(args_cls, argv: list[str] | None = None):
     pre.add_argument("--config")
     pre.add_argument("--preset")
     known, _ = pre.parse_known_args(argv)
-    defaults = {}
-    if known.preset is not None:
-        if known.preset not in PRESET_NAMES:
-            raise SystemExit(f"error: unknown --preset {known.preset!r}; choose one of {sorted(PRESET_NAMES)}")
-        defaults.update(preset_defaults(known.preset))
     recipe = {}
     if known.config is not None:
         from common.recipes import read_recipe, script_problem
@@ -75,7 +70,10 @@ def parse_args(args_cls, argv: list[str] | None = None):
         unknown = sorted(set(recipe) - fields)
         if unknown:
             raise SystemExit(f"error: {known.config} sets {unknown}, which are not fields of {args_cls.__name__}")
-        defaults.update(recipe)
+    preset = recipe.get("preset") if known.preset is None else known.preset  # a recipe's preset: its defaults too
+    if preset is not None and preset not in PRESET_NAMES:
+        raise SystemExit(f"error: unknown --preset {preset!r}; choose one of {sorted(PRESET_NAMES)}")
+    defaults = {**preset_defaults(preset), **recipe}  # the command line wins over --config, which wins over --preset
     script = sys.modules.get(args_cls.__module__)
     parser = ArgParser(args_cls, description=((script.__doc__ or "").strip().splitlines() or [None])[0],
                        epilog="Each flag is a field of the script's Args; the command line wins over --config, which "

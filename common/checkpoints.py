@@ -8,6 +8,7 @@ Reading a checkpoint back (and checking it is intact) is common/resume.py's, imp
 """
 
 import contextlib
+import importlib
 import json
 import logging
 import os
@@ -46,34 +47,38 @@ def save_checkpoint(accelerator, model, tokenizer, run_dir: str, step: int, save
     if nonfinite:
         raise SystemExit(f"error: step {step}: {int(nonfinite)} weights are not finite; refusing to save them; the "
                          f"last good checkpoint is {latest_checkpoint(run_dir) or 'none (see --save_steps)'}")
-    if accelerator.is_main_process and os.path.exists(tmp):
-        shutil.rmtree(tmp)
-    accelerator.wait_for_everyone()
-    unwrapped = accelerator.unwrap_model(model)
-    with quiet_saves(unwrapped):
-        accelerator.save_state(os.path.join(tmp, "state"))
-        if queue is not None:
-            queue.save(os.path.join(tmp, "state"), accelerator.process_index)
-        state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 / FSDP shards
-        if accelerator.is_main_process:
-            if hasattr(unwrapped, "merge_and_unload"):  # peft: save the adapter and the merged model
-                unwrapped.save_pretrained(os.path.join(tmp, "adapter"), state_dict=state_dict)
-                from common.lora import merged_copy
+    try:
+        if accelerator.is_main_process and os.path.exists(tmp):
+            shutil.rmtree(tmp)
+        accelerator.wait_for_everyone()
+        unwrapped = accelerator.unwrap_model(model)
+        with quiet_saves(unwrapped):
+            accelerator.save_state(os.path.join(tmp, "state"))
+            if queue is not None:
+                queue.save(os.path.join(tmp, "state"), accelerator.process_index)
+            state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 / FSDP shards
+            if accelerator.is_main_process:
+                if hasattr(unwrapped, "merge_and_unload"):  # peft: save the adapter and the merged model
+                    unwrapped.save_pretrained(os.path.join(tmp, "adapter"), state_dict=state_dict)
+                    from common.lora import merged_copy
 
-                merged = merged_copy(unwrapped)
-                merged.save_pretrained(os.path.join(tmp, "model"))
-            else:
-                unwrapped.save_pretrained(os.path.join(tmp, "model"), state_dict=state_dict)
-            tokenizer.save_pretrained(os.path.join(tmp, "model"))
-    accelerator.wait_for_everyone()  # every process's files are in tmp before it becomes the checkpoint
-    if accelerator.is_main_process:
-        write_manifest(tmp)
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        if save_total_limit > 0:
-            for old in checkpoint_steps(run_dir)[:-save_total_limit]:
-                shutil.rmtree(os.path.join(run_dir, "checkpoints", f"step_{old}"))
+                    merged = merged_copy(unwrapped)
+                    merged.save_pretrained(os.path.join(tmp, "model"))
+                else:
+                    unwrapped.save_pretrained(os.path.join(tmp, "model"), state_dict=state_dict)
+                tokenizer.save_pretrained(os.path.join(tmp, "model"))
+        accelerator.wait_for_everyone()  # every process's files are in tmp before it becomes the checkpoint
+        if accelerator.is_main_process:
+            write_manifest(tmp)
+            if os.path.exists(final):
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            if save_total_limit > 0:
+                for old in checkpoint_steps(run_dir)[:-save_total_limit]:
+                    shutil.rmtree(os.path.join(run_dir, "checkpoints", f"step_{old}"))
+    except Exception as e:  # a full disk stops in one line (common/repair.py disk_full), anything else as it is
+        importlib.import_module("common.repair").disk_full(e, tmp, final, latest_checkpoint(run_dir), run_dir)
+        raise
     accelerator.wait_for_everyone()
     return final
 
@@ -155,9 +160,8 @@ class MetricsLog:
         if not enabled:
             return
         kept = []  # a new run starts in an empty folder (common.run_dir.claim_run_dir)
-        if resume_step and os.path.exists(self.path):
-            with open(self.path) as f:
-                kept = [line for line in f if json.loads(line)["step"] <= resume_step]
+        if resume_step and os.path.exists(self.path):  # less a line a killed run left half written
+            kept = importlib.import_module("common.repair").metrics_until(self.path, resume_step)
         with open(self.path, "w") as f:
             f.writelines(kept)
 

@@ -62,6 +62,8 @@ TRAIN_RANGES = [
     ("eval_num_samples", lambda v: v >= 1, "must be at least 1"),
     ("dump_stats_steps", lambda v: v >= 0, "must be >= 0 (0: off)"),
 ]  # an estimator's own fields declare their bounds in its Args: arg(..., at_least=0) (field_bound_problems)
+def brought(args) -> bool:  # --model or --dataset from outside (common/real_checks.py), not a preset's own
+    return any(getattr(args, k) != preset_defaults(args.preset).get(k) for k in ("model", "dataset"))
 def _changed(args, name: str) -> bool:
     """Set by the user: different from the preset's value, or from the field's default."""
     default = preset_defaults(args.preset).get(name, type(args).__dataclass_fields__[name].default)
@@ -303,8 +305,9 @@ def resource_problems(args) -> tuple[list[str], object]:
     """Paths, the model's config and tokenizer (no weights), LoRA targets, the local data's first rows. Returns the
     problems and the model's config (None where it did not load)."""
     problems = importlib.import_module("common.resume").resume_problems(args) if args.resume_from else []
-    found, config = model_problems("--model", args.model)
-    problems += found or tokenizer_problems(args)
+    real = importlib.import_module("common.real_checks") if brought(args) else None
+    found, config = real.model_problems(args, model_problems) if real else model_problems("--model", args.model)
+    problems += found or tokenizer_problems(args) or (real.tokenizer_problems(args, config) if real else [])
     if config is not None and args.lora_r > 0:
         problems += importlib.import_module("common.lora").lora_target_problems(args, config)
     data = resolve_dataset(args.dataset, args.split, args.prompt_column, args.answer_column, args.eval_split)
@@ -314,6 +317,8 @@ def resource_problems(args) -> tuple[list[str], object]:
                                 data["prompt_column"], data["answer_column"], answers_needed)
     problems += found
     if not found and rows is not None:
+        if real:  # repeated prompts: warned
+            real.duplicate_note(data["path"], rows[data["prompt_column"]])
         problems += dry_call_problems(args, funcs, data, rows)
     if args.eval_steps > 0 and args.eval_dataset:
         spec = resolve_dataset(args.eval_dataset, args.eval_split, args.prompt_column, args.answer_column)
@@ -371,6 +376,8 @@ def ignored_settings(args) -> list[str]:
         notes.append("--max_refill_rounds is ignored without --dynamic_sampling")
     if args.overlong_buffer == 0 and _changed(args, "overlong_penalty"):
         notes.append("--overlong_penalty is ignored with --overlong_buffer 0")
+    if args.save_steps > args.total_steps:
+        notes.append(f"--save_steps {args.save_steps} > --total_steps {args.total_steps}: only the last step is saved")
     if args.resume_overrides and not args.resume_from:
         notes.append("--resume_overrides is ignored without --resume_from")
     data = resolve_dataset(args.dataset, args.split, args.prompt_column, args.answer_column, args.eval_split)

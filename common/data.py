@@ -109,8 +109,8 @@ def load_prompts(tokenizer, path: str, name: str | None, split: str, prompt_colu
     def prepare(row):
         text = format_prompt(tokenizer, row[prompt_column], template, system_prompt, use_chat_template,
                              enable_thinking)
-        out = {"prompt": row[prompt_column], "prompt_text": text,
-               "prompt_ids": tokenizer(text, add_special_tokens=False)["input_ids"]}
+        ids = tokenizer(text, add_special_tokens=not (use_chat_template and tokenizer.chat_template))["input_ids"]
+        out = {"prompt": row[prompt_column], "prompt_text": text, "prompt_ids": ids}  # a chat template writes its BOS
         if answer_column is not None:
             out["answer"] = row[answer_column]
         return out

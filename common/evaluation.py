@@ -111,7 +111,8 @@ def prepare_eval_set(name: str, tokenizer, *, path_override: str | None = None, 
     for e in examples:
         e["prompt_text"] = format_prompt(tokenizer, e["prompt"], benchmark.template, system_prompt,
                                          use_chat_template, enable_thinking)
-        e["prompt_ids"] = tokenizer(e["prompt_text"], add_special_tokens=False)["input_ids"]
+        e["prompt_ids"] = tokenizer(e["prompt_text"], add_special_tokens=not (use_chat_template and
+                                                                              tokenizer.chat_template))["input_ids"]
     longest = max(len(e["prompt_ids"]) for e in examples)
     if max_prompt_length is not None and longest > max_prompt_length:
         raise ValueError(f"benchmark {name!r} has prompts of up to {longest} tokens, more than --max_prompt_length "

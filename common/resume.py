@@ -7,6 +7,7 @@ from accelerate import PartialState
 
 from common.args import warn
 from common.checkpoints import MANIFEST, checkpoint_steps
+from common.repair import json_lines
 
 # Settings a resumed run may change without --resume_overrides: they change neither the data, the samples'
 # distribution, the optimisation nor the estimator (micro-batching and process count are tested invariances).
@@ -94,10 +95,8 @@ def recorded_args(run_dir: str) -> dict | None:
     """The settings of the run's latest start: the last line of args_history.jsonl, else args.json."""
     history = os.path.join(run_dir, "args_history.jsonl")
     if os.path.isfile(history):
-        with open(history) as f:
-            lines = [line for line in f if line.strip()]
-        if lines:
-            return json.loads(lines[-1])["args"]
+        if lines := json_lines(history):
+            return lines[-1]["args"]
     if os.path.isfile(os.path.join(run_dir, "args.json")):
         with open(os.path.join(run_dir, "args.json")) as f:
             return json.load(f)

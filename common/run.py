@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
 from common.args import PRESET_MODULES
 from common.checkpoints import MetricsLog, TrainState, save_checkpoint
-from common.checks import check_args, stop_if_nonfinite
+from common.checks import brought, check_args, stop_if_nonfinite
 from common.data import load_prompts, resolve_dataset
 from common.devices import on_cpu, prepare_policy, prepare_reference, vllm_installed
 from common.metrics import (
@@ -141,8 +141,12 @@ def setup(args) -> Run:
     )
     set_seed(args.seed)
 
-    tokenizer, model, ref_model = load_models(args)
-    train_data, eval_data, eval_sets = load_data(args, tokenizer, accelerator)
+    tokenizer = AutoTokenizer.from_pretrained(args.model, padding_side="left")
+    try:  # the data before the weights: prompts or benchmark questions longer than --max_prompt_length cost no load
+        train_data, eval_data, eval_sets = load_data(args, tokenizer, accelerator)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    model, ref_model = load_models(args, tokenizer)
     reward_funcs = [get_reward_function(name) for name in args.reward_funcs.split(",")]
     reward_weights = [float(w) for w in args.reward_weights.split(",")] if args.reward_weights else None
     reward_columns = [c for c in train_data.column_names if c not in ("prompt", "prompt_text", "prompt_ids")]
@@ -183,13 +187,14 @@ def setup(args) -> Run:
     return run
 
 
-def load_models(args):
-    """The tokenizer, the policy (with a LoRA adapter when --lora_r > 0) and the frozen reference (or None)."""
+def load_models(args, tokenizer):
+    """The policy (with a LoRA adapter when --lora_r > 0) and the frozen reference (or None); the tokenizer's pad."""
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
-    tokenizer = AutoTokenizer.from_pretrained(args.model, padding_side="left")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
+    if brought(args):  # a model from outside: a NaN weight named at load (the reference is the same files)
+        importlib.import_module("common.real_checks").weight_problems(model, args.model)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     ref_model = None
@@ -199,7 +204,7 @@ def load_models(args):
         model = add_lora(model, args)
     elif args.beta > 0:
         ref_model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval().requires_grad_(False)
-    return tokenizer, model, ref_model
+    return model, ref_model
 
 
 def load_data(args, tokenizer, accelerator):
