@@ -174,9 +174,8 @@ def model_problems(flag: str, path: str) -> tuple[list[str], object]:
 
 
 def tokenizer_problems(args) -> list[str]:
-    """The tokenizer as the run uses it: a vocabulary (a folder without tokenizer files loads as one token), an
-    end-of-sequence token (without one no completion ends before --max_completion_length), and a chat template
-    that takes the run's turns (several families refuse a system turn)."""
+    """The tokenizer as the run uses it: a vocabulary (a folder without tokenizer files loads as one token), an EOS
+    (without one no completion ends early), a chat template that takes the run's turns (some refuse a system turn)."""
     tokenizer, name = AutoTokenizer.from_pretrained(args.model), f"--model {args.model!r}"
     if len(tokenizer) < 2:
         return [f"{name}: its tokenizer has {len(tokenizer)} token: the folder has no tokenizer files "
@@ -328,9 +327,8 @@ def resource_problems(args) -> tuple[list[str], object]:
 
 
 def dry_call_problems(args, funcs: list, data: dict, rows, num_rows: int = 2) -> list[str]:
-    """The reward functions called as the loop calls them, on the first rows of the local data (`rows`, as
-    data_problems loaded them) with their reference answers as completions: a function that cannot take the call, or
-    returns the wrong number of values or a non-finite one, is found before any weights load."""
+    """The reward functions called as the loop calls them, on the local data's first rows with their answers as
+    completions: one that cannot take the call, or returns a wrong count or a non-finite value, is found here."""
     from common.rewards import RewardError, compute_rewards
 
     rows = rows.select(range(min(num_rows, len(rows))))
@@ -399,15 +397,14 @@ def model_length_notes(args, config) -> list[str]:
 
 def check_args(args, num_processes: int, files: bool = True) -> None:
     """Fail before any weights load, one line per problem naming the flag and the fix; warn about ignored settings
-    (files=False: the flags alone, in seconds). The main process checks (it alone reads the data: no race on the
-    datasets cache) and broadcasts the verdict, so every process stops together and none waits for one that left."""
+    (files=False: the flags alone). The main process checks (no race on the datasets cache) and broadcasts the
+    verdict, so every process stops together and none waits for one that left; every process has the same flags."""
     state = PartialState()
     if num_processes > 1 and not files:  # a node started with other flags would train another run, silently
         flags = gather_object([vars(args)])  # every process gets every process's flags: all stop together
-        if differ := [(i, k) for i, other in enumerate(flags) for k in flags[0] if other.get(k) != flags[0][k]]:
-            i, k = differ[0]
+        for i, k in [(i, k) for i, f in enumerate(flags) for k in f if f[k] != flags[0].get(k)][:1]:
             raise SystemExit(f"error: process {i} was started with --{k} {flags[i][k]!r}, process 0 with "
-                             f"{flags[0][k]!r}: start every node with the same arguments")
+                             f"{flags[0].get(k)!r}: start every node with the same arguments")
     verdict = [None, None]  # problems, warnings
     if state.is_main_process:
         problems, notes = argument_problems(args, num_processes), []
@@ -433,9 +430,8 @@ WATCHED = ("loss/", "optim/grad_norm")  # a non-finite value here means the upda
 
 
 def stop_if_nonfinite(metrics: dict, run_dir: str, log) -> None:
-    """Stop before a step with a non-finite loss or gradient norm is evaluated or saved (Adam would already have
-    written NaN into the weights). Its metrics line is logged; the message names the last good checkpoint.
-    Metrics are the same on every process (gathered), so all processes stop at the same step."""
+    """Stop before a step with a non-finite loss or gradient norm is evaluated or saved (Adam has written NaN into the
+    weights); its metrics line is logged, the message names the last good checkpoint; every process stops with it."""
     bad = [k for k, v in metrics.items() if k.startswith(WATCHED) and not math.isfinite(v)]
     if not bad:
         return
