@@ -47,6 +47,8 @@ REAL_RUNS = [
      "refused: a head would be made up at random", "test_refused[headless]"),
     ("a model type this transformers does not know", "refused in one line naming the type",
      "test_refused[unknown_type]"),
+    ("a model that needs its own code (auto_map in config.json: trust_remote_code)",
+     "refused before transformers asks on the terminal whether to run it", "test_refused[remote_code]"),
     ("a tokenizer with more tokens than the model's embedding", "refused, naming both sizes",
      "test_refused[vocab]"),
     ("an end-of-sequence token outside the model's vocabulary", "refused, naming the id and the vocabulary",
@@ -56,6 +58,8 @@ REAL_RUNS = [
     ("a chat template whose end-of-turn is not the tokenizer's EOS (real SmolLM2 tokenizer, eos <|endoftext|>)",
      "refused: every completion would run to the limit; set eos_token", "test_refused[end_of_turn]"),
     ("a chat template that ends the prompt with EOS", "refused", "test_refused[eos_in_prompt]"),
+    ("real chat templates: Qwen3's (thinking on or off), Llama 3's, Gemma's, SmolLM2's",
+     "accepted; Gemma's with <eos> as EOS (its base tokenizer) refused", "test_real_chat_templates_pass"),
     ("a tokenizer that adds a BOS, with a chat template that writes one too",
      "one BOS (the template's); without a template, the tokenizer's own (it had none)", "test_one_bos"),
     ("a tokenizer without tokenizer files, or without an EOS; a template refusing a system turn",
@@ -68,6 +72,15 @@ REAL_RUNS = [
     ("a data set with duplicate prompts", "warned: how many, and the first", "test_duplicate_prompts_are_warned"),
     ("chat-format rows (a list of messages in the prompt column)", "refused: prompts must be text",
      "test_refused[messages]"),
+    ("a data file with no rows, or a prompt column of another name (question, problem)",
+     "refused, naming the columns it has (tests/test_rails.py)",
+     "test_rails.py::test_bad_training_input_is_refused_before_any_weights_load"),
+    ("reference answers that are numbers or None (GSM8K-like columns)", "graded as text; None scores 0",
+     "test_rewards.py::test_references_that_are_numbers_or_none"),
+    ("a reward module that does not import", "refused before any weights load, naming the import error",
+     "test_rails.py::test_bad_training_input_is_refused_before_any_weights_load"),
+    ("--max_completion_length 0 (or any number out of range)", "refused (tests/test_rails.py)",
+     "test_rails.py::test_bad_training_input_is_refused_before_any_weights_load"),
     ("a data file that is not UTF-8", "refused, naming the rows (tests/test_rails.py)",
      "test_rails.py::test_bad_training_input_is_refused_before_any_weights_load"),
     ("a --config recipe that sets preset:", "the preset's defaults apply, as with --preset (they did not)",
@@ -201,6 +214,14 @@ def make_unknown_type(root, _):
     return ["--model", path]
 
 
+def make_remote_code(root, _):
+    path = toy_folder(root, "remote_code")
+    config = {"model_type": "internlm2", "architectures": ["InternLM2ForCausalLM"],
+              "auto_map": {"AutoConfig": "configuration_internlm2.InternLM2Config"}}
+    (root / path / "config.json").write_text(json.dumps(config))
+    return ["--model", path]
+
+
 def make_vocab(root, _):
     tokenizer = build_tokenizer()
     tokenizer.add_tokens([f"<extra_{i}>" for i in range(4)])
@@ -224,6 +245,67 @@ CHATML_NO_GENERATION_PROMPT = ("{% for m in messages %}{{ '<|im_start|>' + m['ro
                                "'<|im_end|>\n' }}{% endfor %}")
 EOS_AS_GENERATION_PROMPT = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + "
                             "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ eos_token }}{% endif %}")
+
+
+# Real templates, as their models ship them (Qwen3's: the parts a user and an assistant turn reach).
+QWEN3 = """{%- if messages[0].role == 'system' %}
+    {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.content is string %}
+        {%- set content = message.content %}
+    {%- else %}
+        {%- set content = '' %}
+    {%- endif %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set reasoning_content = '' %}
+        {%- if '</think>' in content %}
+            {%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}
+            {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
+        {%- endif %}
+        {{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n'
+            + content.lstrip('\\n') }}
+        {{- '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- endif %}
+{%- endif %}
+"""
+LLAMA3 = ("{{- bos_token }}{%- for message in messages %}{{- '<|start_header_id|>' + message['role'] + "
+          "'<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}{%- endfor %}{%- if "
+          "add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
+GEMMA = ("{{ bos_token }}{% for message in messages %}{% set role = 'model' if message['role'] == 'assistant' else "
+         "message['role'] %}{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}"
+         "{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\\n'}}{% endif %}")
+
+
+def test_real_chat_templates_pass(smollm2_workdir):
+    """No false refusal: SmolLM2's template, Qwen3's with thinking on or off (its answer header then holds an empty
+    think block the prompt lacks), Llama 3's and Gemma's with their end-of-turn as EOS (as their instruct tokenizers
+    set it); Gemma's with <eos>, as its base tokenizer has it, is refused (generation would not stop)."""
+    from common.template_checks import template_problems
+
+    def tokenizer(template: str, eos: str, added: tuple = ()):
+        tok = smollm2_tokenizer(smollm2_workdir)
+        tok.add_special_tokens({"additional_special_tokens": list(added)})
+        tok.chat_template, tok.eos_token = template, eos
+        return tok
+
+    assert template_problems("m", smollm2_tokenizer(smollm2_workdir), False) == []
+    for thinking in (False, True):
+        assert template_problems("m", tokenizer(QWEN3, "<|im_end|>"), thinking) == []
+    llama = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|end_of_text|>")
+    assert template_problems("m", tokenizer(LLAMA3, "<|eot_id|>", llama), False) == []
+    gemma = ("<start_of_turn>", "<end_of_turn>", "<eos>")
+    assert template_problems("m", tokenizer(GEMMA, "<end_of_turn>", gemma), False) == []
+    [refused] = template_problems("m", tokenizer(GEMMA, "<eos>", gemma), False)
+    assert "ends an answer with '<end_of_turn>', but generation stops at the end-of-sequence token '<eos>'" in refused
 
 
 def make_all_too_long(root, _):
@@ -259,6 +341,8 @@ REFUSED = {  # id: (make the bad input under the working directory -> the flags,
     "encoder": (make_bert, "it is a bert model, saved without a language-model head (BertForMaskedLM)"),
     "headless": (make_headless, "saved without a language-model head (Qwen3Model): one would be made up at random"),
     "unknown_type": (make_unknown_type, "qwen9"),
+    "remote_code": (make_remote_code, "its config.json names code of its own (auto_map, model type 'internlm2'), "
+                                      "which these scripts do not run (no trust_remote_code)"),
     "vocab": (make_vocab, "its tokenizer has 18 tokens but the model's embedding 14 rows"),
     "eos_outside": (make_eos_outside, "its end-of-sequence token '<|end|>' has id 14, outside the model's vocabulary"),
     "no_generation_prompt": (real_tokenizer_folder("no_gen", chat_template=CHATML_NO_GENERATION_PROMPT),
