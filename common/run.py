@@ -310,7 +310,9 @@ def end_step(run: Run, step: int, step_start: float, batch, metrics: dict, updat
     if run.evaluating and (step + 1) % args.eval_steps == 0:
         metrics.update(evaluate(run))
     if (args.save_steps and (step + 1) % args.save_steps == 0) or step + 1 == args.total_steps:
-        save_checkpoint(accelerator, run.model, run.tokenizer, run.run_dir, step + 1, args.save_total_limit, run.queue)
+        with timed(metrics, "time/checkpoint"):  # a slow (network) file system shows here, not in time/step
+            save_checkpoint(accelerator, run.model, run.tokenizer, run.run_dir, step + 1, args.save_total_limit,
+                            run.queue)
     run.log.write(metrics)
     accelerator.log(metrics, step=step + 1)
     progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics.get('policy/kl', 0.0):.4f}",

@@ -85,6 +85,10 @@ REAL_RUNS = [
      "test_rails.py::test_bad_training_input_is_refused_before_any_weights_load"),
     ("a --config recipe that sets preset:", "the preset's defaults apply, as with --preset (they did not)",
      "test_a_recipe_preset_applies_its_defaults"),
+    ("--max_prompt_length + --max_completion_length beyond the model's context", "warned, naming both",
+     "test_a_context_longer_than_the_model_s_is_warned"),
+    ("a pad token that is also the EOS, or one inside a prompt", "attended to in the prompt; masks from lengths",
+     "test_common.py::test_a_pad_token_inside_a_prompt_is_attended_to"),
     ("--save_steps larger than --total_steps", "warned: only the last step is saved",
      "test_save_steps_beyond_the_run_is_warned"),
     ("an output folder that cannot be made (a file in the way, no permission)", "refused in one line",
@@ -94,6 +98,8 @@ REAL_RUNS = [
     ("a metrics.jsonl or args_history.jsonl ending in half a line (a killed run) on --resume_from",
      "the half line is dropped with a warning and the run resumes (it was a JSON traceback)",
      "test_a_half_written_metrics_line_is_dropped_on_resume"),
+    ("a slow (network) file system for the output folder", "the save's seconds are logged: time/checkpoint",
+     "test_the_time_a_checkpoint_takes_is_logged"),
     ("preemption: SIGTERM from the scheduler", "a clean stop naming the checkpoint to resume",
      "test_train.py::test_ctrl_c_prints_one_line_with_the_checkpoint_and_how_to_resume"),
     ("a damaged checkpoint (a full disk or killed copy during an earlier save)",
@@ -441,6 +447,16 @@ def test_a_recipe_preset_applies_its_defaults(workdir):
         parse_args(grpo.Args, ["--config", "bad/bad_preset.yaml"])
 
 
+def test_a_context_longer_than_the_model_s_is_warned(workdir, capsys):
+    from common import checks
+
+    limit = build_model(build_tokenizer(), seed=0).config.max_position_embeddings
+    args = parse_args(importlib.import_module("grpo").Args, SMALL + ["--max_completion_length", str(limit)])
+    checks.check_args(args, num_processes=1)
+    assert (f"--max_prompt_length + --max_completion_length = {args.max_prompt_length + limit} exceeds the model's "
+            f"max_position_embeddings {limit}") in capsys.readouterr().err
+
+
 def test_save_steps_beyond_the_run_is_warned(workdir):
     from common import checks
 
@@ -494,6 +510,15 @@ def test_a_half_written_metrics_line_is_dropped_on_resume(workdir, capsys):
     assert "metrics.jsonl line 3 is not whole JSON (a run killed while writing it?); dropped" in err
     assert "args_history.jsonl line 2 is not whole JSON" in err
     assert [m["step"] for m in read_metrics(run)] == [1, 2, 3]
+
+
+def test_the_time_a_checkpoint_takes_is_logged(workdir):
+    """An output folder on a slow network file system: the save's seconds are their own metric, on the steps that
+    save, instead of a step time that grows for no reason shown."""
+    import gspo
+
+    run = run_script(gspo, SMALL + ["--total_steps", "2", "--save_steps", "2", "--run_name", "timed_save"])
+    assert ["time/checkpoint" in m for m in read_metrics(run)] == [False, True]
 
 
 def test_numpy_and_bool_rewards_are_taken():
