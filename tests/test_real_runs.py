@@ -12,13 +12,15 @@ import importlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import test_rails
 import torch
 import transformers
-from conftest import read_metrics, run_script
+from conftest import read_metrics, run_script, subprocess_env
 from safetensors.torch import load_file, save_file
 from test_rails import SMALL, refusal
 
@@ -49,6 +51,8 @@ REAL_RUNS = [
      "test_refused[unknown_type]"),
     ("a model that needs its own code (auto_map in config.json: trust_remote_code)",
      "refused before transformers asks on the terminal whether to run it", "test_refused[remote_code]"),
+    ("a hub model that needs its own code", "refused at once, not after a question on the terminal",
+     "test_code_of_its_own_is_refused_without_a_prompt"),
     ("a tokenizer with more tokens than the model's embedding", "refused, naming both sizes",
      "test_refused[vocab]"),
     ("an end-of-sequence token outside the model's vocabulary", "refused, naming the id and the vocabulary",
@@ -172,7 +176,7 @@ def smollm2_config(smollm2_workdir):
 
 def make_truncated(root, _):
     folder = root / "bad" / "truncated"
-    shutil.copytree(root / "runs" / "toy" / "model", folder)
+    shutil.copytree(root / "runs" / "toy" / "model", folder, dirs_exist_ok=True)  # made whole again, then cut
     size = os.path.getsize(folder / "model.safetensors")
     os.truncate(folder / "model.safetensors", size // 2)
     return ["--model", "bad/truncated"]
@@ -397,6 +401,43 @@ def test_a_nan_weight_is_named_at_load(workdir, capsys):
     assert message == ("error: --model 'bad/nan_weight': weight model.layers.1.mlp.up_proj.weight holds 1 non-finite "
                        "values (NaN or inf): the model's files are broken; fetch or convert them again, or pass a "
                        "good checkpoint")
+
+
+def test_the_command_line_prints_one_line_and_no_traceback(workdir):
+    """Real processes: a truncated model (refused by the checks), prompts all longer than --max_prompt_length
+    (refused as the data loads, before the weights) and a NaN weight (stopped at load): exit 1, one error line."""
+    make_truncated(workdir, None)
+    folder = workdir / "bad" / "nan_cli"
+    shutil.copytree(workdir / "runs" / "toy" / "model", folder)
+    weights = load_file(folder / "model.safetensors")
+    weights["model.norm.weight"][0] = float("inf")
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "grpo.py")
+    cases = {"model.safetensors is truncated": ["--model", "bad/truncated"],
+             "are longer than --max_prompt_length 2": ["--max_prompt_length", "2", "--run_name", "cli_long"],
+             "weight model.norm.weight holds 1 non-finite values": ["--model", "bad/nan_cli", "--run_name", "cli_nan"]}
+    running = {said: subprocess.Popen([sys.executable, script, *SMALL, "--report_to", "none", *flags], cwd=workdir,
+                                      env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for said, flags in cases.items()}
+    for said, process in running.items():
+        out, err = process.communicate(timeout=300)
+        errors = [line for line in err.splitlines() if line.startswith("error: ")]
+        assert process.returncode == 1 and "Traceback" not in out + err, (said, err[-3000:])
+        assert len(errors) == 1 and said in errors[0], (said, err[-3000:])
+
+
+def test_code_of_its_own_is_refused_without_a_prompt(workdir, monkeypatch):
+    """common/checks.py's model check (hub ids, presets) never lets transformers ask on the terminal whether to run
+    a model's own code (it waits for an answer): trust_remote_code=False, refused at once."""
+    import builtins
+
+    from common.checks import model_problems
+
+    asked = []
+    monkeypatch.setattr(builtins, "input", lambda *a: asked.append(a) or "")
+    (path,) = make_remote_code(workdir, None)[1:]
+    [problem], _ = model_problems("--model", path)
+    assert "contains custom code" in problem and asked == []
 
 
 def test_one_bos(workdir):
