@@ -163,8 +163,8 @@ def model_problems(flag: str, path: str) -> tuple[list[str], object]:
         return [f"cannot load {flag} {path!r}: the folder has a config.json but no weights (*.safetensors or *.bin); "
                 f"pass the folder save_pretrained wrote the model to"], None
     try:
-        config = AutoConfig.from_pretrained(path)
-        AutoTokenizer.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=False)  # never a prompt to run its code
+        AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except Exception as e:
         where = "" if os.path.exists(path) else " (no local folder of that name either)"
         fix = (f"HF_HUB_OFFLINE is set: fetch it where the hub is reachable (hf download {path}), or unset it"

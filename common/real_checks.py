@@ -8,6 +8,7 @@ import os
 import struct
 
 from transformers import AutoTokenizer
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from common.args import warn
@@ -28,19 +29,29 @@ def file_problems(path: str) -> list[str]:
         return [f"it is a file; pass the folder that holds it with its config.json and tokenizer "
                 f"({os.path.dirname(path) or '.'})"]
     names = os.listdir(path) if os.path.isdir(path) else []
+    config = read_json(path, "config.json") if "config.json" in names else {}
+    if "auto_map" in config and config.get("model_type") not in CONFIG_MAPPING_NAMES:  # else transformers would ask
+        return [f"its config.json names code of its own (auto_map, model type {config.get('model_type')!r}), which "
+                f"these scripts do not run (no trust_remote_code); use a checkpoint of a type transformers has"]
     if "adapter_config.json" in names and "config.json" not in names:
-        with open(os.path.join(path, "adapter_config.json")) as f:
-            base = json.load(f).get("base_model_name_or_path")
+        base = read_json(path, "adapter_config.json").get("base_model_name_or_path")
         return [f"it holds a LoRA adapter (adapter_config.json), not a model; merge it into its base model {base!r} "
                 f"(peft's merge_and_unload, then save_pretrained) and pass that folder"]
-    if "model.safetensors.index.json" in names:
-        with open(os.path.join(path, "model.safetensors.index.json")) as f:
-            missing = sorted(set(json.load(f)["weight_map"].values()) - set(names))
-        if missing:
-            return [f"its model.safetensors.index.json names {missing[0]} (and {len(missing) - 1} more), which the "
-                    f"folder lacks: the download did not finish; fetch it again"]
+    index = read_json(path, "model.safetensors.index.json") if "model.safetensors.index.json" in names else {}
+    if missing := sorted(set(index.get("weight_map", {}).values()) - set(names)):
+        return [f"its model.safetensors.index.json names {missing[0]} (and {len(missing) - 1} more), which the "
+                f"folder lacks: the download did not finish; fetch it again"]
     damaged = [(n, d) for n in sorted(names) if n.endswith(".safetensors") and (d := safetensors_damage(path, n))]
     return [f"{n} {d}: the copy or download did not finish; copy it again" for n, d in damaged[:1]]
+
+
+def read_json(folder: str, name: str) -> dict:
+    """A JSON file of the folder, or {} where it does not parse (transformers' own loading then says why)."""
+    try:
+        with open(os.path.join(folder, name)) as f:
+            return json.load(f)
+    except ValueError:
+        return {}
 
 
 def safetensors_damage(folder: str, name: str) -> str | None:
@@ -71,7 +82,8 @@ def tokenizer_problems(args, config) -> list[str]:
     if why:
         return [f"cannot train {name}: it is a {config.model_type} model, {why}; these scripts train decoder-only "
                 f"language models (an ...ForCausalLM checkpoint)"]
-    vocab, resize = config.get_text_config().vocab_size, "or resize_token_embeddings and save the model"
+    vocab = getattr(config.get_text_config(), "vocab_size", None) or len(tokenizer)  # a config without one: not checked
+    resize = "or resize_token_embeddings and save the model"
     if tokenizer.eos_token_id >= vocab:
         return [f"{name}: its end-of-sequence token {tokenizer.eos_token!r} has id {tokenizer.eos_token_id}, outside "
                 f"the model's vocabulary of {vocab:,}; set eos_token in tokenizer_config.json to one of its tokens, "

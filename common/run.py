@@ -74,9 +74,8 @@ ACTIVE_RUN: dict = {}  # the run folder of the run in progress in this process (
 
 
 def launch(main, args_cls) -> None:
-    """`python script.py ARGS`: parse the arguments and train. Ctrl-C ends with one line that says where the last
-    checkpoint is and how to resume, instead of a traceback from wherever the loop was; a second Ctrl-C, while the
-    processes, the engine and the trackers shut down, exits at once (a checkpoint is complete or not there at all)."""
+    """`python script.py ARGS`: parse the arguments and train. Ctrl-C ends with one line naming the last checkpoint
+    and how to resume, not a traceback; a second Ctrl-C during the shutdown exits at once (checkpoints are atomic)."""
     from accelerate import PartialState
 
     from common.args import parse_args
@@ -249,9 +248,8 @@ def rollout_engine(args, accelerator, tokenizer, model, run_dir: str):
 
 
 def evaluate(run: Run) -> dict:
-    """The --eval_benchmarks (avg@k, sampled when --eval_num_samples > 1: common/evaluation.py) and, on held-out
-    prompts, eval/accuracy: the mean of the first reward function over greedy completions (with the run's tool
-    turns), each process its slice of the prompts, reduced over processes."""
+    """The --eval_benchmarks (avg@k: common/evaluation.py) and eval/accuracy: the first reward function's mean over
+    greedy completions of the held-out prompts (with the run's tool turns), each process its slice, reduced."""
     args, accelerator, metrics = run.args, run.accelerator, {}
     if run.eval_sets:
         from common.evaluation import evaluate_benchmarks
@@ -310,7 +308,9 @@ def end_step(run: Run, step: int, step_start: float, batch, metrics: dict, updat
     if run.evaluating and (step + 1) % args.eval_steps == 0:
         metrics.update(evaluate(run))
     if (args.save_steps and (step + 1) % args.save_steps == 0) or step + 1 == args.total_steps:
-        save_checkpoint(accelerator, run.model, run.tokenizer, run.run_dir, step + 1, args.save_total_limit, run.queue)
+        with timed(metrics, "time/checkpoint"):  # a slow (network) file system shows here, not in time/step
+            save_checkpoint(accelerator, run.model, run.tokenizer, run.run_dir, step + 1, args.save_total_limit,
+                            run.queue)
     run.log.write(metrics)
     accelerator.log(metrics, step=step + 1)
     progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics.get('policy/kl', 0.0):.4f}",

@@ -7,16 +7,16 @@ def template_problems(name: str, tokenizer, enable_thinking: bool) -> list[str]:
     answer with the EOS generation stops at (another end-of-turn: every completion runs to the limit)."""
     mark, eos, user = "ANSWER_3F7A", tokenizer.eos_token, [{"role": "user", "content": "1 + 1"}]
     try:
-        prompt, turn = (tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen,
-                                                      enable_thinking=enable_thinking) for messages, gen in
-                        [(user, True), (user + [{"role": "assistant", "content": mark}], False)])
+        prompt, unprompted, turn = (tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen,
+                                                             enable_thinking=enable_thinking) for messages, gen in
+                               [(user, True), (user, False), (user + [{"role": "assistant", "content": mark}], False)])
     except Exception:  # a template that refuses these turns: common/checks.py tokenizer_problems names it
         return []
     fix = "fix the template in tokenizer_config.json (chat_template.jinja), or pass --no_use_chat_template"
     header, after = turn.split(mark, 1) if mark in turn else ("", "")
     ids = tokenizer(after.lstrip(), add_special_tokens=False)["input_ids"][:1]
     end = tokenizer.convert_ids_to_tokens(ids)[0] if ids else eos
-    if header.startswith(prompt) and header[len(prompt):].strip():
+    if prompt == unprompted and header.startswith(prompt) and header[len(prompt):].strip():  # no header added, one due
         return [f"{name}: its chat template ignores add_generation_prompt: prompts end without the answer's header "
                 f"{header[len(prompt):]!r}, so the model would go on with the question; {fix}"]
     if prompt.rstrip().endswith(eos):

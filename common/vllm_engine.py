@@ -38,8 +38,7 @@ def _nbytes(t: Tensor) -> int:
 
 
 def bucket_named_tensors(named: Iterable[tuple[str, Tensor]], max_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
-    """Group (name, tensor) pairs, in order, into buckets of at most `max_bytes` (full, unsharded size).
-    A tensor larger than `max_bytes` gets a bucket of its own."""
+    """Group (name, tensor) pairs, in order, into buckets of at most `max_bytes` (full size; a larger one alone)."""
     bucket, size = [], 0
     for name, t in named:
         n = _nbytes(t)
@@ -80,8 +79,7 @@ def _full_tensor(p: Tensor, zero3: bool = False) -> Tensor:
 
 def checkpoint_params(model: torch.nn.Module) -> list[tuple[str, Tensor]]:
     """(vllm_name, parameter) of every parameter vLLM loads, in the order iter_weight_buckets yields them."""
-    renamed = [(vllm_param_name(n), p) for n, p in model.named_parameters()]
-    return [(n, p) for n, p in renamed if n is not None]
+    return [(vllm_param_name(n), p) for n, p in model.named_parameters() if vllm_param_name(n) is not None]
 
 
 def iter_weight_buckets(model: torch.nn.Module,

@@ -12,13 +12,15 @@ import importlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import test_rails
 import torch
 import transformers
-from conftest import read_metrics, run_script
+from conftest import read_metrics, run_script, subprocess_env
 from safetensors.torch import load_file, save_file
 from test_rails import SMALL, refusal
 
@@ -47,15 +49,23 @@ REAL_RUNS = [
      "refused: a head would be made up at random", "test_refused[headless]"),
     ("a model type this transformers does not know", "refused in one line naming the type",
      "test_refused[unknown_type]"),
+    ("a model that needs its own code (auto_map in config.json: trust_remote_code)",
+     "refused before transformers asks on the terminal whether to run it", "test_refused[remote_code]"),
+    ("a hub model that needs its own code", "refused at once, not after a question on the terminal",
+     "test_code_of_its_own_is_refused_without_a_prompt"),
     ("a tokenizer with more tokens than the model's embedding", "refused, naming both sizes",
      "test_refused[vocab]"),
     ("an end-of-sequence token outside the model's vocabulary", "refused, naming the id and the vocabulary",
      "test_refused[eos_outside]"),
     ("a chat template that ignores add_generation_prompt", "refused: the prompt would lack the answer's header",
      "test_refused[no_generation_prompt]"),
-    ("a chat template whose end-of-turn is not the tokenizer's EOS (real SmolLM2 tokenizer, eos <|endoftext|>)",
+    ("a chat template whose end-of-turn is not the tokenizer's EOS (the real SmolLM2 tokenizer, its EOS set to its "
+     "end-of-text token)",
      "refused: every completion would run to the limit; set eos_token", "test_refused[end_of_turn]"),
     ("a chat template that ends the prompt with EOS", "refused", "test_refused[eos_in_prompt]"),
+    ("real chat templates: Qwen3's (thinking on or off), Llama 3's, Gemma's, SmolLM2's",
+     "accepted; Gemma's with its end-of-text token as EOS (its base tokenizer's) refused",
+     "test_real_chat_templates_pass"),
     ("a tokenizer that adds a BOS, with a chat template that writes one too",
      "one BOS (the template's); without a template, the tokenizer's own (it had none)", "test_one_bos"),
     ("a tokenizer without tokenizer files, or without an EOS; a template refusing a system turn",
@@ -68,10 +78,23 @@ REAL_RUNS = [
     ("a data set with duplicate prompts", "warned: how many, and the first", "test_duplicate_prompts_are_warned"),
     ("chat-format rows (a list of messages in the prompt column)", "refused: prompts must be text",
      "test_refused[messages]"),
+    ("a data file with no rows, or a prompt column of another name (question, problem)",
+     "refused, naming the columns it has (tests/test_rails.py)",
+     "test_rails.py::test_bad_training_input_is_refused_before_any_weights_load"),
+    ("reference answers that are numbers or None (GSM8K-like columns)", "graded as text; None scores 0",
+     "test_rewards.py::test_references_that_are_numbers_or_none"),
+    ("a reward module that does not import", "refused before any weights load, naming the import error",
+     "test_rails.py::test_bad_training_input_is_refused_before_any_weights_load"),
+    ("--max_completion_length 0 (or any number out of range)", "refused (tests/test_rails.py)",
+     "test_rails.py::test_bad_training_input_is_refused_before_any_weights_load"),
     ("a data file that is not UTF-8", "refused, naming the rows (tests/test_rails.py)",
      "test_rails.py::test_bad_training_input_is_refused_before_any_weights_load"),
     ("a --config recipe that sets preset:", "the preset's defaults apply, as with --preset (they did not)",
      "test_a_recipe_preset_applies_its_defaults"),
+    ("--max_prompt_length + --max_completion_length beyond the model's context", "warned, naming both",
+     "test_a_context_longer_than_the_model_s_is_warned"),
+    ("a pad token that is also the EOS, or one inside a prompt", "attended to in the prompt; masks from lengths",
+     "test_common.py::test_a_pad_token_inside_a_prompt_is_attended_to"),
     ("--save_steps larger than --total_steps", "warned: only the last step is saved",
      "test_save_steps_beyond_the_run_is_warned"),
     ("an output folder that cannot be made (a file in the way, no permission)", "refused in one line",
@@ -81,6 +104,8 @@ REAL_RUNS = [
     ("a metrics.jsonl or args_history.jsonl ending in half a line (a killed run) on --resume_from",
      "the half line is dropped with a warning and the run resumes (it was a JSON traceback)",
      "test_a_half_written_metrics_line_is_dropped_on_resume"),
+    ("a slow (network) file system for the output folder", "the save's seconds are logged: time/checkpoint",
+     "test_the_time_a_checkpoint_takes_is_logged"),
     ("preemption: SIGTERM from the scheduler", "a clean stop naming the checkpoint to resume",
      "test_train.py::test_ctrl_c_prints_one_line_with_the_checkpoint_and_how_to_resume"),
     ("a damaged checkpoint (a full disk or killed copy during an earlier save)",
@@ -153,7 +178,7 @@ def smollm2_config(smollm2_workdir):
 
 def make_truncated(root, _):
     folder = root / "bad" / "truncated"
-    shutil.copytree(root / "runs" / "toy" / "model", folder)
+    shutil.copytree(root / "runs" / "toy" / "model", folder, dirs_exist_ok=True)  # made whole again, then cut
     size = os.path.getsize(folder / "model.safetensors")
     os.truncate(folder / "model.safetensors", size // 2)
     return ["--model", "bad/truncated"]
@@ -201,6 +226,14 @@ def make_unknown_type(root, _):
     return ["--model", path]
 
 
+def make_remote_code(root, _):
+    path = toy_folder(root, "remote_code")
+    config = {"model_type": "internlm2", "architectures": ["InternLM2ForCausalLM"],
+              "auto_map": {"AutoConfig": "configuration_internlm2.InternLM2Config"}}
+    (root / path / "config.json").write_text(json.dumps(config))
+    return ["--model", path]
+
+
 def make_vocab(root, _):
     tokenizer = build_tokenizer()
     tokenizer.add_tokens([f"<extra_{i}>" for i in range(4)])
@@ -224,6 +257,67 @@ CHATML_NO_GENERATION_PROMPT = ("{% for m in messages %}{{ '<|im_start|>' + m['ro
                                "'<|im_end|>\n' }}{% endfor %}")
 EOS_AS_GENERATION_PROMPT = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + "
                             "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ eos_token }}{% endif %}")
+
+
+# Real templates, as their models ship them (Qwen3's: the parts a user and an assistant turn reach).
+QWEN3 = """{%- if messages[0].role == 'system' %}
+    {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.content is string %}
+        {%- set content = message.content %}
+    {%- else %}
+        {%- set content = '' %}
+    {%- endif %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set reasoning_content = '' %}
+        {%- if '</think>' in content %}
+            {%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}
+            {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
+        {%- endif %}
+        {{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n'
+            + content.lstrip('\\n') }}
+        {{- '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- endif %}
+{%- endif %}
+"""
+LLAMA3 = ("{{- bos_token }}{%- for message in messages %}{{- '<|start_header_id|>' + message['role'] + "
+          "'<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}{%- endfor %}{%- if "
+          "add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
+GEMMA = ("{{ bos_token }}{% for message in messages %}{% set role = 'model' if message['role'] == 'assistant' else "
+         "message['role'] %}{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}"
+         "{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\\n'}}{% endif %}")
+
+
+def test_real_chat_templates_pass(smollm2_workdir):
+    """No false refusal: SmolLM2's template, Qwen3's with thinking on or off (its answer header then holds an empty
+    think block the prompt lacks), Llama 3's and Gemma's with their end-of-turn as EOS (as their instruct tokenizers
+    set it); Gemma's with <eos>, as its base tokenizer has it, is refused (generation would not stop)."""
+    from common.template_checks import template_problems
+
+    def tokenizer(template: str, eos: str, added: tuple = ()):
+        tok = smollm2_tokenizer(smollm2_workdir)
+        tok.add_special_tokens({"additional_special_tokens": list(added)})
+        tok.chat_template, tok.eos_token = template, eos
+        return tok
+
+    assert template_problems("m", smollm2_tokenizer(smollm2_workdir), False) == []
+    for thinking in (False, True):
+        assert template_problems("m", tokenizer(QWEN3, "<|im_end|>"), thinking) == []
+    llama = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|end_of_text|>")
+    assert template_problems("m", tokenizer(LLAMA3, "<|eot_id|>", llama), False) == []
+    gemma = ("<start_of_turn>", "<end_of_turn>", "<eos>")
+    assert template_problems("m", tokenizer(GEMMA, "<end_of_turn>", gemma), False) == []
+    [refused] = template_problems("m", tokenizer(GEMMA, "<eos>", gemma), False)
+    assert "ends an answer with '<end_of_turn>', but generation stops at the end-of-sequence token '<eos>'" in refused
 
 
 def make_all_too_long(root, _):
@@ -259,6 +353,8 @@ REFUSED = {  # id: (make the bad input under the working directory -> the flags,
     "encoder": (make_bert, "it is a bert model, saved without a language-model head (BertForMaskedLM)"),
     "headless": (make_headless, "saved without a language-model head (Qwen3Model): one would be made up at random"),
     "unknown_type": (make_unknown_type, "qwen9"),
+    "remote_code": (make_remote_code, "its config.json names code of its own (auto_map, model type 'internlm2'), "
+                                      "which these scripts do not run (no trust_remote_code)"),
     "vocab": (make_vocab, "its tokenizer has 18 tokens but the model's embedding 14 rows"),
     "eos_outside": (make_eos_outside, "its end-of-sequence token '<|end|>' has id 14, outside the model's vocabulary"),
     "no_generation_prompt": (real_tokenizer_folder("no_gen", chat_template=CHATML_NO_GENERATION_PROMPT),
@@ -309,6 +405,43 @@ def test_a_nan_weight_is_named_at_load(workdir, capsys):
                        "good checkpoint")
 
 
+def test_the_command_line_prints_one_line_and_no_traceback(workdir):
+    """Real processes: a truncated model (refused by the checks), prompts all longer than --max_prompt_length
+    (refused as the data loads, before the weights) and a NaN weight (stopped at load): exit 1, one error line."""
+    make_truncated(workdir, None)
+    folder = workdir / "bad" / "nan_cli"
+    shutil.copytree(workdir / "runs" / "toy" / "model", folder)
+    weights = load_file(folder / "model.safetensors")
+    weights["model.norm.weight"][0] = float("inf")
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "grpo.py")
+    cases = {"model.safetensors is truncated": ["--model", "bad/truncated"],
+             "are longer than --max_prompt_length 2": ["--max_prompt_length", "2", "--run_name", "cli_long"],
+             "weight model.norm.weight holds 1 non-finite values": ["--model", "bad/nan_cli", "--run_name", "cli_nan"]}
+    running = {said: subprocess.Popen([sys.executable, script, *SMALL, "--report_to", "none", *flags], cwd=workdir,
+                                      env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for said, flags in cases.items()}
+    for said, process in running.items():
+        out, err = process.communicate(timeout=300)
+        errors = [line for line in err.splitlines() if line.startswith("error: ")]
+        assert process.returncode == 1 and "Traceback" not in out + err, (said, err[-3000:])
+        assert len(errors) == 1 and said in errors[0], (said, err[-3000:])
+
+
+def test_code_of_its_own_is_refused_without_a_prompt(workdir, monkeypatch):
+    """common/checks.py's model check (hub ids, presets) never lets transformers ask on the terminal whether to run
+    a model's own code (it waits for an answer): trust_remote_code=False, refused at once."""
+    import builtins
+
+    from common.checks import model_problems
+
+    asked = []
+    monkeypatch.setattr(builtins, "input", lambda *a: asked.append(a) or "")
+    (path,) = make_remote_code(workdir, None)[1:]
+    [problem], _ = model_problems("--model", path)
+    assert "contains custom code" in problem and asked == []
+
+
 def test_one_bos(workdir):
     """A tokenizer that adds BOS (Llama's, Gemma's) and a chat template that writes {{ bos_token }}: the prompt holds
     one BOS, the template's, not two; without a chat template, the tokenizer's own (it had none: ids were tokenized
@@ -355,6 +488,16 @@ def test_a_recipe_preset_applies_its_defaults(workdir):
     (workdir / "bad" / "bad_preset.yaml").write_text("preset: toys\n")
     with pytest.raises(SystemExit, match="unknown --preset 'toys'"):
         parse_args(grpo.Args, ["--config", "bad/bad_preset.yaml"])
+
+
+def test_a_context_longer_than_the_model_s_is_warned(workdir, capsys):
+    from common import checks
+
+    limit = build_model(build_tokenizer(), seed=0).config.max_position_embeddings
+    args = parse_args(importlib.import_module("grpo").Args, SMALL + ["--max_completion_length", str(limit)])
+    checks.check_args(args, num_processes=1)
+    assert (f"--max_prompt_length + --max_completion_length = {args.max_prompt_length + limit} exceeds the model's "
+            f"max_position_embeddings {limit}") in capsys.readouterr().err
 
 
 def test_save_steps_beyond_the_run_is_warned(workdir):
@@ -410,6 +553,15 @@ def test_a_half_written_metrics_line_is_dropped_on_resume(workdir, capsys):
     assert "metrics.jsonl line 3 is not whole JSON (a run killed while writing it?); dropped" in err
     assert "args_history.jsonl line 2 is not whole JSON" in err
     assert [m["step"] for m in read_metrics(run)] == [1, 2, 3]
+
+
+def test_the_time_a_checkpoint_takes_is_logged(workdir):
+    """An output folder on a slow network file system: the save's seconds are their own metric, on the steps that
+    save, instead of a step time that grows for no reason shown."""
+    import gspo
+
+    run = run_script(gspo, SMALL + ["--total_steps", "2", "--save_steps", "2", "--run_name", "timed_save"])
+    assert ["time/checkpoint" in m for m in read_metrics(run)] == [False, True]
 
 
 def test_numpy_and_bool_rewards_are_taken():
