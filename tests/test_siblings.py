@@ -97,9 +97,17 @@ def copy_cost(cwd, command: list[str], python=sys.executable) -> tuple[int, list
     return int(table[-1].split()[0]), [line.split()[1] for line in table[:-1]]
 
 
+def layout_row(command: str) -> tuple[int, int]:
+    """(files, lines) that docs/layout.md's copy-cost table gives the command its first cell starts with."""
+    with open(os.path.join(REPO, "docs", "layout.md")) as f:
+        row = next(line for line in f if line.startswith(f"| {command}"))
+    return tuple(int(cell.strip().replace(",", "")) for cell in row.strip().strip("|").split("|")[-2:])
+
+
 def test_copying_grpo_for_the_toy_takes_what_its_run_imports(in_toy_workdir):
     lines, files = copy_cost(in_toy_workdir, TOY_COMMAND + ["--run_name", "copy_cost_toy"])
     assert lines <= COPY_COST["toy"], files
+    assert layout_row("`grpo.py --preset toy`") == (len(files), lines)  # the docs' figure is the measured one
     # the GPU path, the tool turns, the math grader, benchmarks, LoRA, resuming, recipes and sharding load only when
     # their flag is on
     optional = {"common/vllm_engine.py", "common/multiturn.py", "common/sandbox.py", "common/math_grader.py",
@@ -114,6 +122,7 @@ def test_copying_grpo_for_the_gpu_command_takes_what_its_run_imports(in_toy_work
     with open(os.path.join(REPO, "common", "vllm_engine.py")) as f:
         engine = sum(1 for _ in f)
     assert lines + engine <= COPY_COST["gpu"], (lines, engine, files)
+    assert layout_row("the GPU command") == (len(files) + 1, lines + engine)  # the docs' figure is the measured one
 
 
 def test_the_toy_is_imported_by_the_toy_alone():
