@@ -307,6 +307,8 @@ def end_step(run: Run, step: int, step_start: float, batch, metrics: dict, updat
     run.train_state.step = step + 1
     if run.evaluating and (step + 1) % args.eval_steps == 0:
         metrics.update(evaluate(run))
+        if "eval/accuracy" in metrics and accelerator.is_local_main_process:  # the learning, as it happens
+            progress.write(f"step {step + 1}: held-out accuracy {metrics['eval/accuracy']:.1%}")
     if (args.save_steps and (step + 1) % args.save_steps == 0) or step + 1 == args.total_steps:
         with timed(metrics, "time/checkpoint"):  # a slow (network) file system shows here, not in time/step
             save_checkpoint(accelerator, run.model, run.tokenizer, run.run_dir, step + 1, args.save_total_limit,

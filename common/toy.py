@@ -9,11 +9,9 @@ scripts load it through the same `from_pretrained` / `load_dataset` code as a re
     path/train.jsonl     {"prompt": "12+34=", "answer": "46"}   (all pairs not held out)
     path/test.jsonl      held-out pairs
 
-The supervised warm start matters: RL from a random policy would almost never see a reward.
-The result is cached and reused (same seed -> same files), so every algorithm starts from the
-same weights.
-
-`--preset toy_tir`, the multi-turn variant with a calculator tool, is common/toy_tir.py.
+The supervised warm start matters: RL from a random policy would almost never see a reward. The result is cached
+and reused (same seed -> same files), so every algorithm starts from the same weights. `--preset toy_tir`, the
+multi-turn variant with a calculator tool, is common/toy_tir.py.
 """
 
 import contextlib

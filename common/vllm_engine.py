@@ -55,8 +55,7 @@ _MODULES_TO_SAVE = re.compile(r"modules_to_save\.[^.]+\.")
 
 
 def vllm_param_name(peft_name: str) -> str | None:
-    """Map a training-model parameter name to the HF checkpoint name vLLM's `load_weights` expects.
-    Returns None for parameters vLLM has no counterpart for (LoRA factors, modules_to_save originals)."""
+    """The HF checkpoint name vLLM's `load_weights` expects, or None (LoRA factors, modules_to_save originals)."""
     if "lora_" in peft_name or ".original_module." in peft_name:
         return None  # LoRA factors are merged into base_layer; original_module is the frozen pre-copy
     name = peft_name.removeprefix("base_model.model.").replace(".base_layer", "")
