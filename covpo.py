@@ -183,7 +183,7 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, selecte
     if args.cov_method == "clip":  # COVPO: Clip-Cov: the selected tokens leave the loss (verl: corr = 0)
         surrogate = torch.min(ratio * A, clipped * A) * ~selected  # (B, T)  s_t
     else:  # COVPO: KL-Cov: no clip; kappa |logp - old_logp| on the selected tokens
-        surrogate = ratio * A - args.ppo_kl_coef * selected * (logp - old_logp).abs()  # (B, T)  s_t
+        surrogate = ratio * A - (logp - old_logp).abs() * selected * args.ppo_kl_coef  # (B, T)  s_t
     if tis_weights is not None:
         surrogate = surrogate * tis_weights  # (B, T)
     per_token = surrogate  # (B, T)
