@@ -11,8 +11,8 @@ advantage co-vary most, the tokens that drive the entropy down.
 
 Differs from grpo.py (verl 0.5.0's compute_policy_loss_clip_cov / _kl_cov, from the authors' code):
 - a token mean over the optimizer batch (verl's token-mean); beta 0; KL-Cov has no ratio clip.
-- the selection is the optimizer batch's: batch_stats gathers every process's rows (logp at the current weights:
-  one no-grad pass off-policy) and ranks them together; verl ranks each micro-batch of each process on its own.
+- the selection is the optimizer batch's: batch_stats gathers every process's rows (logp at the current weights,
+  one no-grad pass per optimizer step) and ranks them together; verl ranks each micro-batch of each process alone.
 - Clip-Cov draws with torch.randperm on the global RNG, as verl does: the same draw on every process (one seed).
 - TIS / MIS multiply each token's whole term, KL-Cov's penalty included.
 
@@ -126,8 +126,8 @@ class Args:
     clip_cov_ub: float = arg(5.0, "Clip-Cov: highest covariance a dropped token may have (verl's clip_cov_ub)")
     kl_cov_ratio: float = arg(2e-4, "KL-Cov: share of the batch's tokens penalised, k (verl's; the paper: 2e-3 for "
                                     "Qwen2.5-7B, 2e-4 for 32B)", at_least=0)
-    ppo_kl_coef: float = arg(1.0, "KL-Cov: coefficient kappa of the |log-ratio| penalty (the paper's and the authors' "
-                                  "1; verl's actor.yaml 0.1)", at_least=0)
+    ppo_kl_coef: float = arg(1.0, "KL-Cov: coefficient kappa of the |log-ratio| penalty (the authors' scripts and "
+                                  "verl's function: 1; verl's actor.yaml 0.1)", at_least=0)
 
 
 # ALGO LOGIC: advantages and loss
@@ -240,7 +240,7 @@ def main(args: Args):
         for _ in range(args.num_iterations):
             for mini in minibatches(run):
                 # the whole optimizer batch's statistics (some at the current weights: current_logp, when called)
-                current_logp = partial(current_logprobs, run, batch, mini)  # () -> (rows, T), without gradient
+                current_logp = partial(current_logprobs, run, batch, mini, fresh=True)  # COVPO: a pass on-policy too
                 totals, per_row = batch_stats(current_logp, old_logp[mini], advantages[mini], mask[mini], args)
                 totals = sum_over_processes(totals, accelerator)  # sums over this process's rows -> the batch's
                 dumps.append(per_row)  # --dump_stats_steps (e.g. SNIB's Figure 2)

@@ -30,7 +30,7 @@ CLIP, KL = replace(ARGS, cov_method="clip"), replace(ARGS, cov_method="kl")
 def test_defaults_and_there_are_no_other_switches():
     args = covpo.Args()
     # verl 0.5.0 actor.yaml: clip_ratio 0.2, clip_cov_ratio 2e-4, clip_cov_lb 1, clip_cov_ub 5, kl_cov_ratio 2e-4;
-    # ppo_kl_coef 1 (the paper, the authors' scripts, verl's function default; its actor.yaml says 0.1); no KL loss
+    # ppo_kl_coef 1 (the authors' scripts, verl's function default; its actor.yaml says 0.1); no KL loss
     assert (args.cov_method, args.beta, args.epsilon, args.epsilon_high) == ("clip", 0.0, 0.2, 0.2)
     assert (args.clip_cov_ratio, args.clip_cov_lb, args.clip_cov_ub) == (2e-4, 1.0, 5.0)
     assert (args.kl_cov_ratio, args.ppo_kl_coef) == (2e-4, 1.0)
@@ -418,9 +418,13 @@ def test_stale_updates_do_not_depend_on_micro_batches_or_processes(in_toy_workdi
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["clip", "kl"])
 def test_toy_learns(in_toy_workdir, method):
-    """A shortened toy run with the shared toy preset: held-out greedy accuracy must rise."""
+    """A shortened toy run with the shared toy preset and the defaults: held-out greedy accuracy must rise, and every
+    step selects a token: on-policy the selection needs the log-probs themselves (current_logprobs(fresh=True)), not
+    old_logp, which is zeros there until the update (every C_t would be 0: none in Clip-Cov's window (1, 5))."""
     run = run_script(covpo, ["--preset", "toy", "--total_steps", "50", "--eval_steps", "25", "--cov_method", method,
                              "--run_name", f"covpo_{method}_learns"])
-    evals = [m["eval/accuracy"] for m in read_metrics(run) if "eval/accuracy" in m]
+    metrics = read_metrics(run)
+    evals = [m["eval/accuracy"] for m in metrics if "eval/accuracy" in m]
     assert len(evals) == 3
     assert evals[-1] >= evals[0] + 0.04, evals
+    assert all(m["covpo/selected_frac"] > 0 for m in metrics if "covpo/selected_frac" in m)
