@@ -120,11 +120,11 @@ class Args:
     epsilon_high: float = arg(0.2, "upper clip range, Clip-Cov only (verl's clip_ratio_high)", at_least=0)
     cov_method: Literal["clip", "kl"] = arg("clip", "clip: Clip-Cov drops a few high-covariance tokens from the loss; "
                                                     "kl: KL-Cov puts a |log-ratio| penalty on the top ones")
-    clip_cov_ratio: float = arg(2e-4, "Clip-Cov: share of the batch's tokens dropped, r (verl's and the paper's)",
+    clip_cov_ratio: float = arg(2e-4, "Clip-Cov: share of the batch's tokens dropped, r (verl's and the authors')",
                                 at_least=0)
     clip_cov_lb: float = arg(1.0, "Clip-Cov: lowest covariance a dropped token may have (verl's clip_cov_lb)")
     clip_cov_ub: float = arg(5.0, "Clip-Cov: highest covariance a dropped token may have (verl's clip_cov_ub)")
-    kl_cov_ratio: float = arg(2e-4, "KL-Cov: share of the batch's tokens penalised, k (verl's; the paper: 2e-3 for "
+    kl_cov_ratio: float = arg(2e-4, "KL-Cov: share of the batch's tokens penalised, k (verl's; the authors': 2e-3 for "
                                     "Qwen2.5-7B, 2e-4 for 32B)", at_least=0)
     ppo_kl_coef: float = arg(1.0, "KL-Cov: coefficient kappa of the |log-ratio| penalty (the authors' scripts and "
                                   "verl's function: 1; verl's actor.yaml 0.1)", at_least=0)
