@@ -118,10 +118,10 @@ def old_and_reference_logprobs(run, batch: Batch, metrics: dict) -> tuple[torch.
         return old_logp, ref_logp
 
 
-def current_logprobs(run, batch: Batch, rows: slice) -> torch.Tensor:
-    """(rows, T) log-probs at the current weights, without gradient, for estimators whose batch statistics depend on
-    them (batch_stats calls it only then). On-policy these weights sampled the batch: its old_logp, no extra pass."""
-    return batch.old_logp[rows] if run.on_policy else logprobs_of(run, run.model, batch, rows)
+def current_logprobs(run, batch: Batch, rows: slice, fresh: bool = False) -> torch.Tensor:
+    """(rows, T) log-probs at the current weights, without gradient, for batch statistics that need them. On-policy:
+    old_logp, no pass (zeros until the update fills it); `fresh`: the pass anyway, for the values (covpo.py)."""
+    return batch.old_logp[rows] if run.on_policy and not fresh else logprobs_of(run, run.model, batch, rows)
 
 
 def logprobs_of(run, net, batch: Batch, rows: slice | None = None) -> torch.Tensor:

@@ -195,6 +195,10 @@ TRAIN_CASES = [
     ("reinforcepp", ["--clip_ratio_c", "0.5"], "--clip_ratio_c 0.5 must be >= 1"),
     ("maxrl", ["--epsilon=-0.2"], "--epsilon -0.2 must be >= 0"),
     ("maxrl", ["--clip_ratio_c", "0"], "--clip_ratio_c 0.0 must be >= 1"),
+    ("covpo", ["--clip_cov_ratio=-0.1"], "--clip_cov_ratio -0.1 must be >= 0"),
+    ("covpo", ["--kl_cov_ratio=-0.1"], "--kl_cov_ratio -0.1 must be >= 0"),
+    ("covpo", ["--ppo_kl_coef=-1"], "--ppo_kl_coef -1.0 must be >= 0"),
+    ("covpo", ["--cov_method", "entropy"], "invalid choice: 'entropy'"),
 ]
 if not vllm_available():
     TRAIN_CASES.append(("grpo", ["--rollout_engine", "vllm"], "--rollout_engine vllm needs vLLM: pip install"))

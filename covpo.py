@@ -1,0 +1,275 @@
+"""Clip-Cov / KL-Cov ("The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models", Cui et al.
+2025, arXiv:2505.22617): keep the policy's entropy from collapsing by restraining the few tokens whose log-prob and
+advantage co-vary most, the tokens that drive the entropy down.
+
+    A_i = (R_i - mean_g R) / (std_g R + 1e-6),   r_t = exp(logp_t - old_logp_t),   n: valid tokens of the batch
+    C_t = (A_i - mean A) (logp_t - mean logp),   means over the batch's valid tokens, logp at the current weights
+    Clip-Cov: L = -(1/n) sum_{i,t} mask (1 - S_t) min(r_t A_i, clip(r_t, 1-eps, 1+eps_high) A_i),  S_t = 1 on
+              max(int(r n), 1) tokens drawn at random among those with lb < C_t < ub that the clip leaves alone
+    KL-Cov:   L = -(1/n) sum_{i,t} mask [r_t A_i - kappa S_t |logp_t - old_logp_t|],  S_t = 1 on the top
+              max(int(k n), 1) tokens by C_t
+
+Differs from grpo.py (verl 0.5.0's compute_policy_loss_clip_cov / _kl_cov, from the authors' code):
+- a token mean over the optimizer batch (verl's token-mean); beta 0; KL-Cov has no ratio clip.
+- the selection is the optimizer batch's: batch_stats gathers every process's rows (logp at the current weights,
+  one no-grad pass per optimizer step) and ranks them together; verl ranks each micro-batch of each process alone.
+- Clip-Cov draws with torch.randperm on the global RNG, as verl does: the same draw on every process (one seed).
+- TIS / MIS multiply each token's whole term, KL-Cov's penalty included.
+
+Run:
+    python covpo.py --preset toy                                 # CPU, minutes
+    accelerate launch covpo.py --model Qwen/Qwen3-4B --dataset gsm8k
+"""
+
+import os
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Literal
+
+import torch
+
+from common.args import arg
+from common.logprobs import completion_logprobs
+from common.offpolicy import importance_weights
+from common.run import end_step, finish, launch, progress_bar, setup
+from common.sampling import current_logprobs, old_and_reference_logprobs, sample_batch
+from common.update import backward_share, masked_mean, microbatches, minibatches, save_dumps, sum_over_processes, take
+
+
+@dataclass
+class Args:
+    # Experiment
+    exp_name: str = arg(os.path.basename(__file__)[: -len(".py")], "name of this experiment")
+    seed: int = arg(1, "seed of the run (weights init of LoRA, data order, sampling)")
+    preset: str | None = arg(None, "a named set of defaults: toy, toy_tir (CPU, minutes), smollm2 (a real model, CPU)")
+    output_dir: str = arg("runs", "runs are written to output_dir/run_name")
+    run_name: str | None = arg(None, "default: {exp_name}__{seed}__{unix time}")
+    report_to: str = arg("tensorboard", "tracker: tensorboard, wandb, trackio, mlflow or none")
+    save_steps: int = arg(100, "checkpoint every this many steps (0: only at the end)")
+    save_total_limit: int = arg(0, "keep only the last N checkpoints (0: all)")
+    resume_from: str | None = arg(None, "a checkpoint folder, or a run folder (its latest)")
+    resume_overrides: str = arg("", "comma-separated settings a resume may change (others must match the run's)")
+    # Model
+    model: str = arg("Qwen/Qwen3-4B", "hub id or local folder of the policy")
+    dtype: Literal["bfloat16", "float16", "float32"] = arg("bfloat16", "weights dtype: bfloat16, float16 or float32")
+    gradient_checkpointing: bool = arg(False, "trade compute for activation memory")
+    lora_r: int = arg(0, "LoRA rank; 0 trains all weights")
+    lora_alpha: int = arg(32, "LoRA alpha")
+    lora_target_modules: str = arg("all-linear", "comma-separated module names, or all-linear")
+    # Data and rewards
+    dataset: str = arg("gsm8k", "preset (gsm8k, math, numina, deepscaler), hub id or local file/folder")
+    dataset_config: str | None = arg(None, "dataset configuration name (hub datasets)")
+    split: str | None = arg(None, "training split (default: the preset's, else train)")
+    eval_dataset: str | None = arg(None, "held-out prompts (default: --dataset)")
+    eval_split: str | None = arg(None, "held-out split (default: the preset's, else test)")
+    prompt_column: str | None = arg(None, "column with the question (default: the preset's, else prompt)")
+    answer_column: str | None = arg(None, "column with the reference answer (default: the preset's, else answer)")
+    prompt_template: str = arg("{prompt}\nPlease reason step by step, and put your final answer within \\boxed{}.",
+                               "user message; {prompt} is replaced by the question")
+    system_prompt: str = arg("", "system message (chat templates only)")
+    use_chat_template: bool = arg(True, "wrap prompts in the tokenizer's chat template")
+    enable_thinking: bool = arg(False, "Qwen3's thinking mode in the chat template")
+    reward_funcs: str = arg("math_accuracy", "comma-separated registered names or module:function")
+    reward_weights: str | None = arg(None, "comma-separated weights (default: all 1)")
+    reward_timeout: float = arg(600.0, "seconds one reward function may take on a batch, or the run stops", at_least=1)
+    # Rollouts
+    rollout_engine: Literal["auto", "vllm", "hf"] = arg("auto", "vllm, hf (transformers' generate) or auto")
+    max_prompt_length: int = arg(512, "longer prompts are dropped from the data")
+    max_completion_length: int = arg(1024, "tokens generated per completion at most")
+    temperature: float = arg(1.0, "sampling temperature (the policy is softmax(logits / T))")
+    top_p: float = arg(1.0, "nucleus sampling")
+    vllm_gpu_memory_utilization: float = arg(0.3, "GPU memory fraction vLLM may take")
+    vllm_tensor_parallel_size: int = arg(1, "GPUs per vLLM engine (consecutive ranks)")
+    server_url: str | None = arg(None, "rollouts from a server (python -m common.serve) at http://HOST:PORT")
+    server_timeout: float = arg(600.0, "seconds a request to the server may wait for its answer", at_least=1)
+    tis_cap: float = arg(0.0, "importance sampling cap for sampler/trainer mismatch; 0: off")
+    tis_mode: Literal["token", "sequence"] = arg("token", "--tis_cap on each token's ratio or each completion's")
+    mis: bool = arg(False, "masked IS: a ratio above --tis_cap gets weight 0, not the cap (token or completion)")
+    old_logp_source: Literal["trainer", "sampler"] = arg("trainer", "old_logp from a trainer pass, or the sampler's")
+    max_logp_gap: float = arg(0.5, "stop when rollout/logp_gap_mean exceeds this (a failed weight push); 0: off")
+    max_turns: int = arg(1, "model turns per completion; > 1: tool calls run in a sandbox between turns")
+    tool: str = arg("simpletir", "with --max_turns > 1: simpletir (Python code blocks) or toy (a calculator)")
+    rollout_lag: int = arg(0, "K: the batch trained at step s was sampled by the weights of step s - K")
+    dynamic_sampling: bool = arg(False, "DAPO: replace groups of equal rewards by groups of new prompts")
+    max_refill_rounds: int = arg(4, "dynamic sampling: extra rounds at most; slots still empty leave the loss")
+    mask_truncated: bool = arg(False, "completions cut at max_completion_length leave the loss (DAPO)")
+    overlong_buffer: int = arg(0, "DAPO's soft overlong penalty over the last N tokens before the limit; 0: off")
+    overlong_penalty: float = arg(1.0, "the overlong reward term at max_completion_length: -overlong_penalty")
+    # Optimisation
+    total_steps: int = arg(500, "RL steps (one batch of rollouts each)")
+    batch_size: int = arg(256, "completions per step over all processes: B = prompts x G")
+    num_generations: int = arg(8, "completions per prompt, G")
+    mini_batch_size: int = arg(0, "completions per optimizer step over all processes; 0: batch_size")
+    micro_batch_size: int = arg(4, "completions per forward/backward on each process")
+    logprob_batch_size: int = arg(0, "completions per no-grad forward on each process; 0: micro_batch_size")
+    num_iterations: int = arg(1, "passes over each batch of rollouts (mu)")
+    learning_rate: float = arg(1e-6, "AdamW learning rate")
+    lr_scheduler_type: str = arg("constant", "transformers scheduler name")
+    warmup_steps: int = arg(0, "learning-rate warmup in optimizer steps")
+    weight_decay: float = arg(0.0, "AdamW weight decay")
+    max_grad_norm: float = arg(1.0, "gradient clipping")
+    eval_steps: int = arg(50, "held-out greedy accuracy every this many steps (0: off)")
+    eval_num_prompts: int = arg(500, "held-out prompts per evaluation")
+    eval_benchmarks: str = arg("", "benchmarks to evaluate, e.g. math500,aime25 (NAME=FILE: a local copy)")
+    eval_num_samples: int = arg(1, "samples per benchmark question, k of avg@k (1: greedy)")
+    dump_stats_steps: int = arg(0, "save batch_stats' per-row tensors to run_dir/stats every this many steps (0: off)")
+    # Algorithm-specific
+    beta: float = arg(0.0, "KL coefficient to the reference policy (k3; the authors' use_kl_loss off)", at_least=0)
+    epsilon: float = arg(0.2, "lower clip range, Clip-Cov (verl's clip_ratio_low; the authors' Clip-Cov 1)", at_least=0)
+    epsilon_high: float = arg(0.2, "upper clip range, Clip-Cov only (verl's clip_ratio_high)", at_least=0)
+    cov_method: Literal["clip", "kl"] = arg("clip", "clip: Clip-Cov drops a few high-covariance tokens from the loss; "
+                                                    "kl: KL-Cov puts a |log-ratio| penalty on the top ones")
+    clip_cov_ratio: float = arg(2e-4, "Clip-Cov: share of the batch's tokens dropped, r (verl's and the authors')",
+                                at_least=0)
+    clip_cov_lb: float = arg(1.0, "Clip-Cov: lowest covariance a dropped token may have (verl's clip_cov_lb)")
+    clip_cov_ub: float = arg(5.0, "Clip-Cov: highest covariance a dropped token may have (verl's clip_cov_ub)")
+    kl_cov_ratio: float = arg(2e-4, "KL-Cov: share of the batch's tokens penalised, k (verl's; the authors': 2e-3 for "
+                                    "Qwen2.5-7B, 2e-4 for 32B)", at_least=0)
+    ppo_kl_coef: float = arg(1.0, "KL-Cov: coefficient kappa of the |log-ratio| penalty (the authors' scripts and "
+                                  "verl's function: 1; verl's actor.yaml 0.1)", at_least=0)
+
+
+# ALGO LOGIC: advantages and loss
+def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
+    """Group-normalised advantages; rows of one prompt are contiguous."""
+    grouped = rewards.view(-1, args.num_generations)  # (N, G)
+    centered = grouped - grouped.mean(dim=1, keepdim=True)  # (N, G)
+    return (centered / (grouped.std(dim=1, keepdim=True) + 1e-6)).flatten()  # (B,)
+
+
+def batch_stats(current_logp, old_logp, advantages, mask, args: Args) -> tuple[dict, dict]:
+    """What compute_loss needs from the whole optimizer batch when it is called per micro-batch.
+
+    Returns (totals, per_row): totals are sums over this process's rows, which the loop adds up over the
+    processes; per_row are (rows,) values, which stay with their rows. `current_logp()` gives (rows, T)
+    log-probs at the current weights, without gradient, for estimators whose statistics depend on them
+    (on-policy it is old_logp: no extra pass).
+    """
+    from accelerate import PartialState  # COVPO: the selection ranks the tokens of every process together
+    from accelerate.utils import gather, pad_across_processes
+    logp, A = current_logp(), advantages[:, None].expand(mask.shape)  # (B, T) each  COVPO: at the current weights
+    ratio = torch.exp(logp - old_logp)  # (B, T)
+    clipped = -A * torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high) > -A * ratio  # (B, T) verl's
+    mine = torch.stack([logp, A.to(logp), mask.to(logp), clipped.to(logp)], -1)  # (B, T, 4)
+    logp_all, A_all, valid, clipped = gather(pad_across_processes(mine, dim=1)).unbind(-1)  # (P B, T') each
+    valid, n = valid > 0, int(valid.sum())  # (P B, T')  COVPO: the optimizer batch's valid tokens
+    centred = lambda x: x - torch.where(valid, x, 0).sum() / max(n, 1)  # noqa: E731  (P B, T')
+    cov = centred(A_all) * centred(logp_all)  # (P B, T')  COVPO: C_t, the token's centred cross-product
+    if args.cov_method == "clip":  # COVPO: Clip-Cov: a random draw among lb < C_t < ub that the clip leaves alone
+        eligible = torch.nonzero(valid & (clipped == 0) & (cov > args.clip_cov_lb) & (cov < args.clip_cov_ub))
+        chosen = eligible[torch.randperm(len(eligible))[: max(int(args.clip_cov_ratio * n), 1)]]  # (m, 2)  verl's
+    else:  # COVPO: KL-Cov: the top k by C_t
+        k = min(max(int(args.kl_cov_ratio * n), 1), n)
+        chosen = torch.nonzero(valid)[torch.topk(cov[valid], k).indices]  # (k, 2)
+    selected = torch.zeros_like(valid)  # (P B, T')
+    selected[chosen[:, 0], chosen[:, 1]] = True
+    B, T, rank = *mask.shape, PartialState().process_index  # this process's rows: a contiguous share of the batch
+    return {"num_tokens": mask.sum().float()}, {"selected": selected[rank * B: (rank + 1) * B, :T]}
+
+
+def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, selected=None, tis_weights=None,
+                 num_tokens=None):
+    """Clip-Cov / KL-Cov loss with full-batch semantics. `num_tokens` and `selected` (B, T), the tokens the covariance
+    picked, come from batch_stats over the whole optimizer batch (default: this batch's own); `tis_weights` (B, T)
+    multiply the policy term per token (TIS or masked IS, per token or per sequence: common.offpolicy)."""
+    if selected is None:  # the full batch: its own statistics
+        totals, per_row = batch_stats(logp.detach, old_logp, advantages, mask, args)
+        num_tokens, selected = totals["num_tokens"], per_row["selected"]
+    mask = mask.float()  # (B, T)
+    ratio = torch.exp(logp - old_logp)  # (B, T)  r_t
+    A = advantages[:, None]  # (B, 1)
+    clipped = torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high)  # (B, T)
+    if args.cov_method == "clip":  # COVPO: Clip-Cov: the selected tokens leave the loss (verl: corr = 0)
+        surrogate = torch.min(ratio * A, clipped * A) * ~selected  # (B, T)  s_t
+    else:  # COVPO: KL-Cov: no clip; kappa |logp - old_logp| on the selected tokens
+        surrogate = ratio * A - (logp - old_logp).abs() * selected * args.ppo_kl_coef  # (B, T)  s_t
+    if tis_weights is not None:
+        surrogate = surrogate * tis_weights  # (B, T)
+    per_token = surrogate  # (B, T)
+    if args.beta > 0:
+        kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1  # (B, T)  k3
+        per_token = per_token - args.beta * kl  # (B, T)
+    loss = -(per_token * mask).sum() / max(num_tokens, 1)  # COVPO: token mean over the optimizer batch (verl's)
+
+    with torch.no_grad():
+        token_mean = lambda x: (x * mask).sum() / mask.sum().clamp(min=1)  # noqa: E731
+        ppo = args.cov_method == "clip"  # KL-Cov has no clip
+        is_low = (ratio < 1 - args.epsilon) & (A < 0) & ppo  # (B, T) clipped from below (gradient zeroed)
+        is_high = (ratio > 1 + args.epsilon_high) & (A > 0) & ppo  # (B, T)
+        metrics = {
+            "loss/policy": loss.detach(),
+            "policy/ratio_mean": token_mean(ratio),
+            "policy/clip_frac_low": token_mean(is_low.float()),
+            "policy/clip_frac_high": token_mean(is_high.float()),
+            "policy/clip_frac": token_mean((is_low | is_high).float()),
+            "covpo/selected_frac": token_mean(selected.float()),  # Clip-Cov: dropped; KL-Cov: penalised
+        }
+        if args.beta > 0:
+            metrics["policy/kl"] = token_mean(kl)
+    return loss, metrics
+
+
+def main(args: Args):
+    run = setup(args)  # common/run.py: processes, run folder, policy (+LoRA), reference, data, optimizer, engine
+    model, optimizer, scheduler, accelerator = run.model, run.optimizer, run.scheduler, run.accelerator
+    progress = progress_bar(run)
+    for step in progress:
+        step_start, metrics = time.time(), {}
+
+        # 1. Rollouts and rewards, with the log-probs of the weights that sample them: the behaviour policy's (old)
+        # and the reference's. --rollout_lag K: the batch of step + K is sampled now, this step's was K steps ago.
+        for index in run.queue.steps_to_sample(step, args.total_steps):  # [step] at lag 0
+            batch = sample_batch(run, index, metrics)  # this process's rows of step `index` (common/batch.py)
+            batch.old_logp, batch.ref_logp = old_and_reference_logprobs(run, batch, metrics)  # (B, T) each
+            run.queue.put(batch, sampled_at=step)
+        batch = run.queue.take(step)
+        mask, old_logp, ref_logp = batch.mask, batch.old_logp, batch.ref_logp  # (B, T) each
+        T = mask.shape[1]
+
+        # 2. Advantages (and, for a sampler/trainer mismatch, truncated or masked importance weights)
+        advantages = compute_advantages(batch.rewards, args)  # (B,)
+        tis_weights = None
+        if args.tis_cap > 0:
+            tis_weights, metrics["rollout/is_masked_frac"] = importance_weights(
+                old_logp, batch.sampler_logp, mask, args.tis_cap, args.tis_mode, args.mis)  # (B, T)
+
+        # 3. Policy updates: num_iterations passes over the batch, one optimizer step per mini-batch
+        model.train()
+        update_start, update_metrics, grad_norms, dumps = time.time(), [], [], []
+        for _ in range(args.num_iterations):
+            for mini in minibatches(run):
+                # the whole optimizer batch's statistics (some at the current weights: current_logp, when called)
+                current_logp = partial(current_logprobs, run, batch, mini, fresh=True)  # COVPO: a pass on-policy too
+                totals, per_row = batch_stats(current_logp, old_logp[mini], advantages[mini], mask[mini], args)
+                totals = sum_over_processes(totals, accelerator)  # sums over this process's rows -> the batch's
+                dumps.append(per_row)  # --dump_stats_steps (e.g. SNIB's Figure 2)
+                for micro in microbatches(run, batch, mini):
+                    rows = micro - mini.start  # the micro-batch's rows within the mini-batch
+                    input_ids, attention = batch.input_ids[micro], batch.attention_mask[micro]  # (b, P+T) each
+                    with accelerator.accumulate(model):
+                        logp, entropy = completion_logprobs(model, input_ids, attention, T, args.temperature)
+                        if run.on_policy:  # these weights sampled the batch: old_logp is logp, without gradient
+                            old_logp[micro] = logp.detach()
+                        loss, loss_metrics = compute_loss(
+                            logp, old_logp[micro], take(ref_logp, micro), advantages[micro], mask[micro], args,
+                            tis_weights=take(tis_weights, micro),
+                            **totals, **{k: v[rows] for k, v in per_row.items()})
+                        loss_metrics["loss/policy"] = backward_share(accelerator, loss)  # a share of the batch loss
+                        if accelerator.sync_gradients:  # the mini-batch's last micro-batch: the optimizer step
+                            grad_norms.append(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
+                            optimizer.step()
+                            optimizer.zero_grad()
+                    update_metrics.append({**loss_metrics, "policy/entropy": masked_mean(entropy, mask[micro])})
+                scheduler.step()
+        metrics["time/update"] = time.time() - update_start
+        if args.dump_stats_steps > 0 and (step + 1) % args.dump_stats_steps == 0:
+            save_dumps(run, step, dumps)
+
+        # 4. Push the new weights to the sampler; log, evaluate and save
+        end_step(run, step, step_start, batch, metrics, update_metrics, grad_norms, progress)
+    return finish(run)
+
+
+if __name__ == "__main__":
+    launch(main, Args)  # parse the arguments, train; Ctrl-C says where to resume
