@@ -415,7 +415,9 @@ def test_the_command_line_honours_hf_endpoint_and_hf_hub_offline(workdir, tmp_pa
         out, err = process.communicate(timeout=300)
         assert process.returncode == 1 and "Traceback" not in err and "Retrying" not in err, (name, err[-2000:])
         errors[name] = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert time.monotonic() - start < 120  # three processes importing torch at once; the retries alone took 29 s
+    # three processes importing torch at once: 136 s once on 2 cores busy with a vLLM test run; "Retrying" above is
+    # the check of the retries (29 s a file before the fix), this bound only that nothing waits for minutes
+    assert time.monotonic() - start < 280
     assert len(errors["no network"]) == 1 and "HF_HUB_OFFLINE=1" in errors["no network"][0]
     [model, _] = errors["offline"]  # and the data set's line
     assert "HF_HUB_OFFLINE is set: fetch it where the hub is reachable (hf download Qwen/Qwen3-4B)" in model
