@@ -151,31 +151,35 @@ def test_a_server_that_does_not_answer_stops_the_client_within_the_timeout():
         call(f"http://localhost:{free_port()}", "/generate", {}, 1.0, "generate")
 
 
-@pytest.mark.parametrize("body", [b"<html><body>It works!</body></html>", b'{"status": "ok"}'])
-def test_another_service_at_the_server_url_is_refused_in_one_line(in_toy_workdir, body):
-    """A web page or another JSON service at --server_url (it gave a KeyError or a traceback): one line naming what
-    answered, before any weights load."""
-    from http.server import BaseHTTPRequestHandler, HTTPServer
+def refusal_by_a_stub(answer) -> str:
+    """The one-line refusal of a run whose --server_url is a stub service answering every GET with answer(path)."""
+    from http.server import BaseHTTPRequestHandler
 
-    class Other(BaseHTTPRequestHandler):
+    class Stub(BaseHTTPRequestHandler):
         def do_GET(self):
             self.send_response(200)
             self.end_headers()
-            self.wfile.write(body)
+            self.wfile.write(answer(self.path))
 
         def log_message(self, *args):
             pass
 
-    other = HTTPServer(("127.0.0.1", 0), Other)
-    threading.Thread(target=other.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{other.server_port}"
+    stub = HTTPServer(("127.0.0.1", 0), Stub)
+    threading.Thread(target=stub.serve_forever, daemon=True).start()
     try:
         with pytest.raises(SystemExit) as e:
-            run_script(grpo, SMALL + ["--server_url", url, "--run_name", "other_service"])
+            run_script(grpo, SMALL + ["--server_url", f"http://127.0.0.1:{stub.server_port}", "--run_name", "stub"])
     finally:
-        other.shutdown()
-    message = str(e.value)
-    assert "\n" not in message and message.startswith("error: "), message
+        stub.shutdown()
+    assert "\n" not in str(e.value) and str(e.value).startswith("error: "), str(e.value)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("body", [b"<html><body>It works!</body></html>", b'{"status": "ok"}'])
+def test_another_service_at_the_server_url_is_refused_in_one_line(in_toy_workdir, body):
+    """A web page or another JSON service at --server_url (it gave a KeyError or a traceback): one line naming what
+    answered, before any weights load."""
+    message = refusal_by_a_stub(lambda path: body)
     assert ("not JSON: is vllm serve" in message) if body.startswith(b"<") else \
         ("the service there is neither vllm serve nor python -m common.serve" in message), message
 
@@ -191,31 +195,12 @@ def test_a_vllm_serve_whose_weights_the_trainer_cannot_send_is_refused(in_toy_wo
     """vllm serve's weight-transfer backend is read from its configuration (/server_info): without one, with one
     the trainer does not drive, or NCCL from a trainer without a GPU, the run is refused in one line before any
     weights load (it used to fail at the first sync, after the model had loaded)."""
-    from http.server import BaseHTTPRequestHandler, HTTPServer
-
     if backend == "nccl" and torch.cuda.is_available():
         pytest.skip("a trainer with a GPU may use NCCL")
-
-    class StubVllmServe(BaseHTTPRequestHandler):  # the routes the checks read, as vllm serve answers them
-        def do_GET(self):
-            config = {"weight_transfer_config": None if backend is None else {"backend": backend}}
-            body = {"/health": b"", "/weight_info": b'{"weight_version": "default"}',
-                    "/server_info?config_format=json": json.dumps({"vllm_config": config}).encode()}[self.path]
-            self.send_response(200)
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    stub = HTTPServer(("127.0.0.1", 0), StubVllmServe)
-    threading.Thread(target=stub.serve_forever, daemon=True).start()
-    try:
-        with pytest.raises(SystemExit) as e:
-            run_script(grpo, SMALL + ["--server_url", f"http://127.0.0.1:{stub.server_port}", "--run_name", "stub"])
-    finally:
-        stub.shutdown()
-    assert "\n" not in str(e.value) and message in str(e.value), str(e.value)
+    config = {"weight_transfer_config": None if backend is None else {"backend": backend}}
+    routes = {"/health": b"", "/weight_info": b'{"weight_version": "default"}',  # as vllm serve answers them
+              "/server_info?config_format=json": json.dumps({"vllm_config": config}).encode()}
+    assert message in refusal_by_a_stub(routes.__getitem__)
 
 
 @pytest.mark.parametrize("url, message", [
