@@ -261,7 +261,8 @@ def spawn(kind: str, argv: list[str], threads: int, out_file: str, mmap_threshol
     cmd = [sys.executable, os.path.abspath(__file__), "--_worker", kind, "--_argv", json.dumps(argv),
            "--threads", str(threads), "--_out", out_file]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-           "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": REPO}
+           "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join(filter(None, (REPO, os.environ.get("PYTHONPATH"))))}
     if mmap_threshold:
         env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
     start = time.time()

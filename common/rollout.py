@@ -38,8 +38,8 @@ class SeededSampler(LogitsProcessor):
     log-prob under softmax(logits / T) of each chosen token (the trainer's definition of logp).
     """
 
-    def __init__(self, seeds: list[int], temperature: float, top_p: float):
-        self.generators = [torch.Generator().manual_seed(s) for s in seeds]
+    def __init__(self, seeds: list[int], temperature: float, top_p: float, device: torch.device | str = "cpu"):
+        self.generators = [torch.Generator(device).manual_seed(s) for s in seeds]  # draws made beside the logits
         self.temperature, self.top_p = temperature, top_p
         self.last_logp = None  # (B, V) log-probs of the previous step, to look up its chosen token
         self.chosen_logp = []  # per step, (B,)
@@ -58,9 +58,9 @@ class SeededSampler(LogitsProcessor):
             sorted_logp, order = logp.sort(dim=-1, descending=True)
             drop = sorted_logp.exp().cumsum(-1) - sorted_logp.exp() >= self.top_p  # (B, V)
             logp = logp.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-        uniform = torch.stack([torch.rand(logp.shape[-1], generator=g) for g in self.generators])  # (B, V)
-        gumbel = -torch.log(-torch.log(uniform.clamp(min=1e-20)))
-        return logp + gumbel.to(logp.device)
+        uniform = torch.stack([torch.rand(logp.shape[-1], generator=g, device=logp.device) for g in self.generators])
+        gumbel = -torch.log(-torch.log(uniform.clamp(min=1e-20)))  # (B, V)
+        return logp + gumbel
 
 
 class HFEngine:
@@ -108,7 +108,7 @@ class HFEngine:
                 attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
                 device = self.accelerator.device
                 input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-                sampler = SeededSampler(seeds[i : i + batch_size], temperature, top_p)
+                sampler = SeededSampler(seeds[i : i + batch_size], temperature, top_p, device)
                 processors, criteria = LogitsProcessorList([sampler]), StoppingCriteriaList()
                 if per_row or stop:  # tool rollouts (common/multiturn.py): a budget per row, stop strings
                     from common.stopping import StopRows

@@ -8,7 +8,8 @@
 # on CUDA in bf16 and fp32, with and without LoRA; FSDP2 in one process; the toy trained 200 steps; the chunked
 # LM-head log-probs against the naive form in bf16), then the realistic-shape benchmark against TRL when TRL is
 # there. Writes REPORT_DIR/report.md with the device, each part's result and the figures.
-# GPU_CHECK_REHEARSAL=1 runs it all without a GPU: the GPU tests are collected and skipped, the benchmark is not run.
+# PYTEST_ADDOPTS="-n 8" spreads the tests over pytest-xdist workers; GPU_CHECK_BENCH_TIMEOUT (s, default 480) bounds
+# the benchmark. GPU_CHECK_REHEARSAL=1 runs it all without a GPU: the GPU tests are collected and skipped, the benchmark is not run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 report=${1:-${OUT:-gpu_report}}
@@ -63,7 +64,7 @@ summary=$(tail -n 1 "$report/pytest.log")
 if [ "$rehearsal" != 1 ] && python3 -c "import trl" 2>/dev/null; then
     # Qwen3's vocabulary and varied lengths (benchmarks/qwen3_shape.py), in bf16 with a GPU-sized batch; the body
     # stays the shape's small one (hidden 128, 2 layers): the step is dominated by the 151,936-token head
-    timeout 480 python3 benchmarks/step_time.py --shape qwen3 --algo grpo --trl --steps 3 --repeat 1 \
+    timeout "${GPU_CHECK_BENCH_TIMEOUT:-480}" python3 benchmarks/step_time.py --shape qwen3 --algo grpo --trl --steps 3 --repeat 1 \
         --output_dir "$report/bench" --out "$report/step_time.json" \
         -- --dtype bfloat16 --batch_size 64 --micro_batch_size 16 > "$report/step_time.txt" 2>&1
     echo "- benchmarks/step_time.py --shape qwen3 --trl: exit $?, see step_time.txt" >> "$md"

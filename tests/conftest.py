@@ -107,7 +107,8 @@ DIST_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTE
 def subprocess_env() -> dict:
     """The environment of a script run by a test: this one, less torch.distributed's variables, one thread."""
     env = {k: v for k, v in os.environ.items() if k not in DIST_VARIABLES}
-    return {**env, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    path = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)  # packages installed by PYTHONPATH too
+    return {**env, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
 
 
 def launch(cwd, script: str, argv: list[str], num_processes: int = 1, config: str | None = None, sgd: bool = False,
