@@ -24,9 +24,10 @@ root, as above.
 --trl also runs TRL's GRPOTrainer (not a dependency of this project: `pip install trl`; measured with
 trl==1.16.0 and transformers 5.19) on the same work, every setting taken from the parsed grpo.py Args:
 
-    model, dtype        --model loaded by TRL with model_init_kwargs dtype=--dtype; bf16=False, fp16=False (TRL's
-                        default bf16=True would autocast), gradient_checkpointing=--gradient_checkpointing (TRL's
-                        default is True)
+    model, dtype        --model loaded by TRL with model_init_kwargs dtype=--dtype; fp16=False; bf16 (autocast)
+                        only where grpo.py autocasts too, ACCELERATE_MIXED_PRECISION=bf16 (TRL's default bf16=True
+                        would autocast always), gradient_checkpointing=--gradient_checkpointing (TRL's default is
+                        True)
     prompts             the exact prompts grpo.py sees at steps 0..N-1 (common.sampling.step_prompts), in that order,
                         shuffle_dataset=False; the text after --prompt_template / chat template (TRL tokenizes it
                         again, with the tokenizer's special tokens: the same ids for tokenizers that add no BOS,
@@ -162,7 +163,8 @@ def trl_config_and_data(argv: list[str], threads: int):
     config = GRPOConfig(
         output_dir=os.path.join(args.output_dir, "step_time_trl"), report_to="none", save_strategy="no",
         logging_steps=1, disable_tqdm=True, seed=args.seed, data_seed=args.seed, shuffle_dataset=False,
-        use_cpu=not torch.cuda.is_available(), bf16=False, fp16=False,
+        use_cpu=not torch.cuda.is_available(), fp16=False,  # bf16 autocast as grpo.py's (accelerate's variable)
+        bf16=os.environ.get("ACCELERATE_MIXED_PRECISION") == "bf16",
         model_init_kwargs={"dtype": args.dtype}, gradient_checkpointing=args.gradient_checkpointing,
         num_generations=args.num_generations, per_device_train_batch_size=args.micro_batch_size,
         gradient_accumulation_steps=args.batch_size // args.micro_batch_size, max_steps=args.total_steps,

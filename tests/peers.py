@@ -25,6 +25,7 @@ def trl_grpo_loss(loss_type: str, logp, old, ref, A, mask, beta: float, tis=None
         current_gradient_accumulation_steps=1, accelerator=accelerator, _entropy_bonus_enabled=False,
         _metrics=defaultdict(lambda: defaultdict(list)))
     B, T = logp.shape
+    trainer.max_completion_length = config.get("max_completion_length", T)  # dr_grpo's denominator
     inputs = {"prompt_ids": torch.zeros(B, 1, dtype=torch.long), "prompt_mask": torch.ones(B, 1, dtype=torch.long),
               "completion_ids": torch.zeros(B, T, dtype=torch.long), "completion_mask": mask,
               "advantages": A, "old_per_token_logps": old, "ref_per_token_logps": ref,

@@ -70,7 +70,8 @@ def test_step_time_runs_a_script_and_trl_on_the_same_work(toy_workdir, tmp_path)
 @pytest.mark.peer
 def test_trl_curve_evaluates_trl_as_grpo_py_does(toy_workdir, tmp_path):
     """benchmarks/trl_curve.py: 2 tiny TRL steps on the toy, held-out accuracy at steps 0, 1 and 2; step 0 equals
-    grpo.py's own step-0 eval/accuracy on the same work (the same model and greedy decoding of the same prompts)."""
+    grpo.py's own step-0 eval/accuracy on the same work (the same model and greedy decoding of the same prompts);
+    benchmarks/trl_curve_plot.py draws the two."""
     flags = ["--total_steps", "2", "--eval_steps", "1", "--batch_size", "8", "--num_generations", "4",
              "--micro_batch_size", "4"]
     out = tmp_path / "curve.json"
@@ -84,6 +85,15 @@ def test_trl_curve_evaluates_trl_as_grpo_py_does(toy_workdir, tmp_path):
     with open(tmp_path / "runs" / "grpo_curve" / "metrics.jsonl") as f:
         grpo_step0 = next(m for m in map(json.loads, f) if "eval/accuracy" in m)
     assert grpo_step0["step"] == 0 and grpo_step0["eval/accuracy"] == pytest.approx(curve[0]["accuracy"]), grpo_step0
+    training = json.loads(out.read_text())["training"]  # TRL's own logs, a line per step
+    assert [t["step"] for t in training] == [1, 2] and all(0 <= t["reward"] <= 1 for t in training), training
+    # benchmarks/trl_curve_plot.py on these two: the means it prints are the curves' (one seed each: std 0)
+    figure = tmp_path / "curve.png"
+    proc = run_benchmark([os.path.join(REPO, "benchmarks", "trl_curve_plot.py"), "--grpo",
+                          str(tmp_path / "runs" / "grpo_curve"), "--trl", str(out), "--out", str(figure)], cwd=tmp_path)
+    assert f"TRL GRPOTrainer: step 0 {100 * curve[0]['accuracy']:.1f} +- 0.0%" in proc.stdout, proc.stdout
+    assert f"grpo.py: step 0 {100 * grpo_step0['eval/accuracy']:.1f} +- 0.0%" in proc.stdout, proc.stdout
+    assert figure.stat().st_size > 10_000, figure.stat()
 
 
 def test_grader_agreement_reads_the_gsm8k_files(tmp_path):

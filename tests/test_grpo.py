@@ -5,6 +5,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from peers import trl_grpo_loss
 
 import grpo
 
@@ -160,3 +161,31 @@ def test_tis_weights_scale_the_policy_term_per_token():
     w = torch.tensor([[0.5, 2.0, 9.0], [1.0, 1.0, 1.0]])
     loss, _ = grpo.compute_loss(logp, logp.detach(), None, A, mask, ARGS, tis_weights=w)
     assert loss.item() == pytest.approx(-(1 * (0.5 + 2.0) / 2 + (-2) * 3 / 3) / 2)
+
+
+# Against TRL 1.16's own code
+
+
+@pytest.mark.peer
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("loss_agg, trl_loss_type", [("seq-mean-token-mean", "grpo"), ("token-mean", "dapo"),
+                                                     ("token-sum-norm", "dr_grpo")])
+def test_equals_trls_grpo_loss_and_gradient(beta, loss_agg, trl_loss_type):
+    """GRPO's three aggregations against TRL's loss types of the same name (what benchmarks/step_time.py --trl and
+    benchmarks/trl_curve.py run TRL with: `grpo`), with a KL term or not, on a stale batch (ratios clipped both ways).
+    Every row has a token: where one has none, grpo.py averages over the rows that have, TRL over all."""
+    torch.manual_seed(3)
+    B, T = 8, 5
+    logp = (torch.randn(B, T, dtype=torch.float64) * 0.3 - 1).requires_grad_()
+    old = logp.detach() + torch.randn(B, T, dtype=torch.float64) * 0.3
+    ref = logp.detach() + torch.randn(B, T, dtype=torch.float64) * 0.3
+    mask = (torch.arange(T)[None] < torch.tensor([5, 1, 3, 4, 2, 5, 2, 1])[:, None]).long()  # (B, T)
+    args = replace(grpo.Args(), num_generations=4, beta=beta, loss_agg=loss_agg, max_completion_length=T)
+    A = grpo.compute_advantages(torch.rand(B, dtype=torch.float64), args)
+    ours = grpo.compute_loss(logp, old, ref, A, mask, args)[0]
+    theirs = trl_grpo_loss(trl_loss_type, logp, old, ref, A, mask.float(), beta, epsilon_high=args.epsilon_high,
+                           max_completion_length=T)
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-12)
+    torch.testing.assert_close(torch.autograd.grad(ours, logp)[0], torch.autograd.grad(theirs, logp)[0])
+    ratio = torch.exp(logp - old)[mask > 0]
+    assert (ratio > 1 + args.epsilon_high).any() and (ratio < 1 - args.epsilon).any()  # both clips reached
