@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import subprocess_env
 
 from benchmarks import logprob_passes
 
@@ -42,7 +43,7 @@ def test_the_gpu_check_rehearses_on_the_cpu_and_refuses_to_run_there(tmp_path):
 
 
 def run_benchmark(args: list[str], cwd, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
+    env = subprocess_env()  # the repository first on PYTHONPATH, the caller's after it; one thread
     proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
