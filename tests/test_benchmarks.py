@@ -24,6 +24,18 @@ def test_logprob_passes_runs_and_shared_prompts_change_nothing(in_toy_workdir, m
     assert all(r["ms"] > 0 and r["max_diff"] < 1e-4 for r in results), results
 
 
+def test_shared_prompt_grad_computes_what_the_update_computes(toy_workdir):
+    """benchmarks/shared_prompt_grad.py on the toy: the prompts' forward shared with gradients gives the plain
+    update's log-probs and gradients (float32 sums in another order)."""
+    from benchmarks import shared_prompt_grad
+
+    results = shared_prompt_grad.main(["--model", str(toy_workdir / "runs" / "toy" / "model"), "--rows", "4",
+                                       "--prompt", "6", "--completion", "5", "--distinct", "1,2", "--repeat", "1"])
+    assert [r["distinct"] for r in results] == [1, 2], results
+    assert all(r["logp_max_diff"] < 1e-4 and r["grad_rel_diff"] < 1e-4 for r in results), results
+    assert all(r["plain_s"] > 0 and r["shared_s"] > 0 for r in results), results
+
+
 def test_the_gpu_check_rehearses_on_the_cpu_and_refuses_to_run_there(tmp_path):
     """scripts/gpu_check.sh (issue 33): without CUDA it stops with a clear message; GPU_CHECK_REHEARSAL=1 runs it
     through, the GPU tests collected and skipped, and writes the report."""
