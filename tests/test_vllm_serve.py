@@ -267,9 +267,9 @@ def test_a_server_that_hangs_or_dies_stops_the_trainer_with_one_line(toy_workdir
     """Hung (SIGSTOP of the server's processes: connections accepted, never answered) at lag 1 with a request in
     flight, then killed (SIGKILL: connections refused): each time the trainer stops within --server_timeout with one
     line naming the server and the request, no traceback, no silent hang."""
-    server, url = start_vllm_serve(toy_workdir, "vllm_serve_dies.log")
-    try:
-        for how in ("hung", "killed"):
+    for how in ("hung", "killed"):  # a server each: a trainer stopped mid-sync leaves the server's update open
+        server, url = start_vllm_serve(toy_workdir, f"vllm_serve_dies_{how}.log")
+        try:
             run_dir = os.path.join(toy_workdir, "runs", f"vllm_orphan_{how}")
             argv = SMALL + ["--total_steps", "10000", "--run_name", f"vllm_orphan_{how}", "--server_url", url,
                             "--server_timeout", "10", "--rollout_lag", "1", "--old_logp_source", "sampler"]
@@ -292,8 +292,8 @@ def test_a_server_that_hangs_or_dies_stops_the_trainer_with_one_line(toy_workdir
             assert last.startswith(f"error: the rollout server at {url} did not answer the "), err[-3000:]
             if how == "hung":
                 assert "within 10 s (--server_timeout)" in last, last
-    finally:
-        stop(server)
+        finally:
+            stop(server)
 
 
 def test_the_real_model_trains_from_vllm_serve(smollm2_workdir):
