@@ -23,11 +23,10 @@ import os
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Literal
 
 import torch
 
-from common.args import arg
+from common.args import TrainArgs, arg
 from common.logprobs import completion_logprobs
 from common.offpolicy import importance_weights
 from common.run import end_step, finish, launch, progress_bar, setup
@@ -36,82 +35,11 @@ from common.update import backward_share, masked_mean, microbatches, minibatches
 
 
 @dataclass
-class Args:
-    # Experiment
+class Args(TrainArgs):
+    """The estimator's flags. The run's, the model's, the data's, the rollouts' and the optimisation's are
+    TrainArgs' (common/args.py); --help lists them all."""
+
     exp_name: str = arg(os.path.basename(__file__)[: -len(".py")], "name of this experiment")
-    seed: int = arg(1, "seed of the run (weights init of LoRA, data order, sampling)")
-    preset: str | None = arg(None, "a named set of defaults: toy, toy_tir (CPU, minutes), smollm2 (a real model, CPU)")
-    output_dir: str = arg("runs", "runs are written to output_dir/run_name")
-    run_name: str | None = arg(None, "default: {exp_name}__{seed}__{unix time}")
-    report_to: str = arg("tensorboard", "tracker: tensorboard, wandb, trackio, mlflow or none")
-    save_steps: int = arg(100, "checkpoint every this many steps (0: only at the end)")
-    save_total_limit: int = arg(0, "keep only the last N checkpoints (0: all)")
-    resume_from: str | None = arg(None, "a checkpoint folder, or a run folder (its latest)")
-    resume_overrides: str = arg("", "comma-separated settings a resume may change (others must match the run's)")
-    # Model
-    model: str = arg("Qwen/Qwen3-4B", "hub id or local folder of the policy")
-    dtype: Literal["bfloat16", "float16", "float32"] = arg("bfloat16", "weights dtype: bfloat16, float16 or float32")
-    gradient_checkpointing: bool = arg(False, "trade compute for activation memory")
-    lora_r: int = arg(0, "LoRA rank; 0 trains all weights")
-    lora_alpha: int = arg(32, "LoRA alpha")
-    lora_target_modules: str = arg("all-linear", "comma-separated module names, or all-linear")
-    # Data and rewards
-    dataset: str = arg("gsm8k", "preset (gsm8k, math, numina, deepscaler), hub id or local file/folder")
-    dataset_config: str | None = arg(None, "dataset configuration name (hub datasets)")
-    split: str | None = arg(None, "training split (default: the preset's, else train)")
-    eval_dataset: str | None = arg(None, "held-out prompts (default: --dataset)")
-    eval_split: str | None = arg(None, "held-out split (default: the preset's, else test)")
-    prompt_column: str | None = arg(None, "column with the question (default: the preset's, else prompt)")
-    answer_column: str | None = arg(None, "column with the reference answer (default: the preset's, else answer)")
-    prompt_template: str = arg("{prompt}\nPlease reason step by step, and put your final answer within \\boxed{}.",
-                               "user message; {prompt} is replaced by the question")
-    system_prompt: str = arg("", "system message (chat templates only)")
-    use_chat_template: bool = arg(True, "wrap prompts in the tokenizer's chat template")
-    enable_thinking: bool = arg(False, "Qwen3's thinking mode in the chat template")
-    reward_funcs: str = arg("math_accuracy", "comma-separated registered names or module:function")
-    reward_weights: str | None = arg(None, "comma-separated weights (default: all 1)")
-    reward_timeout: float = arg(600.0, "seconds one reward function may take on a batch, or the run stops", at_least=1)
-    # Rollouts
-    rollout_engine: Literal["auto", "vllm", "hf"] = arg("auto", "vllm, hf (transformers' generate) or auto")
-    max_prompt_length: int = arg(512, "longer prompts are dropped from the data")
-    max_completion_length: int = arg(1024, "tokens generated per completion at most")
-    temperature: float = arg(1.0, "sampling temperature (the policy is softmax(logits / T))")
-    top_p: float = arg(1.0, "nucleus sampling")
-    vllm_gpu_memory_utilization: float = arg(0.3, "GPU memory fraction vLLM may take")
-    vllm_tensor_parallel_size: int = arg(1, "GPUs per vLLM engine (consecutive ranks)")
-    server_url: str | None = arg(None, "rollouts from a server (python -m common.serve) at http://HOST:PORT")
-    server_timeout: float = arg(600.0, "seconds a request to the server may wait for its answer", at_least=1)
-    tis_cap: float = arg(0.0, "importance sampling cap for sampler/trainer mismatch; 0: off")
-    tis_mode: Literal["token", "sequence"] = arg("token", "--tis_cap on each token's ratio or each completion's")
-    mis: bool = arg(False, "masked IS: a ratio above --tis_cap gets weight 0, not the cap (token or completion)")
-    old_logp_source: Literal["trainer", "sampler"] = arg("trainer", "old_logp from a trainer pass, or the sampler's")
-    max_logp_gap: float = arg(0.5, "stop when rollout/logp_gap_mean exceeds this (a failed weight push); 0: off")
-    max_turns: int = arg(1, "model turns per completion; > 1: tool calls run in a sandbox between turns")
-    tool: str = arg("simpletir", "with --max_turns > 1: simpletir (Python code blocks) or toy (a calculator)")
-    rollout_lag: int = arg(0, "K: the batch trained at step s was sampled by the weights of step s - K")
-    dynamic_sampling: bool = arg(False, "DAPO: replace groups of equal rewards by groups of new prompts")
-    max_refill_rounds: int = arg(4, "dynamic sampling: extra rounds at most; slots still empty leave the loss")
-    mask_truncated: bool = arg(False, "completions cut at max_completion_length leave the loss (DAPO)")
-    overlong_buffer: int = arg(0, "DAPO's soft overlong penalty over the last N tokens before the limit; 0: off")
-    overlong_penalty: float = arg(1.0, "the overlong reward term at max_completion_length: -overlong_penalty")
-    # Optimisation
-    total_steps: int = arg(500, "RL steps (one batch of rollouts each)")
-    batch_size: int = arg(256, "completions per step over all processes: B = prompts x G")
-    num_generations: int = arg(8, "completions per prompt, G")
-    mini_batch_size: int = arg(0, "completions per optimizer step over all processes; 0: batch_size")
-    micro_batch_size: int = arg(4, "completions per forward/backward on each process")
-    logprob_batch_size: int = arg(0, "completions per no-grad forward on each process; 0: micro_batch_size")
-    num_iterations: int = arg(1, "passes over each batch of rollouts (mu)")
-    learning_rate: float = arg(1e-6, "AdamW learning rate")
-    lr_scheduler_type: str = arg("constant", "transformers scheduler name")
-    warmup_steps: int = arg(0, "learning-rate warmup in optimizer steps")
-    weight_decay: float = arg(0.0, "AdamW weight decay")
-    max_grad_norm: float = arg(1.0, "gradient clipping")
-    eval_steps: int = arg(50, "held-out greedy accuracy every this many steps (0: off)")
-    eval_num_prompts: int = arg(500, "held-out prompts per evaluation")
-    eval_benchmarks: str = arg("", "benchmarks to evaluate, e.g. math500,aime25 (NAME=FILE: a local copy)")
-    eval_num_samples: int = arg(1, "samples per benchmark question, k of avg@k (1: greedy)")
-    dump_stats_steps: int = arg(0, "save batch_stats' per-row tensors to run_dir/stats every this many steps (0: off)")
     # Algorithm-specific
     beta: float = arg(0.05, "KL coefficient, a penalty in the reward: R - beta sum_t (sampler_logp - ref_logp)",
                       at_least=0)

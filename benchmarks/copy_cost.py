@@ -1,4 +1,4 @@
-"""What copying a script takes: the files of this repository that a command really imports, and their lines.
+"""What copying a script takes: the files of this repository that a command really imports, their lines and tokens.
 
     python benchmarks/copy_cost.py grpo.py --preset toy --total_steps 2 --eval_steps 2
     python benchmarks/copy_cost.py --static grpo.py      # every file an import can reach: the upper bound
@@ -8,12 +8,18 @@ repository in `sys.modules` once it ends: the script, what it imports at the top
 functions (vLLM's engine, the math grader, evaluation, LoRA, ...). `--static` follows every import statement instead,
 those inside functions too, whatever the flags: what a copy needs to keep every option working. The README's and
 docs/layout.md's figures come from here; tests/test_siblings.py holds them.
+
+Lines reward packing (one long line costs what a short one does), so the cost is also counted in tokens, as Python's
+`tokenize` splits the code: `code` counts the tokens a reader must read as code (names, operators, literals; not the
+layout tokens NEWLINE, NL, INDENT, DEDENT), `prose` the words of comments and docstrings, which are counted apart.
 """
 
 import ast
+import io
 import os
 import runpy
 import sys
+import tokenize
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -21,6 +27,39 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def lines(path: str) -> int:
     with open(path) as f:
         return sum(1 for _ in f)
+
+
+LAYOUT = {tokenize.NEWLINE, tokenize.NL, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER, tokenize.ENCODING}
+
+
+def docstring_lines(tree: ast.Module) -> set[int]:
+    """The first line of every docstring (of the module, a class or a function)."""
+    starts = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            is_string = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+            if is_string and isinstance(first.value.value, str):
+                starts.add(first.lineno)
+    return starts
+
+
+def tokens(path: str) -> tuple[int, int]:
+    """(code tokens, prose words) of a Python file: comments and docstrings are prose, the rest code."""
+    with open(path) as f:
+        source = f.read()
+    docstrings = docstring_lines(ast.parse(source))
+    code, prose = 0, 0
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type in LAYOUT:
+            continue
+        if token.type == tokenize.COMMENT:
+            prose += len(token.string.lstrip("#").split())
+        elif token.type == tokenize.STRING and token.start[0] in docstrings:
+            prose += len(token.string.strip("\"'rbuf").split())
+        else:
+            code += 1
+    return code, prose
 
 
 def imported_files(script: str, argv: list[str]) -> list[str]:
@@ -33,7 +72,10 @@ def imported_files(script: str, argv: list[str]) -> list[str]:
     except SystemExit as e:
         if e.code not in (None, 0):
             raise
-    files = {os.path.abspath(m.__file__) for m in list(sys.modules.values()) if getattr(m, "__file__", None)}
+    # Only absolute paths: torch.ops and torch.classes carry bare names such as "_classes.py", which would
+    # otherwise be taken for files of the current folder.
+    named = [getattr(m, "__file__", None) for m in list(sys.modules.values())]
+    files = {path for path in named if path and os.path.isabs(path)}
     files.add(os.path.join(REPO, script))
     return sorted(f for f in files if f.startswith(REPO + os.sep) and "benchmarks" + os.sep not in f)
 
@@ -76,12 +118,16 @@ def reachable_files(script: str) -> list[str]:
     return sorted(seen)
 
 
-def report(files: list[str]) -> int:
-    total = sum(map(lines, files))
+def report(files: list[str]) -> tuple[int, int, int]:
+    """Print each file's lines, code tokens and prose words, then the totals; return the totals."""
+    print(f"{'lines':>6} {'code':>7} {'prose':>7} file")
+    totals = [0, 0, 0]
     for path in files:
-        print(f"{lines(path):6d} {os.path.relpath(path, REPO)}")
-    print(f"{total:6d} total in {len(files)} files")
-    return total
+        row = (lines(path), *tokens(path))
+        totals = [t + x for t, x in zip(totals, row)]
+        print(f"{row[0]:6d} {row[1]:7d} {row[2]:7d} {os.path.relpath(path, REPO)}")
+    print(f"{totals[0]:6d} {totals[1]:7d} {totals[2]:7d} total in {len(files)} files")
+    return tuple(totals)
 
 
 if __name__ == "__main__":

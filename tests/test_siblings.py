@@ -1,9 +1,9 @@
-"""The estimator scripts (evals.ALGORITHMS, ten today) share one skeleton: `diff grpo.py X.py` shows only how the
-estimators differ.
+"""The estimator scripts (evals.ALGORITHMS) share one skeleton: `diff grpo.py X.py` shows only how the estimators
+differ.
 
-Allowed to differ: the module docstring, the `# Algorithm-specific` block of Args, the
-`# ALGO LOGIC` section (compute_advantages, batch_stats, compute_loss), and in main() only a few
-lines tagged `# <ALGO>:` that the estimator truly needs in the loop.
+Allowed to differ: the module docstring, the `# Algorithm-specific` block of Args (the shared flags are
+common/args.py's TrainArgs, which every Args extends), the `# ALGO LOGIC` section (compute_advantages, batch_stats,
+compute_loss), and in main() only a few lines tagged `# <ALGO>:` that the estimator truly needs in the loop.
 """
 
 import difflib
@@ -19,8 +19,9 @@ from evals import ALGORITHMS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Max changed lines (`<` and `>`) in `diff grpo.py X.py`: 110 for every script the project holds (evals.ALGORITHMS),
-# gspo 60; snib over it (SNIB-fg, its reward noise, removed rows leaving the group mean).
-BUDGET = {"gspo": 60, "snib": 117}
+# gspo 60; snib over it (SNIB-fg, its reward noise, removed rows leaving the group mean; its script has no
+# `Literal` import).
+BUDGET = {"gspo": 60, "snib": 120}
 SIBLINGS = {name: BUDGET.get(name, 110) for name in ALGORITHMS if name != "grpo"}
 MAX_MAIN_LINES = 6
 
@@ -32,7 +33,10 @@ def regions(name: str) -> dict[str, list[str]]:
     algo_args = lines.index("    # Algorithm-specific")
     algo_logic = next(i for i, line in enumerate(lines) if line.startswith("# ALGO LOGIC"))
     main = next(i for i, line in enumerate(lines) if line.startswith("def main("))
-    return {"docstring": lines[:first_import], "imports and shared Args": lines[first_import:algo_args],
+    # `from typing import Literal` is imported only by the scripts whose own flags take one of a few values (ruff
+    # refuses an unused import), so it is the one import line that may differ
+    header = [line for line in lines[first_import:algo_args] if line != "from typing import Literal"]
+    return {"docstring": lines[:first_import], "imports and the Args header": header,
             "algorithm Args": lines[algo_args:algo_logic], "algo logic": lines[algo_logic:main],
             "main": lines[main:]}
 
@@ -46,8 +50,8 @@ def present(name):
 def test_diff_touches_only_the_estimator(name):
     present(name)
     base, other = regions("grpo"), regions(name)
-    assert other["imports and shared Args"] == base["imports and shared Args"], \
-        "imports and shared Args fields must be byte-identical to grpo.py"
+    assert other["imports and the Args header"] == base["imports and the Args header"], \
+        "the imports and the Args header (class Args(TrainArgs), exp_name) must be byte-identical to grpo.py"
     changed = [line for line in difflib.unified_diff(base["main"], other["main"], lineterm="", n=0)
                if line[:1] in "+-" and not line.startswith(("+++", "---"))]
     tag = f"# {name.upper()}:"
@@ -85,29 +89,44 @@ GPU_STAND_IN = ["grpo.py", "--model", "runs/toy/model", "--dataset", "runs/toy/t
                 "--prompt_template", "{prompt}", "--dtype", "float32", "--max_prompt_length", "8",
                 "--max_completion_length", "6", "--batch_size", "8", "--num_generations", "4", "--total_steps", "1",
                 "--eval_steps", "1", "--report_to", "none"]
-COPY_COST = {"toy": 3000, "gpu": 4000}  # lines, at most (issue 41's targets)
+# Code tokens at most (benchmarks/copy_cost.py: comments and docstrings are counted apart, so explaining costs
+# nothing and packing saves nothing). Each bound is the figure measured when it was set plus about 10%, so that a
+# readable change fits: toy 22,961, GPU stand-in with vLLM's engine 29,610 when set (docs/layout.md has today's).
+COPY_COST = {"toy": 25_000, "gpu": 33_000}
 
 
-def copy_cost(cwd, command: list[str], python=sys.executable) -> tuple[int, list[str]]:
-    """(lines, files) of what `python COMMAND` imported from the repository, by benchmarks/copy_cost.py."""
+def copy_cost(cwd, command: list[str], python=sys.executable) -> tuple[dict, list[str]]:
+    """({lines, code, prose}, files) of what `python COMMAND` imported from the repository, by
+    benchmarks/copy_cost.py."""
     out = subprocess.run([python, os.path.join(REPO, "benchmarks", "copy_cost.py"), *command], cwd=cwd,
                          capture_output=True, text=True, timeout=900, env=subprocess_env())  # no MASTER_PORT of ours
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    table = out.stdout[out.stdout.rindex("imported:"):].splitlines()[1:]
-    return int(table[-1].split()[0]), [line.split()[1] for line in table[:-1]]
+    table = out.stdout[out.stdout.rindex("imported:"):].splitlines()[2:]  # after the header line
+    totals = dict(zip(("lines", "code", "prose"), map(int, table[-1].split()[:3])))
+    return totals, [line.split()[3] for line in table[:-1]]
 
 
-def layout_row(command: str) -> tuple[int, int]:
-    """(files, lines) that docs/layout.md's copy-cost table gives the command its first cell starts with."""
+def file_cost(path: str) -> dict:
+    """{lines, code, prose} of one file of the repository."""
+    from benchmarks.copy_cost import lines, tokens
+
+    code, prose = tokens(os.path.join(REPO, path))
+    return {"lines": lines(os.path.join(REPO, path)), "code": code, "prose": prose}
+
+
+def layout_row(command: str) -> tuple[int, ...]:
+    """(files, lines, code tokens, prose words) that docs/layout.md's copy-cost table gives the command its first cell
+    starts with."""
     with open(os.path.join(REPO, "docs", "layout.md")) as f:
         row = next(line for line in f if line.startswith(f"| {command}"))
-    return tuple(int(cell.strip().replace(",", "")) for cell in row.strip().strip("|").split("|")[-2:])
+    return tuple(int(cell.strip().replace(",", "")) for cell in row.strip().strip("|").split("|")[-4:])
 
 
 def test_copying_grpo_for_the_toy_takes_what_its_run_imports(in_toy_workdir):
-    lines, files = copy_cost(in_toy_workdir, TOY_COMMAND + ["--run_name", "copy_cost_toy"])
-    assert lines <= COPY_COST["toy"], files
-    assert layout_row("`grpo.py --preset toy`") == (len(files), lines)  # the docs' figure is the measured one
+    cost, files = copy_cost(in_toy_workdir, TOY_COMMAND + ["--run_name", "copy_cost_toy"])
+    assert cost["code"] <= COPY_COST["toy"], (cost, files)
+    measured = (len(files), cost["lines"], cost["code"], cost["prose"])
+    assert layout_row("`grpo.py --preset toy`") == measured  # the docs' figures are the measured ones
     # the GPU path, the tool turns, the math grader, benchmarks, LoRA, resuming, recipes and sharding load only when
     # their flag is on
     optional = {"common/vllm_engine.py", "common/multiturn.py", "common/sandbox.py", "common/math_grader.py",
@@ -117,12 +136,25 @@ def test_copying_grpo_for_the_toy_takes_what_its_run_imports(in_toy_workdir):
 
 
 def test_copying_grpo_for_the_gpu_command_takes_what_its_run_imports(in_toy_workdir):
-    lines, files = copy_cost(in_toy_workdir, GPU_STAND_IN + ["--rollout_engine", "hf", "--run_name", "copy_cost_gpu"])
+    cost, files = copy_cost(in_toy_workdir, GPU_STAND_IN + ["--rollout_engine", "hf", "--run_name", "copy_cost_gpu"])
     assert "common/math_grader.py" in files and "common/toy.py" not in files, files
-    with open(os.path.join(REPO, "common", "vllm_engine.py")) as f:
-        engine = sum(1 for _ in f)
-    assert lines + engine <= COPY_COST["gpu"], (lines, engine, files)
-    assert layout_row("the GPU command") == (len(files) + 1, lines + engine)  # the docs' figure is the measured one
+    engine = file_cost("common/vllm_engine.py")
+    total = {k: cost[k] + engine[k] for k in cost}
+    assert total["code"] <= COPY_COST["gpu"], (total, files)
+    measured = (len(files) + 1, total["lines"], total["code"], total["prose"])
+    assert layout_row("the GPU command") == measured  # the docs' figures are the measured ones
+
+
+def test_the_documented_copy_cost_command_runs_from_the_repository_root(monkeypatch):
+    """docs/layout.md runs benchmarks/copy_cost.py from the repository's root, where torch.ops' and torch.classes'
+    bare `__file__` names ("_classes.py") once resolved to files that do not exist (FileNotFoundError)."""
+    from benchmarks.copy_cost import imported_files
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # imported_files sets sys.argv, as the script's run would
+    files = imported_files("grpo.py", ["--help"])
+    assert os.path.join(REPO, "grpo.py") in files and os.path.join(REPO, "common", "args.py") in files
+    assert all(os.path.exists(f) for f in files), files
 
 
 def test_the_toy_is_imported_by_the_toy_alone():

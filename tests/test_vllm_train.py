@@ -143,6 +143,6 @@ def test_copying_grpo_for_the_gpu_command_on_vllm_takes_what_its_run_imports(toy
     imports, vLLM's engine among them, stay within the copy cost's bound."""
     from test_siblings import COPY_COST, GPU_STAND_IN, copy_cost
 
-    lines, files = copy_cost(toy_workdir, GPU_STAND_IN + VLLM + ["--run_name", "copy_cost_vllm"])
+    cost, files = copy_cost(toy_workdir, GPU_STAND_IN + VLLM + ["--run_name", "copy_cost_vllm"])
     assert "common/vllm_engine.py" in files and "common/math_grader.py" in files, files
-    assert lines <= COPY_COST["gpu"], (lines, files)
+    assert cost["code"] <= COPY_COST["gpu"], (cost, files)
