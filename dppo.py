@@ -23,7 +23,6 @@ Run:
 import os
 import time
 from dataclasses import dataclass
-from functools import partial
 from typing import Literal
 
 import torch
@@ -32,14 +31,15 @@ from common.args import TrainArgs, arg
 from common.logprobs import completion_logprobs
 from common.offpolicy import importance_weights
 from common.run import end_step, finish, launch, progress_bar, setup
-from common.sampling import current_logprobs, old_and_reference_logprobs, sample_batch
-from common.update import backward_share, masked_mean, microbatches, minibatches, save_dumps, sum_over_processes, take
+from common.sampling import old_and_reference_logprobs, sample_batch
+from common.stats import BatchStats, sum_over_processes, this_process
+from common.update import backward_share, masked_mean, microbatches, minibatches, rows_of, save_dumps
 
 
 @dataclass
 class Args(TrainArgs):
-    """The estimator's flags. The run's, the model's, the data's, the rollouts' and the optimisation's are
-    TrainArgs' (common/args.py); --help lists them all."""
+    """The estimator's flags. The run's, the model's, the data's, the rollouts' and the
+    optimisation's are TrainArgs' (common/args.py); --help lists them all."""
 
     exp_name: str = arg(os.path.basename(__file__)[: -len(".py")], "name of this experiment")
     # Algorithm-specific
@@ -58,22 +58,26 @@ def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
     return (centered / (grouped.std(dim=1, keepdim=True) + 1e-6)).flatten()  # (B,)
 
 
-def batch_stats(current_logp, old_logp, advantages, mask, args: Args) -> tuple[dict, dict]:
+@dataclass
+class Stats(BatchStats):
+    """The loss's denominators over the whole optimizer batch (every process's rows)."""
+
+    num_tokens: torch.Tensor  # ()  valid tokens  DPPO: a token mean over the optimizer batch
+
+
+def batch_stats(advantages, mask, args: Args, total=this_process) -> Stats:
     """What compute_loss needs from the whole optimizer batch when it is called per micro-batch.
-
-    Returns (totals, per_row): totals are sums over this process's rows, which the loop adds up over the
-    processes; per_row are (rows,) values, which stay with their rows. `current_logp()` gives (rows, T)
-    log-probs at the current weights, without gradient, for estimators whose statistics depend on them
-    (on-policy it is old_logp: no extra pass).
-    """
-    return {"num_tokens": mask.sum().float()}, {}  # DPPO: a token mean over the optimizer batch
+    `total` sums a tensor over the processes (the loop's all-reduce; alone, the identity)."""
+    return Stats(num_tokens=total(mask.sum().float()))
 
 
-def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, num_tokens=None, tis_weights=None):
-    """DPPO loss with full-batch semantics. `num_tokens` (default: this batch's valid tokens) is the denominator
-    over the whole optimizer batch per micro-batch; `tis_weights` (B, T) multiply the policy term per token."""
+def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=None, tis_weights=None):
+    """DPPO loss with full-batch semantics. `stats.num_tokens` (default: these rows' valid tokens)
+    is the denominator over the whole optimizer batch per micro-batch; `tis_weights` (B, T) multiply
+    the policy term per token."""
+    if stats is None:
+        stats = batch_stats(advantages, mask, args)
     mask = mask.float()  # (B, T)
-    num_tokens = mask.sum() if num_tokens is None else num_tokens
     ratio = torch.exp(logp - old_logp)  # (B, T)  r_t
     A = advantages[:, None]  # (B, 1)
     default = {"tv": 0.15, "kl": 0.05}[args.divergence]  # DPPO: the authors' threshold for each divergence
@@ -95,37 +99,38 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, num_tok
     if args.beta > 0:
         kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1  # (B, T)  k3
         per_token = per_token - args.beta * kl  # (B, T)
-    loss = -(per_token * mask).sum() / max(num_tokens, 1)  # DPPO: token mean over the optimizer batch
+    loss = -(per_token * mask).sum() / stats.num_tokens.clamp(min=1)  # DPPO: token mean over the optimizer batch
 
     with torch.no_grad():
-        token_mean = lambda x: (x * mask).sum() / mask.sum().clamp(min=1)  # noqa: E731
         metrics = {
             "loss/policy": loss.detach(),
-            "policy/ratio_mean": token_mean(ratio),
-            "policy/clip_frac_low": token_mean(is_low.float()),  # DPPO: masked, out of the region below
-            "policy/clip_frac_high": token_mean(is_high.float()),
-            "policy/clip_frac": token_mean((is_low | is_high).float()),
+            "policy/ratio_mean": masked_mean(ratio, mask),
+            "policy/clip_frac_low": masked_mean(is_low.float(), mask),  # DPPO: masked, out of the region below
+            "policy/clip_frac_high": masked_mean(is_high.float(), mask),
+            "policy/clip_frac": masked_mean((is_low | is_high).float(), mask),
         }
         if args.beta > 0:
-            metrics["policy/kl"] = token_mean(kl)
+            metrics["policy/kl"] = masked_mean(kl, mask)
     return loss, metrics
 
 
 def main(args: Args):
     run = setup(args)  # common/run.py: processes, run folder, policy (+LoRA), reference, data, optimizer, engine
     model, optimizer, scheduler, accelerator = run.model, run.optimizer, run.scheduler, run.accelerator
+    total = sum_over_processes(accelerator)  # sums a tensor over the processes: whole-batch statistics
     progress = progress_bar(run)
     for step in progress:
-        step_start, metrics = time.time(), {}
+        step_start = time.time()
+        metrics = {}
 
-        # 1. Rollouts and rewards, with the log-probs of the weights that sample them: the behaviour policy's (old)
-        # and the reference's. --rollout_lag K: the batch of step + K is sampled now, this step's was K steps ago.
+        # 1. Rollouts and rewards, with the log-probs of the weights that sampled them (the behaviour policy's, old)
+        # and the reference's. --rollout_lag K: the batch of step + K is sampled now, this step's K steps ago.
         for index in run.queue.steps_to_sample(step, args.total_steps):  # [step] at lag 0
             batch = sample_batch(run, index, metrics)  # this process's rows of step `index` (common/batch.py)
             batch.old_logp, batch.ref_logp = old_and_reference_logprobs(run, batch, metrics)  # (B, T) each
             run.queue.put(batch, sampled_at=step)
         batch = run.queue.take(step)
-        mask, old_logp, ref_logp = batch.mask, batch.old_logp, batch.ref_logp  # (B, T) each
+        mask = batch.mask  # (B, T)
         T = mask.shape[1]
 
         # 2. Advantages (and, for a sampler/trainer mismatch, truncated or masked importance weights)
@@ -133,35 +138,37 @@ def main(args: Args):
         tis_weights = None
         if args.tis_cap > 0:
             tis_weights, metrics["rollout/is_masked_frac"] = importance_weights(
-                old_logp, batch.sampler_logp, mask, args.tis_cap, args.tis_mode, args.mis)  # (B, T)
+                batch.old_logp, batch.sampler_logp, mask, args.tis_cap, args.tis_mode, args.mis
+            )  # (B, T)
 
         # 3. Policy updates: num_iterations passes over the batch, one optimizer step per mini-batch
         model.train()
-        update_start, update_metrics, grad_norms, dumps = time.time(), [], [], []
+        update_start = time.time()
+        update_metrics, grad_norms, dumps = [], [], []
         for _ in range(args.num_iterations):
-            for mini in minibatches(run):
-                # the whole optimizer batch's statistics (some at the current weights: current_logp, when called)
-                current_logp = partial(current_logprobs, run, batch, mini)  # () -> (rows, T), without gradient
-                totals, per_row = batch_stats(current_logp, old_logp[mini], advantages[mini], mask[mini], args)
-                totals = sum_over_processes(totals, accelerator)  # sums over this process's rows -> the batch's
-                dumps.append(per_row)  # --dump_stats_steps (e.g. SNIB's Figure 2)
-                for micro in microbatches(run, batch, mini):
-                    rows = micro - mini.start  # the micro-batch's rows within the mini-batch
-                    input_ids, attention = batch.input_ids[micro], batch.attention_mask[micro]  # (b, P+T) each
+            for mini in minibatches(run):  # a slice of this process's rows
+                stats = batch_stats(advantages[mini], mask[mini], args, total)  # the optimizer batch's
+                dumps.append(stats)  # --dump_stats_steps (e.g. SNIB's Figure 2)
+                for rows in microbatches(run, batch, mini):  # (b,) indices of this process's rows
+                    input_ids = batch.input_ids[rows]  # (b, P+T)
+                    attention = batch.attention_mask[rows]  # (b, P+T)
                     with accelerator.accumulate(model):
                         logp, entropy = completion_logprobs(model, input_ids, attention, T, args.temperature)
-                        if run.on_policy:  # these weights sampled the batch: old_logp is logp, without gradient
-                            old_logp[micro] = logp.detach()
+                        if run.on_policy:  # The weights being trained sampled the batch: old is current.
+                            batch.old_logp[rows] = logp.detach()
+                        old_logp, ref_logp = batch.old_logp[rows], rows_of(batch.ref_logp, rows)  # (b, T)
                         loss, loss_metrics = compute_loss(
-                            logp, old_logp[micro], take(ref_logp, micro), advantages[micro], mask[micro], args,
-                            tis_weights=take(tis_weights, micro),
-                            **totals, **{k: v[rows] for k, v in per_row.items()})
-                        loss_metrics["loss/policy"] = backward_share(accelerator, loss)  # a share of the batch loss
-                        if accelerator.sync_gradients:  # the mini-batch's last micro-batch: the optimizer step
-                            grad_norms.append(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
+                            logp, old_logp, ref_logp, advantages[rows], mask[rows], args,
+                            stats.for_rows(rows - mini.start), rows_of(tis_weights, rows),
+                        )
+                        loss_metrics["loss/policy"] = backward_share(accelerator, loss)  # a share of the batch's
+                        if accelerator.sync_gradients:  # The mini-batch's last micro-batch: an optimizer step.
+                            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                            grad_norms.append(grad_norm)
                             optimizer.step()
                             optimizer.zero_grad()
-                    update_metrics.append({**loss_metrics, "policy/entropy": masked_mean(entropy, mask[micro])})
+                    loss_metrics["policy/entropy"] = masked_mean(entropy, mask[rows])
+                    update_metrics.append(loss_metrics)
                 scheduler.step()
         metrics["time/update"] = time.time() - update_start
         if args.dump_stats_steps > 0 and (step + 1) % args.dump_stats_steps == 0:

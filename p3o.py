@@ -19,7 +19,6 @@ Run:
 import os
 import time
 from dataclasses import dataclass
-from functools import partial
 from typing import Literal
 
 import torch
@@ -28,14 +27,15 @@ from common.args import TrainArgs, arg
 from common.logprobs import completion_logprobs
 from common.offpolicy import importance_weights
 from common.run import end_step, finish, launch, progress_bar, setup
-from common.sampling import current_logprobs, old_and_reference_logprobs, sample_batch
-from common.update import backward_share, masked_mean, microbatches, minibatches, save_dumps, sum_over_processes, take
+from common.sampling import log_ratio_now, old_and_reference_logprobs, sample_batch  # P3O:
+from common.stats import BatchStats, sum_over_processes, this_process
+from common.update import backward_share, masked_mean, microbatches, minibatches, rows_of, save_dumps
 
 
 @dataclass
 class Args(TrainArgs):
-    """The estimator's flags. The run's, the model's, the data's, the rollouts' and the optimisation's are
-    TrainArgs' (common/args.py); --help lists them all."""
+    """The estimator's flags. The run's, the model's, the data's, the rollouts' and the
+    optimisation's are TrainArgs' (common/args.py); --help lists them all."""
 
     exp_name: str = arg(os.path.basename(__file__)[: -len(".py")], "name of this experiment")
     # Algorithm-specific
@@ -52,40 +52,50 @@ def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
     return (centered / (grouped.std(dim=1, keepdim=True) + 1e-6)).flatten()  # (B,)
 
 
-def batch_stats(current_logp, old_logp, advantages, mask, args: Args) -> tuple[dict, dict]:
-    """What compute_loss needs from the whole optimizer batch when it is called per micro-batch.
+@dataclass
+class Stats(BatchStats):
+    """What P3O's loss needs from the whole optimizer batch: sums over its valid tokens at the
+    current weights, ESS = (sum r)^2 / (n sum r^2). float64: r^2 overflows float32."""
 
-    Returns (totals, per_row): totals are sums over this process's rows, which the loop adds up over the
-    processes; per_row are (rows,) values, which stay with their rows. `current_logp()` gives (rows, T)
-    log-probs at the current weights, without gradient, for estimators whose statistics depend on them
-    (on-policy it is old_logp: no extra pass).
-    """
+    num_tokens: torch.Tensor  # ()  n, the valid tokens: the token mean's denominator
+    sum_r: torch.Tensor | None = None  # ()  sum r_t (None: --ess_scope micro_batch)
+    sum_r2: torch.Tensor | None = None  # ()  sum r_t^2
+
+
+def batch_stats(log_ratio, advantages, mask, args: Args, total=this_process) -> Stats:
+    """What compute_loss needs from the whole optimizer batch when it is called per micro-batch.
+    `log_ratio` (B, T): logp - old_logp at the current weights; `total` sums a tensor over the
+    processes."""
     # P3O: ESS needs sum r, sum r^2 and n over every valid token of the optimizer batch, at the current weights;
     # --ess_scope micro_batch leaves them to each micro-batch's own forward and keeps the batch's token count
     if args.ess_scope == "micro_batch":
-        return {"num_tokens": mask.double().sum()}, {}
-    return ess_sums(current_logp(), old_logp, mask), {}
+        return Stats(num_tokens=total(mask.double().sum()))
+    return ess_sums(log_ratio, mask, total)
 
 
-def ess_sums(current_logp, old_logp, mask) -> dict[str, torch.Tensor]:
+def ess_sums(log_ratio, mask, total=this_process) -> Stats:
     """sum r, sum r^2 and n over the valid tokens of these rows: ESS = (sum r)^2 / (n sum r^2)."""
-    delta = (current_logp - old_logp).double().masked_fill(mask == 0, 0)  # (B, T)  float64: r^2 overflows fp32
+    delta = log_ratio.double().masked_fill(mask == 0, 0)  # (B, T)  float64: r^2 overflows fp32
     ratio = torch.exp(delta) * mask  # (B, T)  r_t on valid tokens, 0 on padding
-    return {"sum_r": ratio.sum(), "sum_r2": (ratio**2).sum(), "num_tokens": mask.double().sum()}
+    num_tokens = total(mask.double().sum())  # ()
+    return Stats(num_tokens, sum_r=total(ratio.sum()), sum_r2=total((ratio**2).sum()))
 
 
-def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, sum_r=None, sum_r2=None, num_tokens=None,
-                 tis_weights=None, entropy=None):
-    """P3O loss with full-batch semantics: `sum_r`, `sum_r2`, `num_tokens` (default: this batch's) are the optimizer
-    batch's sums over valid tokens at the current weights; `tis_weights` (B, T) scale the policy term, not the trust
-    region; `entropy` (B, T) carries its gradient when entropy_coeff > 0."""
+def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=None, tis_weights=None,
+                 entropy=None):
+    """P3O loss with full-batch semantics: `stats` are the optimizer batch's sums over valid tokens
+    at the current weights (None: these rows are the whole batch); `tis_weights` (B, T) scale the
+    policy term, not the trust region; `entropy` (B, T) carries its gradient when entropy_coeff > 0.
+    """
     if args.entropy_coeff > 0 and (entropy is None or (logp.requires_grad and not entropy.requires_grad)):
         raise ValueError("--entropy_coeff > 0 needs the entropy's gradient: completion_logprobs(entropy_grad=True)")
-    own = ess_sums(logp.detach(), old_logp, mask) if sum_r is None else dict(
-        sum_r=sum_r, sum_r2=sum_r2, num_tokens=num_tokens)  # the batch's, or these rows' own
-    num_tokens = own["num_tokens"] if num_tokens is None else num_tokens  # the token mean's denominator
+    if stats is None:
+        stats = batch_stats(logp.detach() - old_logp, advantages, mask, args)
+    own = stats  # the optimizer batch's sums
+    if stats.sum_r is None:  # --ess_scope micro_batch: these rows' own
+        own = ess_sums(logp.detach() - old_logp, mask)
     mask = mask.float()  # (B, T)
-    ess = (own["sum_r"]**2 / (own["num_tokens"] * own["sum_r2"]).clamp(1e-300)).to(logp.dtype)  # ()  P3O: 0 if no token
+    ess = (own.sum_r**2 / (own.num_tokens * own.sum_r2).clamp(1e-300)).to(logp.dtype)  # ()  P3O: 0 if no token
     delta = logp - old_logp  # (B, T)
     ratio = torch.exp(delta.detach().masked_fill(mask == 0, 0))  # (B, T)  r_t
     A = advantages[:, None]  # (B, 1)
@@ -99,37 +109,38 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, sum_r=N
         per_token = per_token + args.beta * kl  # (B, T)
     if args.entropy_coeff > 0:
         per_token = per_token - args.entropy_coeff * entropy  # (B, T)  P3O: entropy bonus
-    loss = (per_token * mask).sum() / num_tokens.to(logp.dtype)  # P3O: token mean over the optimizer batch
+    loss = (per_token * mask).sum() / stats.num_tokens.to(logp.dtype)  # P3O: token mean over the optimizer batch
 
     with torch.no_grad():
-        token_mean = lambda x: (x * mask).sum() / mask.sum().clamp(min=1)  # noqa: E731
         metrics = {
             "loss/policy": loss.detach(),
-            "policy/ratio_mean": token_mean(ratio),
+            "policy/ratio_mean": masked_mean(ratio, mask),
             "p3o/ess": ess,
-            "p3o/behaviour_kl": token_mean(kl_old),
-            "p3o/capped_frac": token_mean((ratio > ess).float()),
+            "p3o/behaviour_kl": masked_mean(kl_old, mask),
+            "p3o/capped_frac": masked_mean((ratio > ess).float(), mask),
         }
         if args.beta > 0:
-            metrics["policy/kl"] = token_mean(kl)
+            metrics["policy/kl"] = masked_mean(kl, mask)
     return loss, metrics
 
 
 def main(args: Args):
     run = setup(args)  # common/run.py: processes, run folder, policy (+LoRA), reference, data, optimizer, engine
     model, optimizer, scheduler, accelerator = run.model, run.optimizer, run.scheduler, run.accelerator
+    total = sum_over_processes(accelerator)  # sums a tensor over the processes: whole-batch statistics
     progress = progress_bar(run)
     for step in progress:
-        step_start, metrics = time.time(), {}
+        step_start = time.time()
+        metrics = {}
 
-        # 1. Rollouts and rewards, with the log-probs of the weights that sample them: the behaviour policy's (old)
-        # and the reference's. --rollout_lag K: the batch of step + K is sampled now, this step's was K steps ago.
+        # 1. Rollouts and rewards, with the log-probs of the weights that sampled them (the behaviour policy's, old)
+        # and the reference's. --rollout_lag K: the batch of step + K is sampled now, this step's K steps ago.
         for index in run.queue.steps_to_sample(step, args.total_steps):  # [step] at lag 0
             batch = sample_batch(run, index, metrics)  # this process's rows of step `index` (common/batch.py)
             batch.old_logp, batch.ref_logp = old_and_reference_logprobs(run, batch, metrics)  # (B, T) each
             run.queue.put(batch, sampled_at=step)
         batch = run.queue.take(step)
-        mask, old_logp, ref_logp = batch.mask, batch.old_logp, batch.ref_logp  # (B, T) each
+        mask = batch.mask  # (B, T)
         T = mask.shape[1]
 
         # 2. Advantages (and, for a sampler/trainer mismatch, truncated or masked importance weights)
@@ -137,36 +148,39 @@ def main(args: Args):
         tis_weights = None
         if args.tis_cap > 0:
             tis_weights, metrics["rollout/is_masked_frac"] = importance_weights(
-                old_logp, batch.sampler_logp, mask, args.tis_cap, args.tis_mode, args.mis)  # (B, T)
+                batch.old_logp, batch.sampler_logp, mask, args.tis_cap, args.tis_mode, args.mis
+            )  # (B, T)
 
         # 3. Policy updates: num_iterations passes over the batch, one optimizer step per mini-batch
         model.train()
-        update_start, update_metrics, grad_norms, dumps = time.time(), [], [], []
+        update_start = time.time()
+        update_metrics, grad_norms, dumps = [], [], []
         for _ in range(args.num_iterations):
-            for mini in minibatches(run):
-                # the whole optimizer batch's statistics (some at the current weights: current_logp, when called)
-                current_logp = partial(current_logprobs, run, batch, mini)  # () -> (rows, T), without gradient
-                totals, per_row = batch_stats(current_logp, old_logp[mini], advantages[mini], mask[mini], args)
-                totals = sum_over_processes(totals, accelerator)  # sums over this process's rows -> the batch's
-                dumps.append(per_row)  # --dump_stats_steps (e.g. SNIB's Figure 2)
-                for micro in microbatches(run, batch, mini):
-                    rows = micro - mini.start  # the micro-batch's rows within the mini-batch
-                    input_ids, attention = batch.input_ids[micro], batch.attention_mask[micro]  # (b, P+T) each
+            for mini in minibatches(run):  # a slice of this process's rows
+                log_ratio = log_ratio_now(run, batch, mini) if args.ess_scope == "batch" else None  # P3O:
+                stats = batch_stats(log_ratio, advantages[mini], mask[mini], args, total)  # P3O:
+                dumps.append(stats)  # --dump_stats_steps (e.g. SNIB's Figure 2)
+                for rows in microbatches(run, batch, mini):  # (b,) indices of this process's rows
+                    input_ids = batch.input_ids[rows]  # (b, P+T)
+                    attention = batch.attention_mask[rows]  # (b, P+T)
                     with accelerator.accumulate(model):
-                        logp, entropy = completion_logprobs(model, input_ids, attention, T, args.temperature,  # P3O:
-                                                            args.entropy_coeff > 0)  # P3O: the bonus's gradient
-                        if run.on_policy:  # these weights sampled the batch: old_logp is logp, without gradient
-                            old_logp[micro] = logp.detach()
+                        logp, entropy = completion_logprobs(  # P3O: the entropy bonus's gradient
+                            model, input_ids, attention, T, args.temperature, args.entropy_coeff > 0)  # P3O:
+                        if run.on_policy:  # The weights being trained sampled the batch: old is current.
+                            batch.old_logp[rows] = logp.detach()
+                        old_logp, ref_logp = batch.old_logp[rows], rows_of(batch.ref_logp, rows)  # (b, T)
                         loss, loss_metrics = compute_loss(
-                            logp, old_logp[micro], take(ref_logp, micro), advantages[micro], mask[micro], args,
-                            tis_weights=take(tis_weights, micro), entropy=entropy,  # P3O:
-                            **totals, **{k: v[rows] for k, v in per_row.items()})
-                        loss_metrics["loss/policy"] = backward_share(accelerator, loss)  # a share of the batch loss
-                        if accelerator.sync_gradients:  # the mini-batch's last micro-batch: the optimizer step
-                            grad_norms.append(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
+                            logp, old_logp, ref_logp, advantages[rows], mask[rows], args,
+                            stats.for_rows(rows - mini.start), rows_of(tis_weights, rows), entropy,  # P3O:
+                        )
+                        loss_metrics["loss/policy"] = backward_share(accelerator, loss)  # a share of the batch's
+                        if accelerator.sync_gradients:  # The mini-batch's last micro-batch: an optimizer step.
+                            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                            grad_norms.append(grad_norm)
                             optimizer.step()
                             optimizer.zero_grad()
-                    update_metrics.append({**loss_metrics, "policy/entropy": masked_mean(entropy, mask[micro])})
+                    loss_metrics["policy/entropy"] = masked_mean(entropy, mask[rows])
+                    update_metrics.append(loss_metrics)
                 scheduler.step()
         metrics["time/update"] = time.time() - update_start
         if args.dump_stats_steps > 0 and (step + 1) % args.dump_stats_steps == 0:

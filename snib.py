@@ -16,7 +16,6 @@ Run:
 import os
 import time
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
@@ -24,14 +23,15 @@ from common.args import TrainArgs, arg
 from common.logprobs import completion_logprobs
 from common.offpolicy import importance_weights
 from common.run import end_step, finish, launch, progress_bar, setup
-from common.sampling import current_logprobs, old_and_reference_logprobs, sample_batch
-from common.update import backward_share, masked_mean, microbatches, minibatches, save_dumps, sum_over_processes, take
+from common.sampling import log_ratio_now, old_and_reference_logprobs, sample_batch  # SNIB:
+from common.stats import BatchStats, per_row, sum_over_processes, this_process  # SNIB:
+from common.update import backward_share, masked_mean, microbatches, minibatches, rows_of, save_dumps
 
 
 @dataclass
 class Args(TrainArgs):
-    """The estimator's flags. The run's, the model's, the data's, the rollouts' and the optimisation's are
-    TrainArgs' (common/args.py); --help lists them all."""
+    """The estimator's flags. The run's, the model's, the data's, the rollouts' and the
+    optimisation's are TrainArgs' (common/args.py); --help lists them all."""
 
     exp_name: str = arg(os.path.basename(__file__)[: -len(".py")], "name of this experiment")
     # Algorithm-specific
@@ -59,86 +59,112 @@ def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
     return (centered / (grouped.std(dim=1, keepdim=True) + 1e-6)).flatten()  # (B,)
 
 
-def batch_stats(current_logp, old_logp, advantages, mask, args: Args) -> tuple[dict, dict]:
-    """What compute_loss needs from the whole optimizer batch when it is called per micro-batch.
+@dataclass
+class Stats(BatchStats):
+    """What SNIB's loss needs from the whole optimizer batch: its rows, and for each row its group's
+    statistics at the current weights (a group lies whole on one process)."""
 
-    Returns (totals, per_row): totals are sums over this process's rows, which the loop adds up over the
-    processes; per_row are (rows,) values, which stay with their rows. `current_logp()` gives (rows, T)
-    log-probs at the current weights, without gradient, for estimators whose statistics depend on them
-    (on-policy it is old_logp: no extra pass).
-    """
+    num_rows: torch.Tensor  # ()  rows with a valid token, over every process
+    log_weight: torch.Tensor = per_row()  # (B,)  u_i (--dump_stats_steps: the paper's Figure 2)
+    log_wbar: torch.Tensor = per_row()  # (B,)  log wbar_g, the group's mean weight
+    fg_coeff: torch.Tensor = per_row()  # (B,)  C_g / n_g: SNIB-fg's gradient through wbar_g
+    group_ess: torch.Tensor = per_row()  # (B,)  (sum_g w)^2 / (n_g sum_g w^2)
+
+
+def group_mean(x: torch.Tensor, n_g: torch.Tensor, G: int) -> torch.Tensor:
+    """(B,) -> (B,): each row gets its group's sum over n_g, the group's rows left in the loss."""
+    return (x.view(-1, G).sum(1) / n_g).repeat_interleave(G)
+
+
+def batch_stats(log_ratio, advantages, mask, args: Args, total=this_process) -> Stats:
+    """What compute_loss needs from the whole optimizer batch when it is called per micro-batch.
+    `log_ratio` (B, T): logp - old_logp at the current weights; `total` sums a tensor over the
+    processes."""
     G, A = args.num_generations, advantages  # (B,)
     kept = (mask.sum(-1) > 0).view(-1, G)  # (N, G)  removed rows (no valid token) leave wbar_g: G becomes n_g
-    u = ((current_logp() - old_logp) * mask).sum(-1)  # (B,)  SNIB: u_i at the current weights
+    u = (log_ratio * mask).sum(-1)  # (B,)  SNIB: u_i at the current weights
     n_g = kept.sum(1).clamp(min=1).to(u.dtype)  # (N,)
-    u_g = torch.where(kept.any(1, keepdim=True), u.view(-1, G).masked_fill(~kept, -torch.inf), 0.0)  # (N, G)
+    u_g = u.view(-1, G).masked_fill(~kept, -torch.inf)  # (N, G)
+    u_g = torch.where(kept.any(1, keepdim=True), u_g, 0.0)  # (N, G)  a group with no row left: 0
     log_wbar = (torch.logsumexp(u_g, dim=1) - n_g.log()).repeat_interleave(G)  # (B,)  log wbar_g
     w = torch.exp(u - log_wbar) * kept.flatten()  # (B,)  w_i, 0 on removed rows
     unclipped = w * A <= torch.clamp(w, 1 - args.epsilon, 1 + args.epsilon) * A  # (B,)  the min picks w_i A_i
-    group_mean = lambda x: (x.view(-1, G).sum(1) / n_g).repeat_interleave(G)  # noqa: E731  (B,) -> (B,)
-    return {"num_rows": kept.sum().float()}, {"log_weight": u, "log_wbar": log_wbar,
-            "fg_coeff": group_mean(-A * unclipped * w),  # C_g / n_g, C_g = sum_k w_k d(-min(w_k A_k, clip(w_k) A_k))/dw
-            "group_ess": group_mean(w) ** 2 / group_mean(w**2).clamp(min=1e-30)}  # (sum_g w)^2 / (n_g sum_g w^2)
+    # C_g = sum_k w_k d(-min(w_k A_k, clip(w_k) A_k)) / dw_k, over n_g: SNIB-fg's gradient through wbar_g
+    fg_coeff = group_mean(-A * unclipped * w, n_g, G)  # (B,)
+    group_ess = group_mean(w, n_g, G) ** 2 / group_mean(w**2, n_g, G).clamp(min=1e-30)  # (B,)
+    num_rows = total(kept.sum().float())  # ()
+    return Stats(num_rows, log_weight=u, log_wbar=log_wbar, fg_coeff=fg_coeff, group_ess=group_ess)
 
 
-def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, num_rows=None, log_weight=None, log_wbar=None,
-                 fg_coeff=None, group_ess=None, tis_weights=None):
-    """SNIB loss with full-batch semantics: sg(log wbar_g) is batch_stats' `log_wbar`; SNIB-fg adds the gradient through
-    wbar as -(1/B) C_g sum_{j in g} (w_j / n_g) du_j with value 0 (docs/estimators/snib.md), in-graph with KL or TIS."""
-    if log_wbar is None:  # the full batch: its own statistics
-        totals, rows = batch_stats(logp.detach, old_logp, advantages, mask, args)
-        return compute_loss(logp, old_logp, ref_logp, advantages, mask, args, tis_weights=tis_weights, **totals, **rows)
-    G, mask, fg = args.num_generations, mask.float(), args.self_normalize and not args.stop_grad_norm  # (B, T)
+def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=None, tis_weights=None):
+    """SNIB loss with full-batch semantics: sg(log wbar_g) is `stats.log_wbar` (None: these rows are
+    the whole batch). SNIB-fg adds the gradient through wbar as -(1/B) C_g sum_{j in g} (w_j / n_g)
+    du_j with value 0 (docs/estimators/snib.md); with a KL term or TIS, it takes wbar_g in the graph
+    instead."""
+    if stats is None:
+        stats = batch_stats(logp.detach() - old_logp, advantages, mask, args)
+    G = args.num_generations
+    mask = mask.float()  # (B, T)
+    fg = args.self_normalize and not args.stop_grad_norm  # SNIB-fg: the gradient through wbar_g too
+    log_wbar, fg_coeff = stats.log_wbar, stats.fg_coeff  # (B,) each
     u = ((logp - old_logp) * mask).sum(-1)  # (B,)  SNIB: u_i = sum_t mask (logp - old_logp), EOS included
     if fg and (args.beta > 0 or tis_weights is not None):
         if u.numel() % G:
             raise ValueError("SNIB-fg with --beta > 0 or --tis_cap > 0 needs --micro_batch_size a multiple of G")
-        log_wbar, fg_coeff = batch_stats(lambda: logp, old_logp, advantages, mask, args)[1]["log_wbar"], None  # (B,)
-    w = torch.exp(u - (log_wbar if fg else log_wbar.detach()) if args.self_normalize else u)  # (B,)  SNIB: in [0, G]
+        log_wbar = batch_stats(logp - old_logp, advantages, mask, args).log_wbar  # (B,)  in the graph
+        fg_coeff = None
+    if args.self_normalize:
+        w = torch.exp(u - (log_wbar if fg else log_wbar.detach()))  # (B,)  SNIB: in [0, G]
+    else:
+        w = torch.exp(u)  # (B,)  Vanilla IS
     per_seq = torch.min(w * advantages, torch.clamp(w, 1 - args.epsilon, 1 + args.epsilon) * advantages)  # (B,)
-    per_seq, w = per_seq * (kept := mask.sum(-1) > 0), w * kept  # (B,)  SNIB: removed rows leave the loss
+    kept = mask.sum(-1) > 0  # (B,)  SNIB: removed rows leave the loss
+    per_seq = per_seq * kept  # (B,)
+    w = w * kept  # (B,)
     lengths = mask.sum(-1).clamp(min=1)  # (B,)  L_i
     if tis_weights is not None:
         per_seq = per_seq * (tis_weights * mask).sum(-1) / lengths  # (B,)  SNIB: sequence-level TIS
     if args.beta > 0:
         kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1  # (B, T)  k3
-        per_seq -= args.beta * (w if args.kl_weight_grad else w.detach()) * (kl * mask).sum(-1) / lengths  # SNIB
+        kl_weight = w if args.kl_weight_grad else w.detach()  # (B,)  SNIB: the KL is IS-weighted
+        per_seq -= args.beta * kl_weight * (kl * mask).sum(-1) / lengths  # (B,)
     if fg and fg_coeff is not None:
         per_seq = per_seq + fg_coeff * w.detach() * (u - u.detach())  # (B,)  value 0, gradient C_g w_i / n_g du_i
-    loss = -per_seq.sum() / num_rows
+    loss = -per_seq.sum() / stats.num_rows
 
     with torch.no_grad():
-        token_mean = lambda x: (x * mask).sum() / mask.sum().clamp(min=1)  # noqa: E731
-        is_low = (w < 1 - args.epsilon) & (advantages < 0)  # (B,) clipped from below (gradient zeroed)
+        is_low = (w < 1 - args.epsilon) & (advantages < 0)  # (B,)  clipped from below (gradient zeroed)
         is_high = (w > 1 + args.epsilon) & (advantages > 0)  # (B,)
         metrics = {
             "loss/policy": loss.detach(),
             "snib/weight_mean": w.sum() / kept.sum().clamp(min=1),
             "snib/weight_max": w.max(),
             "snib/raw_logweight_std": u.std(correction=0),
-            "snib/ess": group_ess.mean(),
+            "snib/ess": stats.group_ess.mean(),
             "policy/clip_frac": (is_low | is_high).float().mean(),
         }
         if args.beta > 0:
-            metrics["policy/kl"] = token_mean(kl)
+            metrics["policy/kl"] = masked_mean(kl, mask)
     return loss, metrics
 
 
 def main(args: Args):
     run = setup(args)  # common/run.py: processes, run folder, policy (+LoRA), reference, data, optimizer, engine
     model, optimizer, scheduler, accelerator = run.model, run.optimizer, run.scheduler, run.accelerator
+    total = sum_over_processes(accelerator)  # sums a tensor over the processes: whole-batch statistics
     progress = progress_bar(run)
     for step in progress:
-        step_start, metrics = time.time(), {}
+        step_start = time.time()
+        metrics = {}
 
-        # 1. Rollouts and rewards, with the log-probs of the weights that sample them: the behaviour policy's (old)
-        # and the reference's. --rollout_lag K: the batch of step + K is sampled now, this step's was K steps ago.
+        # 1. Rollouts and rewards, with the log-probs of the weights that sampled them (the behaviour policy's, old)
+        # and the reference's. --rollout_lag K: the batch of step + K is sampled now, this step's K steps ago.
         for index in run.queue.steps_to_sample(step, args.total_steps):  # [step] at lag 0
             batch = sample_batch(run, index, metrics)  # this process's rows of step `index` (common/batch.py)
             batch.old_logp, batch.ref_logp = old_and_reference_logprobs(run, batch, metrics)  # (B, T) each
             run.queue.put(batch, sampled_at=step)
         batch = run.queue.take(step)
-        mask, old_logp, ref_logp = batch.mask, batch.old_logp, batch.ref_logp  # (B, T) each
+        mask = batch.mask  # (B, T)
         T = mask.shape[1]
 
         # 2. Advantages (and, for a sampler/trainer mismatch, truncated or masked importance weights)
@@ -146,35 +172,38 @@ def main(args: Args):
         tis_weights = None
         if args.tis_cap > 0:
             tis_weights, metrics["rollout/is_masked_frac"] = importance_weights(
-                old_logp, batch.sampler_logp, mask, args.tis_cap, args.tis_mode, args.mis)  # (B, T)
+                batch.old_logp, batch.sampler_logp, mask, args.tis_cap, args.tis_mode, args.mis
+            )  # (B, T)
 
         # 3. Policy updates: num_iterations passes over the batch, one optimizer step per mini-batch
         model.train()
-        update_start, update_metrics, grad_norms, dumps = time.time(), [], [], []
+        update_start = time.time()
+        update_metrics, grad_norms, dumps = [], [], []
         for _ in range(args.num_iterations):
-            for mini in minibatches(run):
-                # the whole optimizer batch's statistics (some at the current weights: current_logp, when called)
-                current_logp = partial(current_logprobs, run, batch, mini)  # () -> (rows, T), without gradient
-                totals, per_row = batch_stats(current_logp, old_logp[mini], advantages[mini], mask[mini], args)
-                totals = sum_over_processes(totals, accelerator)  # sums over this process's rows -> the batch's
-                dumps.append(per_row)  # --dump_stats_steps (e.g. SNIB's Figure 2)
-                for micro in microbatches(run, batch, mini):
-                    rows = micro - mini.start  # the micro-batch's rows within the mini-batch
-                    input_ids, attention = batch.input_ids[micro], batch.attention_mask[micro]  # (b, P+T) each
+            for mini in minibatches(run):  # a slice of this process's rows
+                log_ratio = log_ratio_now(run, batch, mini)  # SNIB: (rows, T) at the current weights
+                stats = batch_stats(log_ratio, advantages[mini], mask[mini], args, total)  # SNIB:
+                dumps.append(stats)  # --dump_stats_steps (e.g. SNIB's Figure 2)
+                for rows in microbatches(run, batch, mini):  # (b,) indices of this process's rows
+                    input_ids = batch.input_ids[rows]  # (b, P+T)
+                    attention = batch.attention_mask[rows]  # (b, P+T)
                     with accelerator.accumulate(model):
                         logp, entropy = completion_logprobs(model, input_ids, attention, T, args.temperature)
-                        if run.on_policy:  # these weights sampled the batch: old_logp is logp, without gradient
-                            old_logp[micro] = logp.detach()
+                        if run.on_policy:  # The weights being trained sampled the batch: old is current.
+                            batch.old_logp[rows] = logp.detach()
+                        old_logp, ref_logp = batch.old_logp[rows], rows_of(batch.ref_logp, rows)  # (b, T)
                         loss, loss_metrics = compute_loss(
-                            logp, old_logp[micro], take(ref_logp, micro), advantages[micro], mask[micro], args,
-                            tis_weights=take(tis_weights, micro),
-                            **totals, **{k: v[rows] for k, v in per_row.items()})
-                        loss_metrics["loss/policy"] = backward_share(accelerator, loss)  # a share of the batch loss
-                        if accelerator.sync_gradients:  # the mini-batch's last micro-batch: the optimizer step
-                            grad_norms.append(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
+                            logp, old_logp, ref_logp, advantages[rows], mask[rows], args,
+                            stats.for_rows(rows - mini.start), rows_of(tis_weights, rows),
+                        )
+                        loss_metrics["loss/policy"] = backward_share(accelerator, loss)  # a share of the batch's
+                        if accelerator.sync_gradients:  # The mini-batch's last micro-batch: an optimizer step.
+                            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                            grad_norms.append(grad_norm)
                             optimizer.step()
                             optimizer.zero_grad()
-                    update_metrics.append({**loss_metrics, "policy/entropy": masked_mean(entropy, mask[micro])})
+                    loss_metrics["policy/entropy"] = masked_mean(entropy, mask[rows])
+                    update_metrics.append(loss_metrics)
                 scheduler.step()
         metrics["time/update"] = time.time() - update_start
         if args.dump_stats_steps > 0 and (step + 1) % args.dump_stats_steps == 0:

@@ -4,7 +4,6 @@ trains the batch, at lag K K steps earlier, with the weights of then. The advant
 scripts compute them where the step trains the batch.
 """
 
-import contextlib
 
 import torch
 
@@ -100,28 +99,42 @@ def to_tensors(rollouts: Rollouts, removed: torch.Tensor, pad_token_id: int) -> 
 
 def old_and_reference_logprobs(run, batch: Batch, metrics: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(B, T) each, taken when the batch is sampled: old_logp, the trainer's log-probs at the weights that sampled
-    (--old_logp_source sampler: the sampler's; on-policy: zeros, which the update replaces with its own logp, the
-    same weights' without an extra pass); ref_logp, the reference's, or None without a KL term."""
+    (--old_logp_source sampler: the sampler's); ref_logp, the reference's, or None without a KL term.
+
+    On-policy (`run.on_policy`: one optimizer step per batch, no lag) the weights being trained are the ones that
+    sampled, so old_logp is the update's own log-probs, which the loop records as it computes them: no extra pass.
+    Until then it is NaN, so that a row the update did not reach cannot pass for a log-prob."""
     args = run.args
     with timed(metrics, "time/logprobs"):
         if run.on_policy:
-            old_logp = torch.zeros_like(batch.sampler_logp)  # (B, T)
+            old_logp = torch.full_like(batch.sampler_logp, float("nan"))  # (B, T) the update fills it in
         elif args.old_logp_source == "sampler":
             old_logp = batch.sampler_logp.clone()  # (B, T)
         else:
             old_logp = logprobs_of(run, run.model, batch)  # (B, T)
         if args.beta == 0:
             return old_logp, None
-        lora_reference = run.ref_model is None  # LoRA: the base model is the adapter turned off
-        with run.accelerator.unwrap_model(run.model).disable_adapter() if lora_reference else contextlib.nullcontext():
-            ref_logp = logprobs_of(run, run.model if lora_reference else run.ref_model, batch)  # (B, T)
-        return old_logp, ref_logp
+        if run.ref_model is not None:
+            return old_logp, logprobs_of(run, run.ref_model, batch)  # (B, T)
+        with run.accelerator.unwrap_model(run.model).disable_adapter():  # LoRA: the base model is the reference
+            return old_logp, logprobs_of(run, run.model, batch)  # (B, T)
 
 
-def current_logprobs(run, batch: Batch, rows: slice, fresh: bool = False) -> torch.Tensor:
-    """(rows, T) log-probs at the current weights, without gradient, for batch statistics that need them. On-policy:
-    old_logp, no pass (zeros until the update fills it); `fresh`: the pass anyway, for the values (covpo.py)."""
-    return batch.old_logp[rows] if run.on_policy and not fresh else logprobs_of(run, run.model, batch, rows)
+def log_ratio_now(run, batch: Batch, rows: slice) -> torch.Tensor:
+    """(rows, T) logp - old_logp at the current weights, without gradient, for batch statistics that need it
+    (snib.py, p3o.py). On-policy it is 0: the current weights sampled the batch (no pass)."""
+    if run.on_policy:
+        return torch.zeros_like(batch.sampler_logp[rows])
+    return logprobs_of(run, run.model, batch, rows) - batch.old_logp[rows]
+
+
+def current_and_old_logprobs(run, batch: Batch, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, T) each, without gradient: the log-probs at the current weights (one pass, on-policy too: covpo.py),
+    and the old policy's; on-policy the two are the same, as the current weights sampled the batch."""
+    logp_now = logprobs_of(run, run.model, batch, rows)  # (rows, T)
+    if run.on_policy:
+        return logp_now, logp_now
+    return logp_now, batch.old_logp[rows]
 
 
 def logprobs_of(run, net, batch: Batch, rows: slice | None = None) -> torch.Tensor:

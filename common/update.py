@@ -3,8 +3,8 @@
 The scripts call their estimator once per micro-batch, but the estimator's loss is the whole optimizer batch's
 (docs/estimators/conventions.md: full-batch semantics). Three rules make the micro-batched, multi-process update
 equal to one call on the whole batch:
-- `batch_stats` returns (totals, per_row): totals are sums over this process's rows, added up over the processes
-  here (`sum_over_processes`); per-row values stay with their rows (a group never straddles processes);
+- `batch_stats` returns the script's `Stats` (common/stats.py): whole-batch totals, each summed over the processes,
+  and, for a few estimators, per-row values, which stay with their rows (a group never straddles processes);
 - `compute_loss` then returns each micro-batch's share of the batch loss, and `backward_share` undoes what
   accelerate does to a loss (divide by the accumulation steps, average over processes);
 - one optimizer step per mini-batch: accelerate's `accumulate` says when (`sync_gradients`).
@@ -27,12 +27,7 @@ def microbatches(run, batch, mini: slice) -> list[torch.Tensor]:
     return length_buckets(batch.completion_tokens[mini], run.args.micro_batch_size, offset=mini.start)
 
 
-def sum_over_processes(totals: dict[str, torch.Tensor], accelerator) -> dict[str, torch.Tensor]:
-    """Whole-batch totals from each process's sums (an all-reduce per statistic)."""
-    return {k: accelerator.reduce(v, "sum") for k, v in totals.items()}
-
-
-def take(x: torch.Tensor | None, rows) -> torch.Tensor | None:
+def rows_of(x: torch.Tensor | None, rows) -> torch.Tensor | None:
     """x[rows], or None for an absent tensor (ref_logp without a KL term, tis_weights without --tis_cap)."""
     return None if x is None else x[rows]
 
@@ -54,11 +49,13 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
-def save_dumps(run, step: int, dumps: list[dict]) -> None:
+def save_dumps(run, step: int, dumps: list) -> None:
     """--dump_stats_steps: the per-row statistics of each optimizer step of `step` (e.g. SNIB's log-weights), one
     file per process; estimators without per-row statistics write nothing."""
-    if not any(dumps):
+    per_row = [stats.per_row_values() for stats in dumps]
+    if not any(per_row):
         return
     os.makedirs(os.path.join(run.run_dir, "stats"), exist_ok=True)
     name = f"step_{step + 1:06d}.rank{run.accelerator.process_index}.pt"
-    torch.save([{k: v.cpu() for k, v in d.items()} for d in dumps], os.path.join(run.run_dir, "stats", name))
+    cpu = [{k: v.cpu() for k, v in values.items()} for values in per_row]
+    torch.save(cpu, os.path.join(run.run_dir, "stats", name))

@@ -133,10 +133,11 @@ def test_matches_the_papers_equation_and_micro_batches_sum_to_the_full_batch(bet
     assert loss.item() == pytest.approx(expected.item(), rel=1e-10)
     torch.testing.assert_close(full_grad, torch.autograd.grad(expected, logp)[0])
     assert 0 < metrics["policy/clip_frac"] < 1  # some weights truncated, not all
-    stats, per_row = cispo.batch_stats(lambda: logp.detach(), old, A, mask, args)
-    assert set(stats) == {"num_tokens"} and per_row == {} and stats["num_tokens"].item() == mask.sum().item()
+    stats = cispo.batch_stats(A, mask, args)
+    assert [f.name for f in dataclasses.fields(stats)] == ["num_tokens"]
+    assert stats.per_row_values() == {} and stats.num_tokens.item() == mask.sum().item()
     slices = [slice(0, 1), slice(1, 4), slice(4, 8)]
-    micro = sum(cispo.compute_loss(logp[s], old[s], ref[s], A[s], mask[s], args, **stats,
+    micro = sum(cispo.compute_loss(logp[s], old[s], ref[s], A[s], mask[s], args, stats=stats,
                                    tis_weights=None if tis is None else tis[s])[0] for s in slices)
     assert micro.item() == pytest.approx(loss.item(), rel=1e-12)
     torch.testing.assert_close(torch.autograd.grad(micro, logp)[0], full_grad)

@@ -67,8 +67,8 @@ def test_kl_cov_penalises_the_top_covariance_tokens_by_hand():
     r = math.exp(0.1)
     for ratio, picked in ((0.25, [[0, 0], [1, 0]]), (0.5, [[1, 0], [1, 0]])):
         args = replace(KL, kl_cov_ratio=ratio)
-        _, per_row = covpo.batch_stats(logp.detach, old, A, mask, args)
-        assert per_row["selected"].long().tolist() == picked
+        stats = covpo.batch_stats(logp.detach(), old, A, mask, args)
+        assert stats.selected.long().tolist() == picked
         loss, metrics = covpo.compute_loss(logp, old, None, A, mask, args)
         S = torch.tensor(picked, dtype=torch.float64)
         assert loss.item() == pytest.approx(-(r * (1 + 1 - 1 - 1) - 1.0 * 0.1 * S.sum().item()) / 4, rel=1e-12)
@@ -95,7 +95,7 @@ def test_clip_cov_drops_an_eligible_token_from_the_loss_by_hand():
     seen = set()
     for seed in range(20):
         torch.manual_seed(seed)
-        selected = covpo.batch_stats(logp.detach, old, A, mask, CLIP)[1]["selected"]
+        selected = covpo.batch_stats(logp.detach(), old, A, mask, CLIP).selected
         assert selected.sum() == 1
         seen.add(tuple(selected.nonzero()[0].tolist()))
     assert seen == {(0, 0), (1, 0)}
@@ -141,10 +141,10 @@ def test_on_policy_clip_cov_is_grpos_token_mean_less_the_dropped_tokens():
     logp, mask, A = on_policy_batch()
     args = replace(CLIP, clip_cov_ratio=0.3, clip_cov_lb=-5.0)
     torch.manual_seed(0)
-    stats, per_row = covpo.batch_stats(logp.detach, logp.detach(), A, mask, args)
-    S = per_row["selected"]
+    stats = covpo.batch_stats(logp.detach(), logp.detach(), A, mask, args)
+    S = stats.selected
     assert S.sum() == int(0.3 * 10) == 3 and not (S & (mask == 0)).any()
-    loss, _ = covpo.compute_loss(logp, logp.detach(), None, A, mask, args, **stats, **per_row)
+    loss, _ = covpo.compute_loss(logp, logp.detach(), None, A, mask, args, stats=stats)
     keep = mask * ~S
     assert loss.item() == pytest.approx(-(A[:, None] * keep).sum().item() / 10, rel=1e-12)
     torch.testing.assert_close(torch.autograd.grad(loss, logp)[0], -A[:, None] * keep / 10)
@@ -225,12 +225,12 @@ def test_matches_the_definitions_and_micro_batches_sum_to_the_full_batch(method,
     logp, old, ref, A, mask, tis = random_batch()
     tis = tis if with_tis else None
     torch.manual_seed(7)
-    stats, per_row = covpo.batch_stats(logp.detach, old, A, mask, args)
-    S = per_row["selected"]
+    stats = covpo.batch_stats(logp.detach(), old, A, mask, args)
+    S = stats.selected
     picked = {tuple(x) for x in S.nonzero().tolist()}
     assert picked == reference_selection(logp.detach(), old, A, mask, args, seed=7)
-    assert 0 < len(picked) < mask.sum() and stats["num_tokens"].item() == 21 and set(stats) == {"num_tokens"}
-    loss, metrics = covpo.compute_loss(logp, old, ref, A, mask, args, **stats, **per_row, tis_weights=tis)
+    assert 0 < len(picked) < mask.sum() and stats.num_tokens.item() == 21
+    loss, metrics = covpo.compute_loss(logp, old, ref, A, mask, args, stats=stats, tis_weights=tis)
     (full_grad,) = torch.autograd.grad(loss, logp)
     expected = reference_loss(logp, old, ref, A, mask, args, picked, tis)
     assert loss.item() == pytest.approx(expected.item(), rel=1e-10)
@@ -238,7 +238,7 @@ def test_matches_the_definitions_and_micro_batches_sum_to_the_full_batch(method,
     if method == "clip":
         assert 0 < metrics["policy/clip_frac"] < 1  # PPO's clip acts too
     slices = [slice(0, 1), slice(1, 4), slice(4, 8)]
-    micro = sum(covpo.compute_loss(logp[s], old[s], ref[s], A[s], mask[s], args, **stats, selected=S[s],
+    micro = sum(covpo.compute_loss(logp[s], old[s], ref[s], A[s], mask[s], args, stats=stats.for_rows(s),
                                    tis_weights=None if tis is None else tis[s])[0] for s in slices)
     assert micro.item() == pytest.approx(loss.item(), rel=1e-12)
     torch.testing.assert_close(torch.autograd.grad(micro, logp)[0], full_grad)
@@ -251,10 +251,10 @@ def test_a_micro_batchs_own_selection_is_not_the_batchs(method):
     args = replace(ARGS, cov_method=method, clip_cov_ratio=0.15, kl_cov_ratio=2e-4)
     logp, old, ref, A, mask, _ = random_batch()
     torch.manual_seed(7)
-    stats, per_row = covpo.batch_stats(logp.detach, old, A, mask, args)
-    own = torch.cat([covpo.batch_stats(lambda s=s: logp.detach()[s], old[s], A[s], mask[s], args)[1]["selected"]
+    stats = covpo.batch_stats(logp.detach(), old, A, mask, args)
+    own = torch.cat([covpo.batch_stats(logp.detach()[s], old[s], A[s], mask[s], args).selected
                      for s in [slice(0, 4), slice(4, 8)]])
-    assert not torch.equal(own, per_row["selected"])
+    assert not torch.equal(own, stats.selected)
 
 
 def fake_processes(monkeypatch, mine: list, rank: list):
@@ -287,22 +287,22 @@ def test_two_processes_select_what_the_whole_batch_selects(monkeypatch, method, 
     logp, old, _, A, mask, _ = random_batch()
     mask[5, 3:] = 0  # the second half's longest completion: 3 tokens
     torch.manual_seed(3)
-    whole_stats, whole = covpo.batch_stats(logp.detach, old, A, mask, args)
+    whole_stats = covpo.batch_stats(logp.detach(), old, A, mask, args)
     halves = [(slice(0, 4), 5), (slice(4, 8), 3)]
     mine, rank = [], [0]
     fake_processes(monkeypatch, mine, rank)
     for p, (s, T) in enumerate(halves):  # phase 1: each process's stack
         rank[0] = p
-        covpo.batch_stats(lambda s=s, T=T: logp.detach()[s, :T], old[s, :T], A[s], mask[s, :T], args)
+        covpo.batch_stats(logp.detach()[s, :T], old[s, :T], A[s], mask[s, :T], args)
     parts, count = [], 0
     for p, (s, T) in enumerate(halves):  # phase 2: the gathered batch
         rank[0] = p
         torch.manual_seed(3)
-        stats, per_row = covpo.batch_stats(lambda s=s, T=T: logp.detach()[s, :T], old[s, :T], A[s], mask[s, :T], args)
-        parts.append(torch.nn.functional.pad(per_row["selected"], (0, 5 - T)))
-        count += stats["num_tokens"]
-    torch.testing.assert_close(torch.cat(parts), whole["selected"])
-    assert count == whole_stats["num_tokens"] and whole["selected"].sum() > 1
+        stats = covpo.batch_stats(logp.detach()[s, :T], old[s, :T], A[s], mask[s, :T], args)
+        parts.append(torch.nn.functional.pad(stats.selected, (0, 5 - T)))
+        count += stats.num_tokens
+    torch.testing.assert_close(torch.cat(parts), whole_stats.selected)
+    assert count == whole_stats.num_tokens and whole_stats.selected.sum() > 1
 
 
 @pytest.mark.parametrize("method", ["clip", "kl"])
@@ -312,10 +312,10 @@ def test_gradient_check_in_float64(method):
     logp, old, ref, A, mask, tis = random_batch(seed=3, spread=0.3)
     args = replace(ARGS, cov_method=method, beta=0.04, clip_cov_ratio=0.15, kl_cov_ratio=0.2)
     torch.manual_seed(0)
-    stats, per_row = covpo.batch_stats(logp.detach, old, A, mask, args)
+    stats = covpo.batch_stats(logp.detach(), old, A, mask, args)
 
     def loss_of(x):
-        return covpo.compute_loss(x, old, ref, A, mask, args, tis_weights=tis, **stats, **per_row)[0]
+        return covpo.compute_loss(x, old, ref, A, mask, args, tis_weights=tis, stats=stats)[0]
 
     assert torch.autograd.gradcheck(loss_of, (logp.detach().requires_grad_(),))
 
@@ -435,3 +435,30 @@ def test_toy_learns(in_toy_workdir, method):
     assert evals[-1] >= evals[0] + 0.04, evals
     selected = [m["covpo/selected_frac"] > 0 for m in metrics if "covpo/selected_frac" in m]
     assert len(selected) == 50 and sum(selected) >= (50 if method == "kl" else 40), sum(selected)
+
+
+def test_on_policy_the_old_policy_is_the_current_one_so_no_token_counts_as_clipped(monkeypatch):
+    """On-policy the loop takes `logp_now` and `old_logp` from one pass (common/sampling.py
+    current_and_old_logprobs): every ratio is 1, so Clip-Cov may draw any token in its covariance band. A placeholder
+    of zeros for old_logp (as once on-policy) made the ratio exp(logp) and left out the tokens of negative advantage
+    whose probability is under 1 - epsilon."""
+    import common.sampling as sampling
+
+    logp = torch.log(torch.tensor([[0.1, 0.5, 0.9], [0.3, 0.95, 0.2]]))  # (B, T)  probabilities under 0.8 among them
+    old_logp = torch.full_like(logp, -1.0)  # what an off-policy batch would hold
+    monkeypatch.setattr(sampling, "logprobs_of", lambda run, net, batch, rows=None: logp[rows])
+    batch = types.SimpleNamespace(old_logp=old_logp)
+    on = types.SimpleNamespace(on_policy=True, model=None)
+    now, old = sampling.current_and_old_logprobs(on, batch, slice(0, 2))
+    assert now is old  # one pass: the old policy is the current one
+    off = types.SimpleNamespace(on_policy=False, model=None)
+    now, old = sampling.current_and_old_logprobs(off, batch, slice(0, 2))
+    assert torch.equal(now, logp) and torch.equal(old, old_logp)
+
+    mask = torch.ones_like(logp)
+    A = torch.tensor([-1.0, 1.0])
+    args = replace(CLIP, num_generations=2, clip_cov_ratio=1.0, clip_cov_lb=-math.inf, clip_cov_ub=math.inf)
+    stats = covpo.batch_stats(logp, logp, A, mask, args)  # on-policy: every token eligible, ratio 1 ...
+    assert stats.selected.all()  # ... and a ratio of 1 is never clipped, so the draw of all of them takes all
+    zeros = covpo.batch_stats(logp, torch.zeros_like(logp), A, mask, args)  # the old placeholder
+    assert not zeros.selected[0, :2].any() and zeros.selected[0, 2] and zeros.selected[1].all()

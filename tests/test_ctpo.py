@@ -240,10 +240,11 @@ def test_micro_batches_sum_to_the_full_batch_loss_and_gradient():
     args = replace(ARGS, num_generations=4, beta=0.04)
     loss, _ = ctpo.compute_loss(logp, old, ref, A, mask, args, tis_weights=tis)
     (full_grad,) = torch.autograd.grad(loss, logp)
-    stats, per_row = ctpo.batch_stats(lambda: logp.detach(), old, A, mask, args)
-    assert set(stats) == {"num_tokens"} and stats["num_tokens"].dim() == 0 and per_row == {}
-    assert stats["num_tokens"].item() == mask.sum().item()
-    micro = sum(ctpo.compute_loss(logp[s], old[s], ref[s], A[s], mask[s], args, tis_weights=tis[s], **stats)[0]
+    stats = ctpo.batch_stats(A, mask, args)
+    assert [f.name for f in dataclasses.fields(stats)] == ["num_tokens"]
+    assert stats.num_tokens.dim() == 0 and stats.per_row_values() == {}
+    assert stats.num_tokens.item() == mask.sum().item()
+    micro = sum(ctpo.compute_loss(logp[s], old[s], ref[s], A[s], mask[s], args, tis_weights=tis[s], stats=stats)[0]
                 for s in [slice(0, 1), slice(1, 4), slice(4, 8)])
     assert micro.item() == pytest.approx(loss.item(), rel=1e-12)
     torch.testing.assert_close(torch.autograd.grad(micro, logp)[0], full_grad)

@@ -172,10 +172,11 @@ def test_matches_the_papers_objective_and_micro_batches_sum_to_the_full_batch(di
     assert 0 < metrics["policy/clip_frac"] < 1  # some tokens left the region, not all
     if ratio_cap < 10:  # and some inside it have a truncated weight: raised while A <= 0 pushes down
         assert ((torch.exp(logp - old) > ratio_cap) & (mask > 0) & (A[:, None] <= 0)).any()
-    stats, per_row = dppo.batch_stats(lambda: logp.detach(), old, A, mask, args)
-    assert set(stats) == {"num_tokens"} and per_row == {} and stats["num_tokens"].item() == mask.sum().item()
+    stats = dppo.batch_stats(A, mask, args)
+    assert [f.name for f in dataclasses.fields(stats)] == ["num_tokens"]
+    assert stats.per_row_values() == {} and stats.num_tokens.item() == mask.sum().item()
     slices = [slice(0, 1), slice(1, 4), slice(4, 8)]
-    micro = sum(dppo.compute_loss(logp[s], old[s], ref[s], A[s], mask[s], args, **stats,
+    micro = sum(dppo.compute_loss(logp[s], old[s], ref[s], A[s], mask[s], args, stats=stats,
                                   tis_weights=None if tis is None else tis[s])[0] for s in slices)
     assert micro.item() == pytest.approx(loss.item(), rel=1e-12)
     torch.testing.assert_close(torch.autograd.grad(micro, logp)[0], full_grad)

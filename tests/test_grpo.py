@@ -99,8 +99,8 @@ def test_token_mean_divides_by_the_batch_token_count():
     loss_pos, _ = grpo.compute_loss(logp, logp.detach(), None, A, mask, replace(ARGS, loss_agg="token-mean",
                                                                                  train_on="positive"))
     assert loss_pos.item() == pytest.approx(-1.0)
-    totals, per_row = grpo.batch_stats(None, None, A, mask, replace(ARGS, train_on="positive"))
-    assert (totals["num_rows"].item(), totals["num_tokens"].item()) == (1, 2) and per_row == {}
+    stats = grpo.batch_stats(A, mask, replace(ARGS, train_on="positive"))
+    assert (stats.num_rows.item(), stats.num_tokens.item()) == (1, 2) and stats.per_row_values() == {}
 
 
 def reference_loss(logp, old, ref, A, mask, args):
@@ -146,10 +146,14 @@ def test_matches_reference_and_micro_batches_sum_to_full_batch(train_on, loss_ag
     assert loss.item() == pytest.approx(reference_loss(logp.detach(), old, ref, A, mask, args), rel=1e-5)
     (full_grad,) = torch.autograd.grad(loss, logp)
 
-    stats, per_row = grpo.batch_stats(lambda: logp.detach(), old, A, mask, args)
-    halves = [grpo.batch_stats(None, old[s], A[s], mask[s], args)[0] for s in (slice(0, 4), slice(4, 8))]
-    assert all(halves[0][k] + halves[1][k] == v for k, v in stats.items()) and per_row == {}  # the all-reduce's sum
-    micro = sum(grpo.compute_loss(logp[s], old[s], ref[s], A[s], mask[s], args, **stats)[0]
+    stats = grpo.batch_stats(A, mask, args)
+    halves = [grpo.batch_stats(A[s], mask[s], args) for s in (slice(0, 4), slice(4, 8))]
+    assert halves[0].num_rows + halves[1].num_rows == stats.num_rows  # what the all-reduce adds up
+    assert halves[0].num_tokens + halves[1].num_tokens == stats.num_tokens
+    # Each process's sums go through `total`, the loop's all-reduce: two processes with these rows each double them.
+    doubled = grpo.batch_stats(A, mask, args, total=lambda x: 2 * x)
+    assert (doubled.num_rows, doubled.num_tokens) == (2 * stats.num_rows, 2 * stats.num_tokens)
+    micro = sum(grpo.compute_loss(logp[s], old[s], ref[s], A[s], mask[s], args, stats)[0]
                 for s in [slice(0, 1), slice(1, 4), slice(4, 8)])
     assert micro.item() == pytest.approx(loss.item(), rel=1e-6)
     torch.testing.assert_close(torch.autograd.grad(micro, logp)[0], full_grad)

@@ -155,10 +155,10 @@ def test_micro_batches_sum_to_the_full_batch_loss_and_gradient():
     args = replace(ARGS, num_generations=4, beta=0.04, epsilon=0.01, epsilon_high=0.015)
     loss, _ = gspo.compute_loss(logp, old, ref, A, mask, args, tis_weights=tis)
     (full_grad,) = torch.autograd.grad(loss, logp)
-    stats, per_row = gspo.batch_stats(lambda: logp.detach(), old, A, mask, args)
-    assert per_row == {} and set(stats) == {"num_rows"}
-    assert stats["num_rows"].dim() == 0 and stats["num_rows"].item() == 8
-    micro = sum(gspo.compute_loss(logp[s], old[s], ref[s], A[s], mask[s], args, tis_weights=tis[s], **stats)[0]
+    stats = gspo.batch_stats(A, mask, args)
+    assert stats.per_row_values() == {} and [f.name for f in dataclasses.fields(stats)] == ["num_rows"]
+    assert stats.num_rows.dim() == 0 and stats.num_rows.item() == 8
+    micro = sum(gspo.compute_loss(logp[s], old[s], ref[s], A[s], mask[s], args, tis_weights=tis[s], stats=stats)[0]
                 for s in [slice(0, 1), slice(1, 4), slice(4, 8)])
     assert micro.item() == pytest.approx(loss.item(), rel=1e-12)
     torch.testing.assert_close(torch.autograd.grad(micro, logp)[0], full_grad)

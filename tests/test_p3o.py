@@ -79,11 +79,11 @@ def test_ess_per_micro_batch_by_hand():
     logp, old, mask = spread_batch()  # row 0: r = (2, 0.5); row 1: r = 1
     A = torch.tensor([1.0, -1.0])
     args = replace(ARGS, ess_scope="micro_batch")
-    stats, per_row = p3o.batch_stats(lambda: pytest.fail("no pre-pass at the current weights"), old, A, mask, args)
-    assert set(stats) == {"num_tokens"} and stats["num_tokens"].item() == 3 and per_row == {}
+    stats = p3o.batch_stats(None, A, mask, args)  # no log-ratio: main makes no pass at the current weights
+    assert stats.num_tokens.item() == 3 and stats.sum_r is None and stats.per_row_values() == {}
     ess0 = 2.5**2 / (2 * (4 + 0.25))  # (sum r)^2 / (n sum r^2) over row 0's two tokens = 25/34
-    first, m0 = p3o.compute_loss(logp[:1], old[:1], None, A[:1], mask[:1], args, **stats)
-    second, m1 = p3o.compute_loss(logp[1:], old[1:], None, A[1:], mask[1:], args, **stats)
+    first, m0 = p3o.compute_loss(logp[:1], old[:1], None, A[:1], mask[:1], args, stats=stats)
+    second, m1 = p3o.compute_loss(logp[1:], old[1:], None, A[1:], mask[1:], args, stats=stats)
     assert m0["p3o/ess"].item() == pytest.approx(ess0) and m1["p3o/ess"].item() == 1.0
     lp = [logp[0, 0].item(), logp[0, 1].item(), logp[1, 0].item()]
     expected0 = (-min(2, ess0) * lp[0] - min(0.5, ess0) * lp[1] + (1 - ess0) * (KL_OLD[0] + KL_OLD[1])) / 3
@@ -94,7 +94,7 @@ def test_ess_per_micro_batch_by_hand():
     g = [(-min(r, ess0) + (1 - ess0) * d) / 3 for r, d in zip((2, 0.5), d_kl)]
     torch.testing.assert_close(logp.grad, torch.tensor([[g[0], g[1], 0.0], [1 / 3, 0.0, 0.0]]))
     # one micro-batch holding the whole batch is the default's full-batch loss
-    whole, _ = p3o.compute_loss(logp, old, None, A, mask, args, **stats)
+    whole, _ = p3o.compute_loss(logp, old, None, A, mask, args, stats=stats)
     assert whole.item() == pytest.approx(p3o.compute_loss(logp, old, None, A, mask, ARGS)[0].item())
 
 
@@ -201,13 +201,13 @@ def test_matches_reference_and_micro_batches_sum_to_full_batch(beta, entropy_coe
         torch.testing.assert_close(got, want)
 
     # micro-batches with the mini-batch's sums; then two "processes", each summing its own half (the all-reduce)
-    stats, per_row = p3o.batch_stats(logp.detach, old, A, mask, args)
-    halves = [p3o.batch_stats(logp[s].detach, old[s], A[s], mask[s], args)[0] for s in (slice(0, 4), slice(4, 8))]
-    assert per_row == {}
-    reduced = {k: halves[0][k] + halves[1][k] for k in stats}
+    stats = p3o.batch_stats(logp.detach() - old, A, mask, args)
+    halves = [p3o.batch_stats(logp[s].detach() - old[s], A[s], mask[s], args) for s in (slice(0, 4), slice(4, 8))]
+    assert stats.per_row_values() == {}
+    reduced = p3o.Stats(*(a + b for a, b in zip(dataclasses.astuple(halves[0]), dataclasses.astuple(halves[1]))))
     for stats in (stats, reduced):
         micro = sum(p3o.compute_loss(logp[s], old[s], ref[s], A[s], mask[s], args, entropy=entropy[s],
-                                     tis_weights=None if tis is None else tis[s], **stats)[0]
+                                     tis_weights=None if tis is None else tis[s], stats=stats)[0]
                     for s in [slice(0, 1), slice(1, 3), slice(3, 6), slice(6, 8)])
         assert micro.item() == pytest.approx(loss.item(), rel=1e-10)
         for got, want in zip(torch.autograd.grad(micro, inputs), full_grad):

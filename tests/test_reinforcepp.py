@@ -33,7 +33,7 @@ VERL = "0.5.0"
 
 def whitened(advantages, mask):
     """What main() does on one process: the returns whitened with the batch's own sums."""
-    return reinforcepp.whiten(advantages, mask, **reinforcepp.whitening_totals(advantages, mask))
+    return reinforcepp.whiten(advantages, mask)
 
 
 def test_defaults_and_there_are_no_other_switches():
@@ -76,18 +76,20 @@ def test_whitening_by_hand():
 
 
 def test_the_sums_of_two_processes_give_the_whole_batchs_whitening():
-    """main() adds up whitening_totals over the processes (sum_over_processes) before any mini-batch: the halves'
-    sums add up to the whole batch's, and whitening each half with them equals whitening the whole batch."""
+    """main() whitens with sums taken over every process (`total`, its all-reduce): whitening each half with the
+    halves' sums added up equals whitening the whole batch."""
     _, _, _, rewards, kl, mask, _ = random_batch(seed=5)
     args = replace(ARGS, num_generations=4, beta=0.05)
     returns = reinforcepp.compute_advantages(rewards, args, kl)
     whole = whitened(returns, mask)
     halves = [slice(0, 4), slice(4, 8)]
-    parts = [reinforcepp.whitening_totals(returns[s], mask[s]) for s in halves]
-    sums = {k: parts[0][k] + parts[1][k] for k in parts[0]}
-    for k, v in reinforcepp.whitening_totals(returns, mask).items():
-        torch.testing.assert_close(sums[k], v)
-    torch.testing.assert_close(torch.cat([reinforcepp.whiten(returns[s], mask[s], **sums) for s in halves]), whole)
+    recorded = [[], []]  # each process's own sums, in the order whiten takes them
+    for half, s in enumerate(halves):
+        reinforcepp.whiten(returns[s], mask[s], total=lambda x, half=half: recorded[half].append(x) or x)
+    summed = [a + b for a, b in zip(*recorded)]  # what the all-reduce gives both processes
+    assert len(summed) == 3
+    two = [reinforcepp.whiten(returns[s], mask[s], total=lambda x, it=iter(summed): next(it)) for s in halves]
+    torch.testing.assert_close(torch.cat(two), whole)
     own = torch.cat([whitened(returns[s], mask[s]) for s in halves])  # each process's own statistics: wrong
     assert (own - whole).abs().max() > 1e-3
 
@@ -197,9 +199,10 @@ def test_matches_the_definitions_and_micro_batches_sum_to_the_full_batch(beta, b
     assert loss.item() == pytest.approx(expected.item(), rel=1e-10)
     torch.testing.assert_close(full_grad, torch.autograd.grad(expected, logp)[0])
     assert 0 < metrics["policy/clip_frac"] < 1  # some tokens clipped, not all
-    stats, per_row = reinforcepp.batch_stats(lambda: logp.detach(), old, A, mask, args)
-    assert set(stats) == {"num_tokens"} and per_row == {} and stats["num_tokens"].item() == 21
-    micro = sum(reinforcepp.compute_loss(logp[s], old[s], ref[s], A[s], mask[s], args, **stats,
+    stats = reinforcepp.batch_stats(A, mask, args)
+    assert [f.name for f in dataclasses.fields(stats)] == ["num_tokens"]
+    assert stats.per_row_values() == {} and stats.num_tokens.item() == 21
+    micro = sum(reinforcepp.compute_loss(logp[s], old[s], ref[s], A[s], mask[s], args, stats=stats,
                                          tis_weights=None if tis is None else tis[s])[0]
                 for s in [slice(0, 1), slice(1, 4), slice(4, 8)])
     assert micro.item() == pytest.approx(loss.item(), rel=1e-12)

@@ -151,9 +151,10 @@ def test_matches_the_equations_and_micro_batches_sum_to_the_full_batch(beta, wit
     assert loss.item() == pytest.approx(expected.item(), rel=1e-10)
     torch.testing.assert_close(full_grad, torch.autograd.grad(expected, logp)[0])
     assert 0 < metrics["policy/clip_frac"] < 1  # some completions clipped, not all
-    stats, per_row = rloo.batch_stats(lambda: logp.detach(), old, A, mask, args)
-    assert set(stats) == {"num_rows"} and per_row == {} and stats["num_rows"].item() == 7
-    micro = sum(rloo.compute_loss(logp[s], old[s], ref[s], A[s], mask[s], args, **stats,
+    stats = rloo.batch_stats(A, mask, args)
+    assert [f.name for f in dataclasses.fields(stats)] == ["num_rows"]
+    assert stats.per_row_values() == {} and stats.num_rows.item() == 7
+    micro = sum(rloo.compute_loss(logp[s], old[s], ref[s], A[s], mask[s], args, stats=stats,
                                   tis_weights=None if tis is None else tis[s])[0]
                 for s in [slice(0, 1), slice(1, 4), slice(4, 8)])
     assert micro.item() == pytest.approx(loss.item(), rel=1e-12)

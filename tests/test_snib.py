@@ -164,9 +164,9 @@ def test_group_mean_is_one_and_weights_stay_in_0_G_even_at_extreme_log_ratios(bi
         (grad,) = torch.autograd.grad(loss, logp)
         assert torch.isfinite(grad).all()
     # the same from batch_stats: w_i = exp(u_i - log_wbar_i)
-    totals, per_row = snib.batch_stats(logp.detach, old, A, mask, args)
-    assert set(totals) == {"num_rows"} and set(per_row) >= {"log_weight", "log_wbar"}
-    w = torch.exp(logp.detach().sum(-1) - per_row["log_wbar"]).view(2, G)
+    stats = snib.batch_stats(logp.detach() - old, A, mask, args)
+    assert set(stats.per_row_values()) == {"log_weight", "log_wbar", "fg_coeff", "group_ess"}
+    w = torch.exp(logp.detach().sum(-1) - stats.log_wbar).view(2, G)
     assert torch.isfinite(w).all() and (w >= 0).all() and (w <= G).all()
     torch.testing.assert_close(w.mean(1), torch.ones(2), atol=1e-4, rtol=0)
 
@@ -274,10 +274,10 @@ def test_matches_reference_and_micro_batches_sum_to_full_batch(case):
     torch.testing.assert_close(full_grad, torch.autograd.grad(expected, logp)[0])
     assert 0 < metrics["policy/clip_frac"] < 1  # stale enough to clip some rows and not others
 
-    totals, per_row = snib.batch_stats(logp.detach, old, A, mask, args)  # the loop's pre-pass over the mini-batch
+    stats = snib.batch_stats(logp.detach() - old, A, mask, args)  # the loop's pre-pass over the mini-batch
     micro = sum(snib.compute_loss(logp[s], old[s], ref[s], A[s], mask[s], args,
                                   tis_weights=None if tis is None else tis[s],
-                                  **totals, **{k: v[s] for k, v in per_row.items()})[0] for s in slices)
+                                  stats=stats.for_rows(s))[0] for s in slices)
     assert micro.item() == pytest.approx(loss.item(), rel=1e-10)
     torch.testing.assert_close(torch.autograd.grad(micro, logp)[0], full_grad)
 
@@ -285,14 +285,14 @@ def test_matches_reference_and_micro_batches_sum_to_full_batch(case):
 def test_fg_with_kl_or_tis_refuses_micro_batches_that_split_a_group():
     args = replace(ARGS, num_generations=4, stop_grad_norm=False, beta=0.1)
     logp, old, ref, A, mask, tis = random_batch()
-    totals, per_row = snib.batch_stats(logp.detach, old, A, mask, args)
+    stats = snib.batch_stats(logp.detach() - old, A, mask, args)
     rows = slice(0, 2)
     with pytest.raises(ValueError, match="--micro_batch_size a multiple of G"):
         snib.compute_loss(logp[rows], old[rows], ref[rows], A[rows], mask[rows], args,
-                          **totals, **{k: v[rows] for k, v in per_row.items()})
+                          stats=stats.for_rows(rows))
     with pytest.raises(ValueError, match="--micro_batch_size a multiple of G"):
         snib.compute_loss(logp[rows], old[rows], ref[rows], A[rows], mask[rows], replace(args, beta=0.0),
-                          tis_weights=tis[rows], **totals, **{k: v[rows] for k, v in per_row.items()})
+                          tis_weights=tis[rows], stats=stats.for_rows(rows))
 
 
 def test_group_ess_is_per_group_and_survives_split_micro_batches():
@@ -303,9 +303,8 @@ def test_group_ess_is_per_group_and_survives_split_micro_batches():
     ess = (w.sum(1) ** 2 / (4 * (w**2).sum(1))).mean()
     _, metrics = snib.compute_loss(logp, old, ref, A, mask, args)
     assert metrics["snib/ess"].item() == pytest.approx(ess.item())
-    totals, per_row = snib.batch_stats(logp.detach, old, A, mask, args)
-    halves = [snib.compute_loss(logp[s], old[s], ref[s], A[s], mask[s], args, **totals,
-                                **{k: v[s] for k, v in per_row.items()})[1]["snib/ess"]
+    stats = snib.batch_stats(logp.detach() - old, A, mask, args)
+    halves = [snib.compute_loss(logp[s], old[s], ref[s], A[s], mask[s], args, stats=stats.for_rows(s))[1]["snib/ess"]
               for s in (slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 8))]
     assert sum(halves).item() / 4 == pytest.approx(ess.item())  # the loop's mean over equal micro-batches
 
