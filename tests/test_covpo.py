@@ -425,8 +425,8 @@ def test_stale_updates_do_not_depend_on_micro_batches_or_processes(in_toy_workdi
 def test_toy_learns(in_toy_workdir, method):
     """A shortened toy run with the shared toy preset and the defaults: held-out greedy accuracy must rise, and the
     steps select tokens (KL-Cov every step; Clip-Cov most: a step may have no token in its window (1, 5)). On-policy
-    the selection needs the log-probs themselves (current_logprobs(fresh=True)), not old_logp, which is zeros there
-    until the update: every C_t would be 0, none in Clip-Cov's window."""
+    the selection needs the log-probs themselves (current_and_old_logprobs: a pass on-policy too), not only their
+    difference from old_logp, which is 0 there: every C_t would be 0, none in Clip-Cov's window."""
     run = run_script(covpo, ["--preset", "toy", "--total_steps", "50", "--eval_steps", "25", "--cov_method", method,
                              "--run_name", f"covpo_{method}_learns"])
     metrics = read_metrics(run)
