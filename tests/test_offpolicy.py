@@ -8,6 +8,7 @@ import shutil
 import pytest
 import torch
 from conftest import launch, read_metrics, run_script
+from safetensors.torch import load_file
 from test_train import REPO, SMALL, assert_same_weights, final_weights, run_interrupted
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -100,15 +101,28 @@ def test_dynamic_sampling_fills_the_batch_with_groups_that_carry_signal(in_toy_w
 
 @pytest.mark.slow
 def test_mask_truncated_overlong_and_sequence_mis_run_together(in_toy_workdir):
-    """Completions cut at 2 tokens: every truncated row leaves the loss, the overlong term is a logged reward."""
-    run = run_script(grpo, SMALL + ["--total_steps", "2", "--max_completion_length", "3", "--mask_truncated",
-                                    "--overlong_buffer", "2", "--overlong_penalty", "0.5", "--tis_cap", "2",
-                                    "--tis_mode", "sequence", "--mis", "--run_name", "masks"])
-    for m in read_metrics(run):
-        assert m["completion/truncated_frac"] > 0
-        assert m["completion/removed_frac"] == m["completion/truncated_frac"]
-        assert -0.5 <= m["reward/overlong/mean"] < 0  # truncated rows are at the limit: -0.5 each
-        assert m["rollout/is_masked_frac"] == 0  # the HF sampler runs the trainer's weights: rho = 1
+    """Completions cut at 2 tokens: every truncated row leaves the loss, the overlong term is a logged reward. The HF
+    sampler runs the trainer's weights, so each kept row's sequence ratio rho_i is 1 (to float rounding): under the
+    cap 2, sequence MIS masks none and the step trains; under the cap 0.5 it masks every kept row, which leaves no
+    policy term (beta 0: no other), so the loss and gradient are 0 and the weights do not move."""
+    flags = SMALL + ["--total_steps", "2", "--max_completion_length", "3", "--mask_truncated", "--overlong_buffer",
+                     "2", "--overlong_penalty", "0.5", "--tis_mode", "sequence", "--mis", "--beta", "0"]
+    for cap, masked in (("2", 0.0), ("0.5", 1.0)):
+        run = run_script(grpo, flags + ["--tis_cap", cap, "--run_name", f"masks_{cap}"])
+        for m in read_metrics(run):
+            assert 0 < m["completion/truncated_frac"] < 1, m  # precondition: some rows are kept, some removed
+            assert m["completion/removed_frac"] == m["completion/truncated_frac"]
+            assert -0.5 <= m["reward/overlong/mean"] < 0  # truncated rows are at the limit: -0.5 each
+            # precondition: |log rho_i| <= 3 tokens x 0.2 = 0.6 < log 2, so rho_i is inside (0.5, 2)
+            assert m["rollout/logp_gap_max"] < 0.2, m
+            assert m["rollout/is_masked_frac"] == masked, m
+            assert (m["optim/grad_norm"] == 0) == (masked == 1.0), m
+            if masked:
+                assert m["loss/policy"] == 0, m
+    initial = load_file(os.path.join(in_toy_workdir, "runs", "toy", "model", "model.safetensors"))
+    assert_same_weights(final_weights(os.path.join("runs", "masks_0.5"), 2), initial, atol=0)
+    moved = final_weights(os.path.join("runs", "masks_2"), 2)
+    assert any(not torch.equal(moved[name], initial[name]) for name in initial), "the unmasked run did not train"
 
 
 def test_a_lagged_checkpoint_resumed_under_another_process_count_is_refused_in_one_line(in_toy_workdir):

@@ -268,3 +268,13 @@ def test_toy_learns(in_toy_workdir):
     evals = [m["eval/accuracy"] for m in read_metrics(run) if "eval/accuracy" in m]
     assert len(evals) == 3
     assert evals[-1] >= evals[0] + 0.04, evals
+
+
+def test_zscore_epsilon_is_1e_6_added_to_the_std():
+    """Rewards 1e-6 apart in a group of two: the std (1e-6 / sqrt(2)) is the epsilon's size, so A = +-(1e-6 / 2) /
+    (1e-6 / sqrt(2) + 1e-6) = +-(1 - 1 / sqrt(2)); an epsilon of 1e-5 would give +-0.047, one inside the sqrt +-5e-4.
+    A group of equal rewards (std 0) gets A = 0 / 1e-6 = 0, not NaN."""
+    rewards = torch.tensor([1e-6, 0.0, 3.0, 3.0], dtype=torch.float64)
+    A = p3o.compute_advantages(rewards, replace(ARGS, num_generations=2))
+    a = 1 - 1 / math.sqrt(2)
+    torch.testing.assert_close(A, torch.tensor([a, -a, 0.0, 0.0], dtype=torch.float64), rtol=1e-9, atol=0)

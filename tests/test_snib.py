@@ -422,3 +422,35 @@ def test_toy_learns(in_toy_workdir):
     evals = [m["eval/accuracy"] for m in read_metrics(run) if "eval/accuracy" in m]
     assert len(evals) == 3
     assert evals[-1] >= evals[0] + 0.04, evals
+
+
+def test_zscore_epsilon_is_1e_6_added_to_the_std():
+    """Rewards 1e-6 apart in a group of two: the std (1e-6 / sqrt(2)) is the epsilon's size, so A = +-(1e-6 / 2) /
+    (1e-6 / sqrt(2) + 1e-6) = +-(1 - 1 / sqrt(2)); an epsilon of 1e-5 would give +-0.047, one inside the sqrt +-5e-4.
+    A group of equal rewards (std 0) gets A = 0 / 1e-6 = 0, not NaN."""
+    rewards = torch.tensor([1e-6, 0.0, 3.0, 3.0], dtype=torch.float64)
+    A = snib.compute_advantages(rewards, replace(ARGS, num_generations=2, adv_std=True))
+    a = 1 - 1 / math.sqrt(2)
+    torch.testing.assert_close(A, torch.tensor([a, -a, 0.0, 0.0], dtype=torch.float64), rtol=1e-9, atol=0)
+
+
+def test_a_removed_row_leaves_its_groups_mean_weight():
+    """A group of G = 3 whose last row is removed (mask all 0): wbar_g is the mean of exp(u) over the n_g = 2 kept
+    rows, not a sum over G. u = (log 1.1, log 0.9) gives wbar = 1 and w = (1.1, 0.9), inside the clip, so with
+    A = (1, -0.5): loss = -(1.1 * 1 + 0.9 * (-0.5)) / 2 = -0.325 and d loss / d logp = -A_i w_i / 2 on the kept rows'
+    valid tokens. Over G, wbar would be 2/3 and w = (1.65, 1.35)."""
+    args = replace(ARGS, num_generations=3)
+    old = torch.full((3, 2), -1.0, dtype=torch.float64)
+    step = torch.tensor([[math.log(1.1), 0.0], [0.0, math.log(0.9)], [0.7, -0.4]], dtype=torch.float64)
+    logp = (old + step).requires_grad_()
+    mask = torch.tensor([[1, 1], [1, 1], [0, 0]])
+    A = torch.tensor([1.0, -0.5, 3.0], dtype=torch.float64)  # the removed row's advantage must not count
+    loss, metrics = snib.compute_loss(logp, old, None, A, mask, args)
+    assert loss.item() == pytest.approx(-0.325, rel=1e-12)
+    assert metrics["snib/weight_mean"].item() == pytest.approx(1.0, rel=1e-12)
+    (grad,) = torch.autograd.grad(loss, logp)
+    expected = torch.tensor([[-1.1 / 2] * 2, [0.45 / 2] * 2, [0.0, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(grad, expected, rtol=1e-12, atol=0)
+    stats = snib.batch_stats(logp.detach() - old, A, mask, args)
+    assert stats.num_rows.item() == 2
+    torch.testing.assert_close(stats.log_wbar, torch.zeros(3, dtype=torch.float64), rtol=0, atol=1e-15)

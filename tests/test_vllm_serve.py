@@ -15,9 +15,8 @@ from conftest import free_port, launch, read_metrics, run_script, subprocess_env
 from test_train import REPO, SMALL, assert_same_weights, final_weights, run_interrupted
 
 import grpo
-from common.vllm_engine import vllm_available
 
-pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not vllm_available(), reason="needs vLLM")]
+pytestmark = pytest.mark.vllm  # skipped where vLLM is not installed: tests/conftest.py
 
 
 def vllm_serve_command(model: str, port: int, backend: str = "disk", max_model_len: int = 64) -> list[str]:

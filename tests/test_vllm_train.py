@@ -11,9 +11,7 @@ import torch
 from conftest import read_metrics, subprocess_env
 from test_train import REPO, SMALL, assert_same_gradient, sgd_gradient
 
-from common.vllm_engine import vllm_available
-
-pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not vllm_available(), reason="needs vLLM")]
+pytestmark = pytest.mark.vllm  # skipped where vLLM is not installed: tests/conftest.py
 VLLM = ["--rollout_engine", "vllm"]
 
 
