@@ -15,6 +15,11 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 LOGPROB_CHUNK_ELEMENTS = 2**24  # fp32 scratch of one chunk of positions x vocabulary (64 MiB per buffer)
+# A forward runs on the prompt and completion columns its rows use. On a GPU each width is rounded up, to a power of
+# two up to the device's step, then to a multiple of it, so that a step meets a few attention shapes that recur, not
+# a new one for each length: cuDNN's attention builds an execution plan for every new shape, which costs more than
+# the padding. Elsewhere (the CPU) no kernel keeps per-shape state, and the widths are exact. Device type -> step.
+WIDTH_STEP = {"cuda": 64}
 # Causal LMs whose forward ends in `logits = self.lm_head(hidden_states[:, slice_indices, :])` and returns them as
 # they are (no soft-capping, no logit scale): the head's output is the policy's logits.
 PLAIN_HEAD_MODELS = {"qwen2", "qwen3", "qwen3_moe", "llama", "mistral"}
@@ -241,13 +246,19 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     `share_prompts` (no-grad passes only): rows with the same prompt share one forward of it (shared_prompt_cache).
     """
     T, P = num_completion_tokens, input_ids.shape[1] - num_completion_tokens
-    mask = attention_mask[:, P:]  # (B, T)
-    T_b, P_b = max(int(mask.sum(-1).max()), 1), int(attention_mask[:, :P].sum(-1).max())  # columns in use
-    input_ids, attention_mask, mask = input_ids[:, P - P_b:P + T_b], attention_mask[:, P - P_b:P + T_b], mask[:, :T_b]
+    used = attention_mask.sum(0) > 0  # (P + T,) the columns some row uses
+    # Completions are right-padded (their first T_used columns), prompts left-padded (their last P_used): one sync.
+    T_used, P_used = torch.stack([used[P:].sum(), used[:P].sum()]).tolist()
+    T_used = max(T_used, 1)
+    step = WIDTH_STEP.get(input_ids.device.type, 1)
+    T_b, P_b = padded_width(T_used, step), padded_width(P_used, step)  # a few widths that recur (WIDTH_STEP)
+    input_ids = widen(input_ids, P, T, P_b, T_b)  # (B, P_b + T_b)
+    attention_mask = widen(attention_mask, P, T, P_b, T_b)  # (B, P_b + T_b) 0 on the added columns
+    mask = attention_mask[:, P_b:]  # (B, T_b)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding must not shift positions
     cache = None
     if share_prompts and not torch.is_grad_enabled():
-        cache = shared_prompt_cache(model, input_ids, attention_mask, P_b - 1)
+        cache = shared_prompt_cache(model, input_ids, attention_mask, P_b - 1, pad_prefixes=step > 1)
     start = 0 if cache is None else P_b - 1  # with the prompts' cache, run from each prompt's last token on
     targets, head = input_ids[:, -T_b:], fused_head(model)  # (B, T_b)
     entropy_grad = entropy_grad and torch.is_grad_enabled()
@@ -262,9 +273,30 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
         # backward through a retained graph then fails with autograd's in-place error instead of a wrong gradient)
         logp, entropy = TokenLogprobs.apply(out, targets, temperature, entropy_grad, True)
         logp, entropy = logp * mask, entropy * mask  # (B, T_b) 0 at padding, as the head's path gives
-    pad = (0, T - T_b)  # back to the batch's T columns
+    if T_b >= T:  # back to the batch's T columns
+        return logp[:, :T], entropy[:, :T]
+    pad = (0, T - T_b)
     return torch.nn.functional.pad(logp, pad), torch.nn.functional.pad(entropy, pad)
 
+
+def padded_width(used: int, step: int) -> int:
+    """The width a forward runs on for `used` columns: with a step of 1, `used`; else the next power of two up to
+    `step`, then the next multiple of `step` (0 stays 0)."""
+    if used <= 0 or step <= 1:
+        return used
+    if used <= step:
+        return 1 << (used - 1).bit_length()
+    return -(-used // step) * step
+
+
+def widen(x: torch.Tensor, P: int, T: int, P_b: int, T_b: int) -> torch.Tensor:
+    """[prompt, P columns | completion, T columns] (B, P + T) cut or padded with zeros to [P_b | T_b]: the last P_b
+    prompt columns (prompts are left-padded) and the first T_b completion columns (completions are right-padded)."""
+    prompt = x[:, max(P - P_b, 0):P]  # (B, <= P_b)
+    completion = x[:, P:P + T_b]  # (B, <= T_b)
+    left = P_b - prompt.shape[1]
+    right = T_b - completion.shape[1]
+    return torch.nn.functional.pad(torch.cat([prompt, completion], dim=1), (left, right))
 
 def length_buckets(mask: torch.Tensor, size: int, offset: int = 0) -> list[torch.Tensor]:
     """Rows offset + i of `mask` (rows, T) in groups of `size`, longest completions first: each group's forward
@@ -275,11 +307,13 @@ def length_buckets(mask: torch.Tensor, size: int, offset: int = 0) -> list[torch
     return list(order.split(size))
 
 
-def shared_prompt_cache(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, length: int):
+def shared_prompt_cache(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, length: int,
+                        pad_prefixes: bool = False):
     """The KV cache of the first `length` columns of every (left-padded) row, computed once per distinct prefix
     (GRPO's G completions of a prompt share it) and indexed out to all rows; None, for a plain forward, when no
     prefix repeats or the model's cache is not plain key/value layers (e.g. linear attention's states). Used by
-    the no-grad log-prob passes and by HFEngine's prefill."""
+    the no-grad log-prob passes and by HFEngine's prefill. `pad_prefixes`: the prefixes' forward runs on a power of
+    two of rows (the first repeated), so that its attention shapes recur from batch to batch."""
     if length < 1:
         return None
     position_ids = (attention_mask[:, :length].cumsum(-1) - 1).clamp(min=0)  # (B, length)
@@ -289,6 +323,9 @@ def shared_prompt_cache(model, input_ids: torch.Tensor, attention_mask: torch.Te
         return None
     first = torch.full((len(distinct),), len(prefix), device=prefix.device).scatter_reduce(
         0, row_of, torch.arange(len(prefix), device=prefix.device), "amin")  # (u,) one row of each prefix
+    if pad_prefixes:
+        rows = 1 << (len(first) - 1).bit_length()  # (the rows beyond u repeat the first prefix; unused)
+        first = torch.cat([first, first[:1].expand(rows - len(first))])  # (rows,)
     cache = model(input_ids=input_ids[first, :length], attention_mask=attention_mask[first, :length],
                   position_ids=position_ids[first, :length], use_cache=True, logits_to_keep=1).past_key_values
     if not all(isinstance(layer, DynamicLayer) for layer in getattr(cache, "layers", [None])):

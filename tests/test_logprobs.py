@@ -166,7 +166,7 @@ def test_rows_of_one_prompt_share_its_forward_in_no_grad_passes(toy_model, path)
     try:
         with torch.no_grad():
             plain = completion_logprobs(toy_model, ids, attention, 6, 0.7)
-            assert shapes == [(7, 11)]
+            assert shapes == [(7, 11)]  # 5 prompt and 6 completion columns (exact widths on the CPU)
             shapes.clear()
             shared = completion_logprobs(toy_model, ids, attention, 6, 0.7, share_prompts=True)
             assert shapes == [(3, 4), (7, 7)]  # the 3 distinct prefixes (prompts less their last token), then the rest
@@ -322,3 +322,93 @@ def test_head_gradient_is_reduced_by_ddp(tmp_path):
         grads = torch.load(tmp_path / f"rank{rank}.pt")
         for name, p in model.named_parameters():
             torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m, name=name: f"rank {rank} {name}: {m}")
+
+
+def qwen3_geometry_steps(steps: int, seed: int = 0):
+    """Batches of the Qwen3-shaped benchmark's geometry (benchmarks/qwen3_shape.py at the GPU check's batch 64, G 8):
+    prompts of 13-37 tokens, completions of roughly geometric length (mean 100, cap 256), a group's rows sharing
+    their prompt. Yields (input_ids, attention_mask, P, T)."""
+    import random
+
+    rng = random.Random(seed)
+    B, G = 64, 8
+    for _ in range(steps):
+        prompts = [rng.randint(13, 37) for _ in range(B // G) for _ in range(G)]
+        completions = [min(256, max(1, int(rng.expovariate(1 / 100)))) for _ in range(B)]
+        P, T = max(prompts), max(completions)
+        ids = torch.randint(2, 512, (B, P + T), generator=torch.Generator().manual_seed(rng.randint(0, 10**6)))
+        attention = torch.zeros(B, P + T, dtype=torch.long)
+        for i in range(B):
+            attention[i, P - prompts[i]:P + completions[i]] = 1
+        for g in range(0, B, G):  # a group's rows share their prompt
+            ids[g:g + G, :P] = ids[g, :P]
+            attention[g:g + G, :P] = attention[g, :P]
+        yield ids * attention, attention, P, T
+
+
+def new_shapes_per_step(model, step: int, monkeypatch) -> tuple[list[int], int]:
+    """How many attention shapes each step meets that no earlier step met, in the log-prob passes and the update of
+    the Qwen3-shaped geometry (old and reference passes sharing prompts, then --micro_batch_size 16), decode aside,
+    with the widths rounded to `step`; and how many distinct shapes in all."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    met = []
+
+    def spy(q, k, v, attn_mask=None, **kwargs):
+        if q.shape[2] > 1:  # not a decode step
+            met.append((tuple(q.shape), tuple(k.shape), None if attn_mask is None else tuple(attn_mask.shape)))
+        return sdpa(q, k, v, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    monkeypatch.setitem(common.logprobs.WIDTH_STEP, "cpu", step)
+    seen, new = set(), []
+    for ids, attention, P, T in qwen3_geometry_steps(5):
+        met.clear()
+        with torch.no_grad():
+            for _ in range(2):  # old_logp and ref_logp
+                for rows in length_buckets(attention[:, P:], 16):
+                    completion_logprobs(model, ids[rows], attention[rows], T, 1.0, share_prompts=True)
+        for rows in length_buckets(attention[:, P:], 16):  # the update
+            completion_logprobs(model, ids[rows], attention[rows], T, 1.0)[0].sum().backward()
+        new.append(len(set(met) - seen))
+        seen |= set(met)
+    monkeypatch.undo()
+    return new, len(seen)
+
+
+def test_a_gpus_forwards_meet_few_new_attention_shapes_after_the_first_steps(monkeypatch):
+    """On a GPU the widths are rounded (common/logprobs.py WIDTH_STEP, forced here on the CPU): from the third step
+    on, at most 2 attention shapes a step were not met before. With exact widths (the CPU's rule), most of a step's
+    shapes are new every step, each a cuDNN execution plan to build on a GPU. (TRL pads every micro-batch to the
+    batch's longest prompt and completion: about 1 new shape a step.)"""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=512,
+                         attn_implementation="sdpa")
+    model = Qwen3ForCausalLM(config)
+    rounded, distinct = new_shapes_per_step(model, 64, monkeypatch)
+    assert max(rounded[2:]) <= 2 and distinct <= 30, (rounded, distinct)
+    exact, _ = new_shapes_per_step(model, 1, monkeypatch)
+    assert min(exact[2:]) > 2, exact  # the measure tells the two rules apart
+
+
+def test_padded_columns_leave_the_log_probs_as_they_are(monkeypatch, toy_model):
+    """The GPU's rounded widths (forced here) add prompt columns on the left and completion columns on the right,
+    none attended to: the log-probs and entropies are the exact widths' ones, with or without shared prompts."""
+    ids, attention, P, T = next(qwen3_geometry_steps(1))
+    ids = ids.clamp(max=toy_model.config.vocab_size - 1)[:16, : P + 40]
+    attention = attention[:16, : P + 40]
+    with torch.no_grad():
+        exact = completion_logprobs(toy_model, ids, attention, 40, 0.7, share_prompts=True)
+        monkeypatch.setitem(common.logprobs.WIDTH_STEP, "cpu", 64)
+        padded = completion_logprobs(toy_model, ids, attention, 40, 0.7, share_prompts=True)
+    for got, want in zip(padded, exact):
+        assert got.shape == want.shape == (16, 40)
+        torch.testing.assert_close(got, want, **TOL)
+
+
+@pytest.mark.parametrize("used, step, width", [(0, 64, 0), (1, 64, 1), (5, 64, 8), (64, 64, 64), (65, 64, 128),
+                                               (200, 64, 256), (37, 1, 37), (6, 1, 6)])
+def test_padded_width(used, step, width):
+    assert common.logprobs.padded_width(used, step) == width
