@@ -1,6 +1,7 @@
-"""Clip-Cov / KL-Cov ("The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models", Cui et al.
-2025, arXiv:2505.22617): keep the policy's entropy from collapsing by restraining the few tokens whose log-prob and
-advantage co-vary most, the tokens that drive the entropy down.
+"""Clip-Cov / KL-Cov ("The Entropy Mechanism of Reinforcement Learning for Reasoning Language
+Models", Cui et al. 2025, arXiv:2505.22617): keep the policy's entropy from collapsing by
+restraining the few tokens whose log-prob and advantage co-vary most, the tokens that drive the
+entropy down.
 
     A_i = (R_i - mean_g R) / (std_g R + 1e-6),   r_t = exp(logp_t - old_logp_t),   n: valid tokens of the batch
     C_t = (A_i - mean A) (logp_t - mean logp),   means over the batch's valid tokens, logp at the current weights
@@ -11,9 +12,11 @@ advantage co-vary most, the tokens that drive the entropy down.
 
 Differs from grpo.py (verl 0.5.0's compute_policy_loss_clip_cov / _kl_cov, from the authors' code):
 - a token mean over the optimizer batch (verl's token-mean); beta 0; KL-Cov has no ratio clip.
-- the selection is the optimizer batch's: batch_stats gathers every process's rows (logp at the current weights,
-  one no-grad pass per optimizer step) and ranks them together; verl ranks each micro-batch of each process alone.
-- Clip-Cov draws with torch.randperm on the global RNG, as verl does: the same draw on every process (one seed).
+- the selection is the optimizer batch's: batch_stats gathers every process's rows (logp at the
+  current weights, one no-grad pass per optimizer step) and ranks them together; verl ranks each
+  micro-batch of each process alone.
+- Clip-Cov draws with torch.randperm on the global RNG, as verl does: the same draw on every process
+  (one seed).
 - TIS / MIS multiply each token's whole term, KL-Cov's penalty included.
 
 Run:
@@ -33,8 +36,8 @@ from common.logprobs import completion_logprobs
 from common.offpolicy import importance_weights
 from common.run import end_step, finish, launch, progress_bar, setup
 from common.sampling import current_and_old_logprobs, old_and_reference_logprobs, sample_batch  # COVPO:
-from common.stats import BatchStats, per_row, sum_over_processes, this_process  # COVPO:
-from common.update import backward_share, masked_mean, microbatches, minibatches, rows_of, save_dumps
+from common.stats import BatchStats, masked_mean, per_row, sum_over_processes, this_process  # COVPO:
+from common.update import backward_share, microbatches, minibatches, rows_of, save_dumps
 
 
 @dataclass
@@ -44,15 +47,25 @@ class Args(TrainArgs):
 
     exp_name: str = arg(os.path.basename(__file__)[: -len(".py")], "name of this experiment")
     # Algorithm-specific
-    beta: float = arg(0.0, "KL coefficient to the reference policy (k3; the authors' use_kl_loss off)", at_least=0)
-    epsilon: float = arg(0.2, "lower clip range, Clip-Cov (verl's clip_ratio_low; the authors' Clip-Cov 1)", at_least=0)
-    epsilon_high: float = arg(0.2, "upper clip range, Clip-Cov only (verl's clip_ratio_high)", at_least=0)
+    beta: float = arg(
+        0.0, "KL coefficient to the reference policy (k3; the authors' use_kl_loss off)", at_least=0,
+    )
+    epsilon: float = arg(
+        0.2, "lower clip range, Clip-Cov (verl's clip_ratio_low; the authors' Clip-Cov 1)", at_least=0,
+    )
+    epsilon_high: float = arg(
+        0.2, "upper clip range, Clip-Cov only (verl's clip_ratio_high)", at_least=0,
+    )
     cov_method: Literal["clip", "kl"] = arg("clip", "clip: Clip-Cov drops a few high-covariance tokens from the loss; "
                                                     "kl: KL-Cov puts a |log-ratio| penalty on the top ones")
     clip_cov_ratio: float = arg(2e-4, "Clip-Cov: share of the batch's tokens dropped, r (verl's and the authors')",
                                 at_least=0)
-    clip_cov_lb: float = arg(1.0, "Clip-Cov: lowest covariance a dropped token may have (verl's clip_cov_lb)")
-    clip_cov_ub: float = arg(5.0, "Clip-Cov: highest covariance a dropped token may have (verl's clip_cov_ub)")
+    clip_cov_lb: float = arg(
+        1.0, "Clip-Cov: lowest covariance a dropped token may have (verl's clip_cov_lb)",
+    )
+    clip_cov_ub: float = arg(
+        5.0, "Clip-Cov: highest covariance a dropped token may have (verl's clip_cov_ub)",
+    )
     kl_cov_ratio: float = arg(2e-4, "KL-Cov: share of the batch's tokens penalised, k (verl's; the authors': 2e-3 for "
                                     "Qwen2.5-7B, 2e-4 for 32B)", at_least=0)
     ppo_kl_coef: float = arg(1.0, "KL-Cov: coefficient kappa of the |log-ratio| penalty (the authors' scripts and "
@@ -82,27 +95,34 @@ def batch_stats(logp_now, old_logp, advantages, mask, args: Args, total=this_pro
     over the processes."""
     from accelerate import PartialState  # COVPO: the selection ranks the tokens of every process together
     from accelerate.utils import gather, pad_across_processes
-    logp, A = logp_now, advantages[:, None].expand(mask.shape)  # (B, T) each  COVPO: at the current weights
+    # (B, T) each  COVPO: at the current weights
+    logp, A = logp_now, advantages[:, None].expand(mask.shape)
     ratio = torch.exp(logp - old_logp)  # (B, T)
-    clipped = -A * torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high) > -A * ratio  # (B, T) verl's
+    # (B, T) verl's
+    clipped = -A * torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high) > -A * ratio
     mine = torch.stack([logp, A.to(logp), mask.to(logp), clipped.to(logp)], -1)  # (B, T, 4)
-    logp_all, A_all, valid, clipped = gather(pad_across_processes(mine, dim=1)).unbind(-1)  # (P B, T') each
+    # (P B, T') each
+    logp_all, A_all, valid, clipped = gather(pad_across_processes(mine, dim=1)).unbind(-1)
     valid, n = valid > 0, int(valid.sum())  # (P B, T')  COVPO: the optimizer batch's valid tokens
     centred = lambda x: x - torch.where(valid, x, 0).sum() / max(n, 1)  # noqa: E731  (P B, T')
-    cov = centred(A_all) * centred(logp_all)  # (P B, T')  COVPO: C_t, the token's centred cross-product
+    # (P B, T')  COVPO: C_t, the token's centred cross-product
+    cov = centred(A_all) * centred(logp_all)
     if args.cov_method == "clip":  # COVPO: Clip-Cov: a random draw among lb < C_t < ub that the clip leaves alone
         eligible = torch.nonzero(valid & (clipped == 0) & (cov > args.clip_cov_lb) & (cov < args.clip_cov_ub))
-        chosen = eligible[torch.randperm(len(eligible))[: max(int(args.clip_cov_ratio * n), 1)]]  # (m, 2)  verl's
+        # (m, 2)  verl's
+        chosen = eligible[torch.randperm(len(eligible))[: max(int(args.clip_cov_ratio * n), 1)]]
     else:  # COVPO: KL-Cov: the top k by C_t
         k = min(max(int(args.kl_cov_ratio * n), 1), n)
         chosen = torch.nonzero(valid)[torch.topk(cov[valid], k).indices]  # (k, 2)
     selected = torch.zeros_like(valid)  # (P B, T')
     selected[chosen[:, 0], chosen[:, 1]] = True
-    B, T, rank = *mask.shape, PartialState().process_index  # this process's rows: a contiguous share of the batch
+    # this process's rows: a contiguous share of the batch
+    B, T, rank = *mask.shape, PartialState().process_index
     return Stats(total(mask.sum().float()), selected=selected[rank * B: (rank + 1) * B, :T])
 
 
-def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=None, tis_weights=None):
+def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=None,
+                 tis_weights=None):
     """Clip-Cov / KL-Cov loss with full-batch semantics. `stats` hold the optimizer batch's valid
     tokens and the tokens the covariance picked (None: these rows are the whole batch);
     `tis_weights` (B, T) multiply the policy term per token (TIS or masked IS, per token or per
@@ -129,7 +149,8 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
 
     with torch.no_grad():
         ppo = args.cov_method == "clip"  # KL-Cov has no clip
-        is_low = (ratio < 1 - args.epsilon) & (A < 0) & ppo  # (B, T) clipped from below (gradient zeroed)
+        # (B, T) clipped from below (gradient zeroed)
+        is_low = (ratio < 1 - args.epsilon) & (A < 0) & ppo
         is_high = (ratio > 1 + args.epsilon_high) & (A > 0) & ppo  # (B, T)
         metrics = {
             "loss/policy": loss.detach(),
@@ -145,25 +166,32 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
 
 
 def main(args: Args):
-    run = setup(args)  # common/run.py: processes, run folder, policy (+LoRA), reference, data, optimizer, engine
-    model, optimizer, scheduler, accelerator = run.model, run.optimizer, run.scheduler, run.accelerator
-    total = sum_over_processes(accelerator)  # sums a tensor over the processes: whole-batch statistics
+    # common/run.py: the processes, the run folder, the policy (+ LoRA), the reference, the data,
+    # the optimizer and the rollout engine
+    run = setup(args)
+    model = run.model
+    optimizer = run.optimizer
+    scheduler = run.scheduler
+    accelerator = run.accelerator
+    total = sum_over_processes(accelerator)  # a tensor's sum over the processes
     progress = progress_bar(run)
     for step in progress:
         step_start = time.time()
         metrics = {}
 
-        # 1. Rollouts and rewards, with the log-probs of the weights that sampled them (the behaviour policy's, old)
-        # and the reference's. --rollout_lag K: the batch of step + K is sampled now, this step's K steps ago.
+        # 1. Rollouts and rewards, with the log-probs of the weights that sampled them (the
+        # behaviour policy's, old) and the reference's. --rollout_lag K: the batch of step + K
+        # is sampled now, this step's K steps ago.
         for index in run.queue.steps_to_sample(step, args.total_steps):  # [step] at lag 0
-            batch = sample_batch(run, index, metrics)  # this process's rows of step `index` (common/batch.py)
-            batch.old_logp, batch.ref_logp = old_and_reference_logprobs(run, batch, metrics)  # (B, T) each
+            batch = sample_batch(run, index, metrics)  # this process's rows of step `index`
+            batch.old_logp, batch.ref_logp = old_and_reference_logprobs(run, batch, metrics)
             run.queue.put(batch, sampled_at=step)
         batch = run.queue.take(step)
         mask = batch.mask  # (B, T)
         T = mask.shape[1]
 
-        # 2. Advantages (and, for a sampler/trainer mismatch, truncated or masked importance weights)
+        # 2. Advantages (and, for a sampler/trainer mismatch, truncated or masked importance
+        # weights)
         advantages = compute_advantages(batch.rewards, args)  # (B,)
         tis_weights = None
         if args.tis_cap > 0:
@@ -184,17 +212,22 @@ def main(args: Args):
                     input_ids = batch.input_ids[rows]  # (b, P+T)
                     attention = batch.attention_mask[rows]  # (b, P+T)
                     with accelerator.accumulate(model):
-                        logp, entropy = completion_logprobs(model, input_ids, attention, T, args.temperature)
-                        if run.on_policy:  # The weights being trained sampled the batch: old is current.
+                        logp, entropy = completion_logprobs(
+                            model, input_ids, attention, T, args.temperature
+                        )
+                        if run.on_policy:  # these weights sampled the batch: old is current
                             batch.old_logp[rows] = logp.detach()
-                        old_logp, ref_logp = batch.old_logp[rows], rows_of(batch.ref_logp, rows)  # (b, T)
+                        old_logp = batch.old_logp[rows]  # (b, T)
+                        ref_logp = rows_of(batch.ref_logp, rows)  # (b, T), or None: no KL term
                         loss, loss_metrics = compute_loss(
                             logp, old_logp, ref_logp, advantages[rows], mask[rows], args,
                             stats.for_rows(rows - mini.start), rows_of(tis_weights, rows),
                         )
-                        loss_metrics["loss/policy"] = backward_share(accelerator, loss)  # a share of the batch's
-                        if accelerator.sync_gradients:  # The mini-batch's last micro-batch: an optimizer step.
-                            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                        # the micro-batch's share of the batch's loss, scaled as its gradient is
+                        loss_metrics["loss/policy"] = backward_share(accelerator, loss)
+                        if accelerator.sync_gradients:  # the mini-batch's last: an optimizer step
+                            parameters = model.parameters()
+                            grad_norm = accelerator.clip_grad_norm_(parameters, args.max_grad_norm)
                             grad_norms.append(grad_norm)
                             optimizer.step()
                             optimizer.zero_grad()

@@ -1,11 +1,13 @@
-"""CTPO: "Rethinking Importance Sampling in LLM Policy Optimization: A Cumulative Token Perspective" (arXiv:2605.07331).
+"""CTPO: "Rethinking Importance Sampling in LLM Policy Optimization: A Cumulative Token Perspective"
+(arXiv:2605.07331).
 
     rho_t = exp(min(c_t, 10)),  c_t = sum_{k<=t} mask_k clamp(logp_k - old_logp_k, -20, 20)  (gradient via logp_t only)
     L = mean_{valid i,t} [max(-A_i rho_t, -A_i exp(clamp(log rho_t, -clip_low b_t, clip_high b_t))) + beta kl_t],
         b_t = p_t ** clip_power (p_t: 1-based position), and the term is capped at -A_i exp(clip_c b_t) when A_i < 0
 
 Differs from grpo.py (sections 3.1, 3.3, as in the authors' released loss "cum-token-cumprod-la"):
-- the ratio of token t is the prefix ratio pi(y_<=t) / pi_old(y_<=t), with a stop-gradient on the prefix;
+- the ratio of token t is the prefix ratio pi(y_<=t) / pi_old(y_<=t), with a stop-gradient on the
+  prefix;
 - log-space clip bounds grow like p_t ** clip_power (0: fixed; Table 3); dual clip for A < 0;
 - a token mean over the optimizer batch; beta 0 by default; no ablation switches of grpo.py.
 
@@ -25,8 +27,8 @@ from common.logprobs import completion_logprobs
 from common.offpolicy import importance_weights
 from common.run import end_step, finish, launch, progress_bar, setup
 from common.sampling import old_and_reference_logprobs, sample_batch
-from common.stats import BatchStats, sum_over_processes, this_process
-from common.update import backward_share, masked_mean, microbatches, minibatches, rows_of, save_dumps
+from common.stats import BatchStats, masked_mean, sum_over_processes, this_process
+from common.update import backward_share, microbatches, minibatches, rows_of, save_dumps
 
 
 @dataclass
@@ -37,10 +39,18 @@ class Args(TrainArgs):
     exp_name: str = arg(os.path.basename(__file__)[: -len(".py")], "name of this experiment")
     # Algorithm-specific
     beta: float = arg(0.0, "KL coefficient to the reference policy (k3, per token)", at_least=0)
-    clip_low: float = arg(0.025, "lower log-space bound: log rho_t >= -clip_low * p_t ** clip_power", at_least=0)
-    clip_high: float = arg(0.05, "upper log-space bound: log rho_t <= clip_high * p_t ** clip_power", at_least=0)
-    clip_c: float = arg(0.05, "dual clip for A < 0: a token's loss <= -A * exp(clip_c * p_t ** clip_power)", at_least=0)
-    clip_power: float = arg(0.5, "the bounds grow like p_t ** clip_power; 0: fixed (Table 3's ablation)", at_least=0)
+    clip_low: float = arg(
+        0.025, "lower log-space bound: log rho_t >= -clip_low * p_t ** clip_power", at_least=0,
+    )
+    clip_high: float = arg(
+        0.05, "upper log-space bound: log rho_t <= clip_high * p_t ** clip_power", at_least=0,
+    )
+    clip_c: float = arg(
+        0.05, "dual clip for A < 0: a token's loss <= -A * exp(clip_c * p_t ** clip_power)", at_least=0,
+    )
+    clip_power: float = arg(
+        0.5, "the bounds grow like p_t ** clip_power; 0: fixed (Table 3's ablation)", at_least=0,
+    )
 
 
 # ALGO LOGIC: advantages and loss
@@ -64,10 +74,12 @@ def batch_stats(advantages, mask, args: Args, total=this_process) -> Stats:
     return Stats(num_tokens=total(mask.sum().float()))
 
 
-# CTPO Figure 1 by position p_t: std of c_t, clip rate, and the rate a fixed ratio window has on the same rho_t
+# CTPO Figure 1 by position p_t: std of c_t, clip rate, and the rate a fixed ratio window has on the
+# same rho_t
 POSITION_BUCKETS = {"pos_1-16": (1, 16), "pos_17-64": (17, 64), "pos_65-256": (65, 256),
                     "pos_257-1024": (257, 1024), "pos_1025+": (1025, torch.inf)}
-FIG1_FIXED_WINDOW = (0.5, 5.0)  # "Fixed clip: ratio in [0.5, 5]", the authors' plot_clip_rate_vs_position.py
+# "Fixed clip: ratio in [0.5, 5]", the authors' plot_clip_rate_vs_position.py
+FIG1_FIXED_WINDOW = (0.5, 5.0)
 
 
 def masked_std(x: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
@@ -76,7 +88,8 @@ def masked_std(x: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
     return (((x - (x * where).sum() / n) ** 2) * where).sum().div(n).sqrt()
 
 
-def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=None, tis_weights=None):
+def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=None,
+                 tis_weights=None):
     """CTPO loss with full-batch semantics (section 3). `stats.num_tokens` (default: these rows'
     valid tokens) is the denominator over the whole optimizer batch per micro-batch; `tis_weights`
     (B, T) multiply the policy term per token. c_t and p_t run over mask = 1 tokens only: tool
@@ -85,15 +98,19 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
         stats = batch_stats(advantages, mask, args)
     mask = mask.float()  # (B, T)
     delta = torch.clamp(logp - old_logp, -20, 20)  # (B, T)  CTPO: d_t
-    cum_logratio = torch.cumsum(mask * delta, dim=-1).detach()  # (B, T)  CTPO: sg(c_t), c_t = sum_{k<=t} mask_k d_k
-    log_ratio = torch.clamp(cum_logratio + logp - logp.detach(), max=10)  # (B, T)  CTPO: log rho_t, grad via logp_t
+    # (B, T)  CTPO: sg(c_t), c_t = sum_{k<=t} mask_k d_k
+    cum_logratio = torch.cumsum(mask * delta, dim=-1).detach()
+    # (B, T)  CTPO: log rho_t, grad via logp_t
+    log_ratio = torch.clamp(cum_logratio + logp - logp.detach(), max=10)
     ratio = torch.exp(log_ratio)  # (B, T)  CTPO: rho_t
     A = advantages[:, None]  # (B, 1)
     position = torch.cumsum(mask, dim=-1)  # (B, T)  CTPO: p_t, 1-based on valid tokens
     scale = position.clamp(min=1) ** args.clip_power  # (B, T)  CTPO: b_t = p_t ** clip_power
-    clipped = torch.exp(torch.clamp(log_ratio, -args.clip_low * scale, args.clip_high * scale))  # (B, T)  CTPO
+    # (B, T)  CTPO
+    clipped = torch.exp(torch.clamp(log_ratio, -args.clip_low * scale, args.clip_high * scale))
     surrogate = torch.min(ratio * A, clipped * A)  # (B, T)  -l_t = -max(l1, l2)
-    dual = A * torch.exp(args.clip_c * scale)  # (B, T)  CTPO: dual clip, l_t <= -A exp(clip_c b_t) for A < 0
+    # (B, T)  CTPO: dual clip, l_t <= -A exp(clip_c b_t) for A < 0
+    dual = A * torch.exp(args.clip_c * scale)
     is_dual = (A < 0) & (surrogate < dual)  # (B, T)
     surrogate = torch.where(is_dual, dual, surrogate)  # (B, T)  CTPO: gradient zeroed where capped
     if tis_weights is not None:
@@ -105,10 +122,12 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
     loss = -(per_token * mask).sum() / stats.num_tokens.clamp(min=1)  # CTPO: token mean over the optimizer batch
 
     with torch.no_grad():
-        is_low = (log_ratio < -args.clip_low * scale) & (A < 0)  # (B, T) clipped from below (gradient zeroed)
+        # (B, T) clipped from below (gradient zeroed)
+        is_low = (log_ratio < -args.clip_low * scale) & (A < 0)
         is_high = (log_ratio > args.clip_high * scale) & (A > 0)  # (B, T)
         lo_fixed, hi_fixed = torch.tensor(FIG1_FIXED_WINDOW, dtype=torch.float64).log().tolist()
-        is_fixed = ((log_ratio < lo_fixed) & (A < 0)) | ((log_ratio > hi_fixed) & (A > 0))  # (B, T)  Figure 1
+        # (B, T)  Figure 1
+        is_fixed = ((log_ratio < lo_fixed) & (A < 0)) | ((log_ratio > hi_fixed) & (A > 0))
         metrics = {
             "loss/policy": loss.detach(),
             "policy/ratio_mean": masked_mean(ratio, mask),
@@ -118,7 +137,8 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
             "policy/dual_clip_frac": masked_mean(is_dual.float(), mask),
             "policy/cum_logratio_std": masked_std(cum_logratio, mask > 0),
         }
-        # buckets the padded width T reaches (in the loop: the longest completion of this process), so that
+        # buckets the padded width T reaches (in the loop: the longest completion of this process),
+        # so that
         # every micro-batch logs the same keys; one with no token in a bucket logs 0 for it
         for name, (lo, hi) in POSITION_BUCKETS.items():
             if lo <= mask.shape[1]:
@@ -132,25 +152,32 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
 
 
 def main(args: Args):
-    run = setup(args)  # common/run.py: processes, run folder, policy (+LoRA), reference, data, optimizer, engine
-    model, optimizer, scheduler, accelerator = run.model, run.optimizer, run.scheduler, run.accelerator
-    total = sum_over_processes(accelerator)  # sums a tensor over the processes: whole-batch statistics
+    # common/run.py: the processes, the run folder, the policy (+ LoRA), the reference, the data,
+    # the optimizer and the rollout engine
+    run = setup(args)
+    model = run.model
+    optimizer = run.optimizer
+    scheduler = run.scheduler
+    accelerator = run.accelerator
+    total = sum_over_processes(accelerator)  # a tensor's sum over the processes
     progress = progress_bar(run)
     for step in progress:
         step_start = time.time()
         metrics = {}
 
-        # 1. Rollouts and rewards, with the log-probs of the weights that sampled them (the behaviour policy's, old)
-        # and the reference's. --rollout_lag K: the batch of step + K is sampled now, this step's K steps ago.
+        # 1. Rollouts and rewards, with the log-probs of the weights that sampled them (the
+        # behaviour policy's, old) and the reference's. --rollout_lag K: the batch of step + K
+        # is sampled now, this step's K steps ago.
         for index in run.queue.steps_to_sample(step, args.total_steps):  # [step] at lag 0
-            batch = sample_batch(run, index, metrics)  # this process's rows of step `index` (common/batch.py)
-            batch.old_logp, batch.ref_logp = old_and_reference_logprobs(run, batch, metrics)  # (B, T) each
+            batch = sample_batch(run, index, metrics)  # this process's rows of step `index`
+            batch.old_logp, batch.ref_logp = old_and_reference_logprobs(run, batch, metrics)
             run.queue.put(batch, sampled_at=step)
         batch = run.queue.take(step)
         mask = batch.mask  # (B, T)
         T = mask.shape[1]
 
-        # 2. Advantages (and, for a sampler/trainer mismatch, truncated or masked importance weights)
+        # 2. Advantages (and, for a sampler/trainer mismatch, truncated or masked importance
+        # weights)
         advantages = compute_advantages(batch.rewards, args)  # (B,)
         tis_weights = None
         if args.tis_cap > 0:
@@ -164,23 +191,28 @@ def main(args: Args):
         update_metrics, grad_norms, dumps = [], [], []
         for _ in range(args.num_iterations):
             for mini in minibatches(run):  # a slice of this process's rows
-                stats = batch_stats(advantages[mini], mask[mini], args, total)  # the optimizer batch's
+                stats = batch_stats(advantages[mini], mask[mini], args, total)  # whole-batch
                 dumps.append(stats)  # --dump_stats_steps (e.g. SNIB's Figure 2)
                 for rows in microbatches(run, batch, mini):  # (b,) indices of this process's rows
                     input_ids = batch.input_ids[rows]  # (b, P+T)
                     attention = batch.attention_mask[rows]  # (b, P+T)
                     with accelerator.accumulate(model):
-                        logp, entropy = completion_logprobs(model, input_ids, attention, T, args.temperature)
-                        if run.on_policy:  # The weights being trained sampled the batch: old is current.
+                        logp, entropy = completion_logprobs(
+                            model, input_ids, attention, T, args.temperature
+                        )
+                        if run.on_policy:  # these weights sampled the batch: old is current
                             batch.old_logp[rows] = logp.detach()
-                        old_logp, ref_logp = batch.old_logp[rows], rows_of(batch.ref_logp, rows)  # (b, T)
+                        old_logp = batch.old_logp[rows]  # (b, T)
+                        ref_logp = rows_of(batch.ref_logp, rows)  # (b, T), or None: no KL term
                         loss, loss_metrics = compute_loss(
                             logp, old_logp, ref_logp, advantages[rows], mask[rows], args,
                             stats.for_rows(rows - mini.start), rows_of(tis_weights, rows),
                         )
-                        loss_metrics["loss/policy"] = backward_share(accelerator, loss)  # a share of the batch's
-                        if accelerator.sync_gradients:  # The mini-batch's last micro-batch: an optimizer step.
-                            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                        # the micro-batch's share of the batch's loss, scaled as its gradient is
+                        loss_metrics["loss/policy"] = backward_share(accelerator, loss)
+                        if accelerator.sync_gradients:  # the mini-batch's last: an optimizer step
+                            parameters = model.parameters()
+                            grad_norm = accelerator.clip_grad_norm_(parameters, args.max_grad_norm)
                             grad_norms.append(grad_norm)
                             optimizer.step()
                             optimizer.zero_grad()

@@ -1,5 +1,5 @@
-"""DPPO: Divergence Proximal Policy Optimization ("Rethinking the Trust Region in LLM Reinforcement Learning",
-Qi et al. 2026, arXiv:2602.04879).
+"""DPPO: Divergence Proximal Policy Optimization ("Rethinking the Trust Region in LLM Reinforcement
+Learning", Qi et al. 2026, arXiv:2602.04879).
 
     A_i = (R_i - mean_g R) / (std_g R + 1e-6),    r_t = exp(logp_t - old_logp_t),    p_t = exp(logp_t)
     L   = -(1/n) sum_{i,t} mask * [M_t sg(min(r_t, C)) A_i logp_t - beta * kl_t],   n: valid tokens
@@ -7,13 +7,15 @@ Qi et al. 2026, arXiv:2602.04879).
           A_i <= 0, p_t < p_old_t, D_t > delta_low), else 1;  D_t = |p_t - p_old_t| (binary TV) or binary KL
 
 Differs from grpo.py (DPPO-Binary-TV and -KL, arXiv:2602.04879; verl's dppo_tv / dppo_kl):
-- the trust region bounds a divergence of the sampled token's probability, not the ratio: a token that left it on
-  the side its advantage pushes loses its gradient; inside, the gradient is the detached IS weight's, as CISPO's.
-- the cap C on the IS weight is the authors' 1e4 (off: the paper finds truncation hurts); a token mean; beta 0.
+- the trust region bounds a divergence of the sampled token's probability, not the ratio: a token
+  that left it on the side its advantage pushes loses its gradient; inside, the gradient is the
+  detached IS weight's, as CISPO's.
+- the cap C on the IS weight is the authors' 1e4 (off: the paper finds truncation hurts); a token
+  mean; beta 0.
 - TIS / MIS weights multiply the policy term per token; the k3 KL (--beta > 0) joins the token mean.
-- --rollout_lag K: the region is anchored on the weights that sampled (old_logp), K steps back; --old_logp_source
-  sampler anchors it on the sampler's own log-probs (the paper's choice); tool-output tokens (mask 0) and removed
-  rows leave every sum and the token count.
+- --rollout_lag K: the region is anchored on the weights that sampled (old_logp), K steps back;
+  --old_logp_source sampler anchors it on the sampler's own log-probs (the paper's choice);
+  tool-output tokens (mask 0) and removed rows leave every sum and the token count.
 
 Run:
     python dppo.py --preset toy                                  # CPU, minutes
@@ -32,8 +34,8 @@ from common.logprobs import completion_logprobs
 from common.offpolicy import importance_weights
 from common.run import end_step, finish, launch, progress_bar, setup
 from common.sampling import old_and_reference_logprobs, sample_batch
-from common.stats import BatchStats, sum_over_processes, this_process
-from common.update import backward_share, masked_mean, microbatches, minibatches, rows_of, save_dumps
+from common.stats import BatchStats, masked_mean, sum_over_processes, this_process
+from common.update import backward_share, microbatches, minibatches, rows_of, save_dumps
 
 
 @dataclass
@@ -44,10 +46,18 @@ class Args(TrainArgs):
     exp_name: str = arg(os.path.basename(__file__)[: -len(".py")], "name of this experiment")
     # Algorithm-specific
     beta: float = arg(0.0, "KL coefficient to the reference policy (k3 estimator)", at_least=0)
-    divergence: Literal["tv", "kl"] = arg("tv", "the trust region's divergence: binary tv |p - p_old| or binary kl")
-    delta_low: float | None = arg(None, "threshold where A <= 0 lowers p (None: the paper's, tv 0.15, kl 0.05)")
-    delta_high: float | None = arg(None, "threshold where A > 0 raises p (None: the paper's, tv 0.15, kl 0.05)")
-    ratio_cap: float = arg(1e4, "cap C of the detached IS weight (verl's clip_ratio_c; the authors' 1e4)", at_least=0)
+    divergence: Literal["tv", "kl"] = arg(
+        "tv", "the trust region's divergence: binary tv |p - p_old| or binary kl",
+    )
+    delta_low: float | None = arg(
+        None, "threshold where A <= 0 lowers p (None: the paper's, tv 0.15, kl 0.05)",
+    )
+    delta_high: float | None = arg(
+        None, "threshold where A > 0 raises p (None: the paper's, tv 0.15, kl 0.05)",
+    )
+    ratio_cap: float = arg(
+        1e4, "cap C of the detached IS weight (verl's clip_ratio_c; the authors' 1e4)", at_least=0,
+    )
 
 
 # ALGO LOGIC: advantages and loss
@@ -71,7 +81,8 @@ def batch_stats(advantages, mask, args: Args, total=this_process) -> Stats:
     return Stats(num_tokens=total(mask.sum().float()))
 
 
-def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=None, tis_weights=None):
+def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=None,
+                 tis_weights=None):
     """DPPO loss with full-batch semantics. `stats.num_tokens` (default: these rows' valid tokens)
     is the denominator over the whole optimizer batch per micro-batch; `tis_weights` (B, T) multiply
     the policy term per token."""
@@ -83,16 +94,20 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
     default = {"tv": 0.15, "kl": 0.05}[args.divergence]  # DPPO: the authors' threshold for each divergence
     low = default if args.delta_low is None else args.delta_low  # DPPO: delta_low
     high = default if args.delta_high is None else args.delta_high  # DPPO: delta_high
-    p, p_old = torch.exp(logp.detach()), torch.exp(old_logp)  # (B, T)  DPPO: the sampled token's probabilities
+    # (B, T)  DPPO: the sampled token's probabilities
+    p, p_old = torch.exp(logp.detach()), torch.exp(old_logp)
     if args.divergence == "tv":  # DPPO: TV between Bernoulli(p_old) and Bernoulli(p) (the token vs the rest)
         divergence = (p - p_old).abs()  # (B, T)  D_t
     else:  # DPPO: KL(Bernoulli(p_old) || Bernoulli(p)), verl's 1e-8 inside the second log
         divergence = (p_old * (old_logp - logp.detach())
                       + (1 - p_old) * torch.log((1 - p_old + 1e-8) / (1 - p + 1e-8)))  # (B, T)  D_t
-    is_high = (A > 0) & (p > p_old) & (divergence > high)  # (B, T)  DPPO: pushed up out of the region
-    is_low = (A <= 0) & (p < p_old) & (divergence > low)  # (B, T)  DPPO: pushed down out of the region
+    # (B, T)  DPPO: pushed up out of the region
+    is_high = (A > 0) & (p > p_old) & (divergence > high)
+    # (B, T)  DPPO: pushed down out of the region
+    is_low = (A <= 0) & (p < p_old) & (divergence > low)
     weight = torch.clamp(ratio, max=args.ratio_cap).detach()  # (B, T)  DPPO: sg(min(r_t, C))
-    surrogate = weight * ~(is_low | is_high) * A * logp  # (B, T)  DPPO: M_t sg(min(r_t, C)) A_i logp_t
+    # (B, T)  DPPO: M_t sg(min(r_t, C)) A_i logp_t
+    surrogate = weight * ~(is_low | is_high) * A * logp
     if tis_weights is not None:
         surrogate = surrogate * tis_weights  # (B, T)
     per_token = surrogate  # (B, T)
@@ -115,25 +130,32 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
 
 
 def main(args: Args):
-    run = setup(args)  # common/run.py: processes, run folder, policy (+LoRA), reference, data, optimizer, engine
-    model, optimizer, scheduler, accelerator = run.model, run.optimizer, run.scheduler, run.accelerator
-    total = sum_over_processes(accelerator)  # sums a tensor over the processes: whole-batch statistics
+    # common/run.py: the processes, the run folder, the policy (+ LoRA), the reference, the data,
+    # the optimizer and the rollout engine
+    run = setup(args)
+    model = run.model
+    optimizer = run.optimizer
+    scheduler = run.scheduler
+    accelerator = run.accelerator
+    total = sum_over_processes(accelerator)  # a tensor's sum over the processes
     progress = progress_bar(run)
     for step in progress:
         step_start = time.time()
         metrics = {}
 
-        # 1. Rollouts and rewards, with the log-probs of the weights that sampled them (the behaviour policy's, old)
-        # and the reference's. --rollout_lag K: the batch of step + K is sampled now, this step's K steps ago.
+        # 1. Rollouts and rewards, with the log-probs of the weights that sampled them (the
+        # behaviour policy's, old) and the reference's. --rollout_lag K: the batch of step + K
+        # is sampled now, this step's K steps ago.
         for index in run.queue.steps_to_sample(step, args.total_steps):  # [step] at lag 0
-            batch = sample_batch(run, index, metrics)  # this process's rows of step `index` (common/batch.py)
-            batch.old_logp, batch.ref_logp = old_and_reference_logprobs(run, batch, metrics)  # (B, T) each
+            batch = sample_batch(run, index, metrics)  # this process's rows of step `index`
+            batch.old_logp, batch.ref_logp = old_and_reference_logprobs(run, batch, metrics)
             run.queue.put(batch, sampled_at=step)
         batch = run.queue.take(step)
         mask = batch.mask  # (B, T)
         T = mask.shape[1]
 
-        # 2. Advantages (and, for a sampler/trainer mismatch, truncated or masked importance weights)
+        # 2. Advantages (and, for a sampler/trainer mismatch, truncated or masked importance
+        # weights)
         advantages = compute_advantages(batch.rewards, args)  # (B,)
         tis_weights = None
         if args.tis_cap > 0:
@@ -147,23 +169,28 @@ def main(args: Args):
         update_metrics, grad_norms, dumps = [], [], []
         for _ in range(args.num_iterations):
             for mini in minibatches(run):  # a slice of this process's rows
-                stats = batch_stats(advantages[mini], mask[mini], args, total)  # the optimizer batch's
+                stats = batch_stats(advantages[mini], mask[mini], args, total)  # whole-batch
                 dumps.append(stats)  # --dump_stats_steps (e.g. SNIB's Figure 2)
                 for rows in microbatches(run, batch, mini):  # (b,) indices of this process's rows
                     input_ids = batch.input_ids[rows]  # (b, P+T)
                     attention = batch.attention_mask[rows]  # (b, P+T)
                     with accelerator.accumulate(model):
-                        logp, entropy = completion_logprobs(model, input_ids, attention, T, args.temperature)
-                        if run.on_policy:  # The weights being trained sampled the batch: old is current.
+                        logp, entropy = completion_logprobs(
+                            model, input_ids, attention, T, args.temperature
+                        )
+                        if run.on_policy:  # these weights sampled the batch: old is current
                             batch.old_logp[rows] = logp.detach()
-                        old_logp, ref_logp = batch.old_logp[rows], rows_of(batch.ref_logp, rows)  # (b, T)
+                        old_logp = batch.old_logp[rows]  # (b, T)
+                        ref_logp = rows_of(batch.ref_logp, rows)  # (b, T), or None: no KL term
                         loss, loss_metrics = compute_loss(
                             logp, old_logp, ref_logp, advantages[rows], mask[rows], args,
                             stats.for_rows(rows - mini.start), rows_of(tis_weights, rows),
                         )
-                        loss_metrics["loss/policy"] = backward_share(accelerator, loss)  # a share of the batch's
-                        if accelerator.sync_gradients:  # The mini-batch's last micro-batch: an optimizer step.
-                            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                        # the micro-batch's share of the batch's loss, scaled as its gradient is
+                        loss_metrics["loss/policy"] = backward_share(accelerator, loss)
+                        if accelerator.sync_gradients:  # the mini-batch's last: an optimizer step
+                            parameters = model.parameters()
+                            grad_norm = accelerator.clip_grad_norm_(parameters, args.max_grad_norm)
                             grad_norms.append(grad_norm)
                             optimizer.step()
                             optimizer.zero_grad()

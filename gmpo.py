@@ -3,10 +3,13 @@
     A_i = (R_i - mean_g R) / (std_g R + 1e-6),    d_t = logp_t - old_logp_t,    c_t = sign(A_i) min(sign(A_i) d_t,
     sign(A_i) clip(d_t, -eps, eps_high)),    L = -(1/B) sum_i [exp((1/L_i) sum_t mask c_t) A_i - beta * K_i]
 
-Differs from grpo.py (section 3, the GMPO objective; code: github.com/callsys/GMPO, verl's "geo_mean" loss):
-- one weight per completion, the geometric mean of its token ratios, each clipped first in log space to
-  [-eps, eps_high] on the side its advantage pushes (PPO's min per token); eps = eps_high = 0.4 (section 4); beta 0.
-- a mean over completions; --tis_cap scales a completion's term by the mean of its tokens' weights (as gspo.py).
+Differs from grpo.py (section 3, the GMPO objective; code: github.com/callsys/GMPO, verl's
+"geo_mean" loss):
+- one weight per completion, the geometric mean of its token ratios, each clipped first in log space
+  to [-eps, eps_high] on the side its advantage pushes (PPO's min per token); eps = eps_high = 0.4
+  (section 4); beta 0.
+- a mean over completions; --tis_cap scales a completion's term by the mean of its tokens' weights
+  (as gspo.py).
 
 Run:
     python gmpo.py --preset toy                                  # CPU, minutes
@@ -24,8 +27,8 @@ from common.logprobs import completion_logprobs
 from common.offpolicy import importance_weights
 from common.run import end_step, finish, launch, progress_bar, setup
 from common.sampling import old_and_reference_logprobs, sample_batch
-from common.stats import BatchStats, sum_over_processes, this_process
-from common.update import backward_share, masked_mean, microbatches, minibatches, rows_of, save_dumps
+from common.stats import BatchStats, masked_mean, sum_over_processes, this_process
+from common.update import backward_share, microbatches, minibatches, rows_of, save_dumps
 
 
 @dataclass
@@ -35,9 +38,15 @@ class Args(TrainArgs):
 
     exp_name: str = arg(os.path.basename(__file__)[: -len(".py")], "name of this experiment")
     # Algorithm-specific
-    beta: float = arg(0.0, "KL coefficient to the reference policy (k3, mean over each completion)", at_least=0)
-    epsilon: float = arg(0.4, "lower clip range of each token's log-ratio: d_t >= -epsilon", at_least=0)
-    epsilon_high: float = arg(0.4, "upper clip range of each token's log-ratio: d_t <= epsilon_high", at_least=0)
+    beta: float = arg(
+        0.0, "KL coefficient to the reference policy (k3, mean over each completion)", at_least=0,
+    )
+    epsilon: float = arg(
+        0.4, "lower clip range of each token's log-ratio: d_t >= -epsilon", at_least=0,
+    )
+    epsilon_high: float = arg(
+        0.4, "upper clip range of each token's log-ratio: d_t <= epsilon_high", at_least=0,
+    )
 
 
 # ALGO LOGIC: advantages and loss
@@ -61,7 +70,8 @@ def batch_stats(advantages, mask, args: Args, total=this_process) -> Stats:
     return Stats(num_rows=total((mask.sum(-1) > 0).sum().float()))
 
 
-def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=None, tis_weights=None):
+def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=None,
+                 tis_weights=None):
     """GMPO loss with full-batch semantics. `stats.num_rows` (default: these rows, less removed
     ones) is the denominator over the whole optimizer batch when called per micro-batch;
     `tis_weights` (B, T) scale row i's term by (1/L_i) sum_t mask * tis_t, as its weight sits on all
@@ -71,10 +81,13 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
     mask = mask.float()  # (B, T)
     log_ratio = logp - old_logp  # (B, T)  d_t
     A = advantages[:, None]  # (B, 1)
-    clamped = torch.clamp(log_ratio, -args.epsilon, args.epsilon_high)  # (B, T)  GMPO: log-space bounds
+    # (B, T)  GMPO: log-space bounds
+    clamped = torch.clamp(log_ratio, -args.epsilon, args.epsilon_high)
     clipped = torch.where(A > 0, torch.minimum(log_ratio, clamped), torch.maximum(log_ratio, clamped))  # GMPO: c_t
-    seq_ratio = torch.exp((mask * clipped).sum(-1) / mask.sum(-1).clamp(min=1))  # (B,)  GMPO: geometric mean
-    ratio = seq_ratio[:, None].expand_as(logp)  # (B, T)  GMPO: the row's weight on every token of row i
+    # (B,)  GMPO: geometric mean
+    seq_ratio = torch.exp((mask * clipped).sum(-1) / mask.sum(-1).clamp(min=1))
+    # (B, T)  GMPO: the row's weight on every token of row i
+    ratio = seq_ratio[:, None].expand_as(logp)
     surrogate = ratio * A  # (B, T)  GMPO: the clip already took PPO's min, token by token
     if tis_weights is not None:
         surrogate = surrogate * tis_weights  # (B, T)
@@ -87,7 +100,8 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
     loss = -per_seq.sum() / stats.num_rows.clamp(min=1)
 
     with torch.no_grad():
-        is_low = (log_ratio < -args.epsilon) & (A < 0)  # (B, T) clipped from below (gradient zeroed)
+        # (B, T) clipped from below (gradient zeroed)
+        is_low = (log_ratio < -args.epsilon) & (A < 0)
         is_high = (log_ratio > args.epsilon_high) & (A > 0)  # (B, T)
         metrics = {
             "loss/policy": loss.detach(),
@@ -102,25 +116,32 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
 
 
 def main(args: Args):
-    run = setup(args)  # common/run.py: processes, run folder, policy (+LoRA), reference, data, optimizer, engine
-    model, optimizer, scheduler, accelerator = run.model, run.optimizer, run.scheduler, run.accelerator
-    total = sum_over_processes(accelerator)  # sums a tensor over the processes: whole-batch statistics
+    # common/run.py: the processes, the run folder, the policy (+ LoRA), the reference, the data,
+    # the optimizer and the rollout engine
+    run = setup(args)
+    model = run.model
+    optimizer = run.optimizer
+    scheduler = run.scheduler
+    accelerator = run.accelerator
+    total = sum_over_processes(accelerator)  # a tensor's sum over the processes
     progress = progress_bar(run)
     for step in progress:
         step_start = time.time()
         metrics = {}
 
-        # 1. Rollouts and rewards, with the log-probs of the weights that sampled them (the behaviour policy's, old)
-        # and the reference's. --rollout_lag K: the batch of step + K is sampled now, this step's K steps ago.
+        # 1. Rollouts and rewards, with the log-probs of the weights that sampled them (the
+        # behaviour policy's, old) and the reference's. --rollout_lag K: the batch of step + K
+        # is sampled now, this step's K steps ago.
         for index in run.queue.steps_to_sample(step, args.total_steps):  # [step] at lag 0
-            batch = sample_batch(run, index, metrics)  # this process's rows of step `index` (common/batch.py)
-            batch.old_logp, batch.ref_logp = old_and_reference_logprobs(run, batch, metrics)  # (B, T) each
+            batch = sample_batch(run, index, metrics)  # this process's rows of step `index`
+            batch.old_logp, batch.ref_logp = old_and_reference_logprobs(run, batch, metrics)
             run.queue.put(batch, sampled_at=step)
         batch = run.queue.take(step)
         mask = batch.mask  # (B, T)
         T = mask.shape[1]
 
-        # 2. Advantages (and, for a sampler/trainer mismatch, truncated or masked importance weights)
+        # 2. Advantages (and, for a sampler/trainer mismatch, truncated or masked importance
+        # weights)
         advantages = compute_advantages(batch.rewards, args)  # (B,)
         tis_weights = None
         if args.tis_cap > 0:
@@ -134,23 +155,28 @@ def main(args: Args):
         update_metrics, grad_norms, dumps = [], [], []
         for _ in range(args.num_iterations):
             for mini in minibatches(run):  # a slice of this process's rows
-                stats = batch_stats(advantages[mini], mask[mini], args, total)  # the optimizer batch's
+                stats = batch_stats(advantages[mini], mask[mini], args, total)  # whole-batch
                 dumps.append(stats)  # --dump_stats_steps (e.g. SNIB's Figure 2)
                 for rows in microbatches(run, batch, mini):  # (b,) indices of this process's rows
                     input_ids = batch.input_ids[rows]  # (b, P+T)
                     attention = batch.attention_mask[rows]  # (b, P+T)
                     with accelerator.accumulate(model):
-                        logp, entropy = completion_logprobs(model, input_ids, attention, T, args.temperature)
-                        if run.on_policy:  # The weights being trained sampled the batch: old is current.
+                        logp, entropy = completion_logprobs(
+                            model, input_ids, attention, T, args.temperature
+                        )
+                        if run.on_policy:  # these weights sampled the batch: old is current
                             batch.old_logp[rows] = logp.detach()
-                        old_logp, ref_logp = batch.old_logp[rows], rows_of(batch.ref_logp, rows)  # (b, T)
+                        old_logp = batch.old_logp[rows]  # (b, T)
+                        ref_logp = rows_of(batch.ref_logp, rows)  # (b, T), or None: no KL term
                         loss, loss_metrics = compute_loss(
                             logp, old_logp, ref_logp, advantages[rows], mask[rows], args,
                             stats.for_rows(rows - mini.start), rows_of(tis_weights, rows),
                         )
-                        loss_metrics["loss/policy"] = backward_share(accelerator, loss)  # a share of the batch's
-                        if accelerator.sync_gradients:  # The mini-batch's last micro-batch: an optimizer step.
-                            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                        # the micro-batch's share of the batch's loss, scaled as its gradient is
+                        loss_metrics["loss/policy"] = backward_share(accelerator, loss)
+                        if accelerator.sync_gradients:  # the mini-batch's last: an optimizer step
+                            parameters = model.parameters()
+                            grad_norm = accelerator.clip_grad_norm_(parameters, args.max_grad_norm)
                             grad_norms.append(grad_norm)
                             optimizer.step()
                             optimizer.zero_grad()

@@ -4,9 +4,11 @@
     L   = -(1/B) sum_i (1/L_i) sum_t mask * [min(r_t A_i, clip(r_t, 1-eps, 1+eps_high) A_i) - beta * kl_t]
 
 Differs from DeepSeekMath's description:
-- old_logp is the trainer's, not the sampler's; their gap is logged, and corrected with --tis_cap (off by default).
-- the ablations of "Towards Understanding the Optimization Landscape of GRPO and its Variants": --advantage sign,
-  --train_on positive|negative, --loss_agg token-sum-norm | token-mean (verl's); docs/estimators/grpo.md.
+- old_logp is the trainer's, not the sampler's; their gap is logged, and corrected with --tis_cap
+  (off by default).
+- the ablations of "Towards Understanding the Optimization Landscape of GRPO and its Variants":
+  --advantage sign, --train_on positive|negative, --loss_agg token-sum-norm | token-mean (verl's);
+  docs/estimators/grpo.md.
 
 Run:
     python grpo.py --preset toy                                  # CPU, minutes
@@ -25,8 +27,8 @@ from common.logprobs import completion_logprobs
 from common.offpolicy import importance_weights
 from common.run import end_step, finish, launch, progress_bar, setup
 from common.sampling import old_and_reference_logprobs, sample_batch
-from common.stats import BatchStats, sum_over_processes, this_process
-from common.update import backward_share, masked_mean, microbatches, minibatches, rows_of, save_dumps
+from common.stats import BatchStats, masked_mean, sum_over_processes, this_process
+from common.update import backward_share, microbatches, minibatches, rows_of, save_dumps
 
 
 @dataclass
@@ -71,7 +73,8 @@ class Stats(BatchStats):
 
 def kept_rows(advantages, mask, args: Args) -> torch.Tensor:
     """(B,) the rows in the loss: a valid token (a removed row has none) and --train_on's sign."""
-    sign = {"positive": advantages > 0, "negative": advantages < 0}.get(args.train_on, True)  # (B,) or all
+    # (B,) or all
+    sign = {"positive": advantages > 0, "negative": advantages < 0}.get(args.train_on, True)
     return (mask.sum(-1) > 0) & sign  # (B,)
 
 
@@ -84,7 +87,8 @@ def batch_stats(advantages, mask, args: Args, total=this_process) -> Stats:
     return Stats(num_rows=num_rows, num_tokens=num_tokens)
 
 
-def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=None, tis_weights=None):
+def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=None,
+                 tis_weights=None):
     """GRPO loss with full-batch semantics: `stats` hold the whole optimizer batch's denominators
     when the loss is called per micro-batch (None: these rows are the whole batch). `tis_weights`
     (B, T) multiply the policy term per token (TIS or masked IS, per token or per sequence:
@@ -104,7 +108,8 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
         kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1  # (B, T)  k3
         per_token = per_token - args.beta * kl  # (B, T)
     # Each row's token sum over L_i, its length (the default); over the longest a completion may be
-    # (token-sum-norm); or over 1, with the batch's valid tokens as the denominator (token-mean: verl's).
+    # (token-sum-norm); or over 1, with the batch's valid tokens as the denominator (token-mean:
+    # verl's).
     lengths = {"token-sum-norm": args.max_completion_length, "token-mean": 1}
     lengths = lengths.get(args.loss_agg, mask.sum(-1).clamp(min=1))  # (B,) L_i, or a number
     per_seq = (per_token * mask).sum(-1) / lengths  # (B,)
@@ -112,7 +117,7 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
     loss = -(per_seq * keep).sum() / denominator.clamp(min=1)
 
     with torch.no_grad():
-        is_low = (ratio < 1 - args.epsilon) & (A < 0)  # (B, T)  clipped from below (gradient zeroed)
+        is_low = (ratio < 1 - args.epsilon) & (A < 0)  # (B, T)  clipped below (gradient zeroed)
         is_high = (ratio > 1 + args.epsilon_high) & (A > 0)  # (B, T)
         metrics = {
             "loss/policy": loss.detach(),
@@ -127,25 +132,32 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
 
 
 def main(args: Args):
-    run = setup(args)  # common/run.py: processes, run folder, policy (+LoRA), reference, data, optimizer, engine
-    model, optimizer, scheduler, accelerator = run.model, run.optimizer, run.scheduler, run.accelerator
-    total = sum_over_processes(accelerator)  # sums a tensor over the processes: whole-batch statistics
+    # common/run.py: the processes, the run folder, the policy (+ LoRA), the reference, the data,
+    # the optimizer and the rollout engine
+    run = setup(args)
+    model = run.model
+    optimizer = run.optimizer
+    scheduler = run.scheduler
+    accelerator = run.accelerator
+    total = sum_over_processes(accelerator)  # a tensor's sum over the processes
     progress = progress_bar(run)
     for step in progress:
         step_start = time.time()
         metrics = {}
 
-        # 1. Rollouts and rewards, with the log-probs of the weights that sampled them (the behaviour policy's, old)
-        # and the reference's. --rollout_lag K: the batch of step + K is sampled now, this step's K steps ago.
+        # 1. Rollouts and rewards, with the log-probs of the weights that sampled them (the
+        # behaviour policy's, old) and the reference's. --rollout_lag K: the batch of step + K
+        # is sampled now, this step's K steps ago.
         for index in run.queue.steps_to_sample(step, args.total_steps):  # [step] at lag 0
-            batch = sample_batch(run, index, metrics)  # this process's rows of step `index` (common/batch.py)
-            batch.old_logp, batch.ref_logp = old_and_reference_logprobs(run, batch, metrics)  # (B, T) each
+            batch = sample_batch(run, index, metrics)  # this process's rows of step `index`
+            batch.old_logp, batch.ref_logp = old_and_reference_logprobs(run, batch, metrics)
             run.queue.put(batch, sampled_at=step)
         batch = run.queue.take(step)
         mask = batch.mask  # (B, T)
         T = mask.shape[1]
 
-        # 2. Advantages (and, for a sampler/trainer mismatch, truncated or masked importance weights)
+        # 2. Advantages (and, for a sampler/trainer mismatch, truncated or masked importance
+        # weights)
         advantages = compute_advantages(batch.rewards, args)  # (B,)
         tis_weights = None
         if args.tis_cap > 0:
@@ -159,23 +171,28 @@ def main(args: Args):
         update_metrics, grad_norms, dumps = [], [], []
         for _ in range(args.num_iterations):
             for mini in minibatches(run):  # a slice of this process's rows
-                stats = batch_stats(advantages[mini], mask[mini], args, total)  # the optimizer batch's
+                stats = batch_stats(advantages[mini], mask[mini], args, total)  # whole-batch
                 dumps.append(stats)  # --dump_stats_steps (e.g. SNIB's Figure 2)
                 for rows in microbatches(run, batch, mini):  # (b,) indices of this process's rows
                     input_ids = batch.input_ids[rows]  # (b, P+T)
                     attention = batch.attention_mask[rows]  # (b, P+T)
                     with accelerator.accumulate(model):
-                        logp, entropy = completion_logprobs(model, input_ids, attention, T, args.temperature)
-                        if run.on_policy:  # The weights being trained sampled the batch: old is current.
+                        logp, entropy = completion_logprobs(
+                            model, input_ids, attention, T, args.temperature
+                        )
+                        if run.on_policy:  # these weights sampled the batch: old is current
                             batch.old_logp[rows] = logp.detach()
-                        old_logp, ref_logp = batch.old_logp[rows], rows_of(batch.ref_logp, rows)  # (b, T)
+                        old_logp = batch.old_logp[rows]  # (b, T)
+                        ref_logp = rows_of(batch.ref_logp, rows)  # (b, T), or None: no KL term
                         loss, loss_metrics = compute_loss(
                             logp, old_logp, ref_logp, advantages[rows], mask[rows], args,
                             stats.for_rows(rows - mini.start), rows_of(tis_weights, rows),
                         )
-                        loss_metrics["loss/policy"] = backward_share(accelerator, loss)  # a share of the batch's
-                        if accelerator.sync_gradients:  # The mini-batch's last micro-batch: an optimizer step.
-                            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                        # the micro-batch's share of the batch's loss, scaled as its gradient is
+                        loss_metrics["loss/policy"] = backward_share(accelerator, loss)
+                        if accelerator.sync_gradients:  # the mini-batch's last: an optimizer step
+                            parameters = model.parameters()
+                            grad_norm = accelerator.clip_grad_norm_(parameters, args.max_grad_norm)
                             grad_norms.append(grad_norm)
                             optimizer.step()
                             optimizer.zero_grad()

@@ -3,9 +3,10 @@
     A_i = (R_i - mean_g R) / (std_g R + 1e-6),    s_i = exp((1/L_i) sum_t mask * (logp_t - old_logp_t))
     L   = -(1/B) sum_i [min(s_i A_i, clip(s_i, 1-eps, 1+eps_high) A_i) - beta * (1/L_i) sum_t mask * kl_t]
 
-Differs from grpo.py: one ratio per completion, s_i, the geometric mean of its token ratios (gradient through the
-mean), clipped in a far narrower range (eps 3e-4, eps_high 4e-4); beta 0; no ablation switches; --tis_cap scales a
-completion's term by the mean of its tokens' TIS weights; clip_frac counts tokens (Figure 4).
+Differs from grpo.py: one ratio per completion, s_i, the geometric mean of its token ratios
+(gradient through the mean), clipped in a far narrower range (eps 3e-4, eps_high 4e-4); beta 0; no
+ablation switches; --tis_cap scales a completion's term by the mean of its tokens' TIS weights;
+clip_frac counts tokens (Figure 4).
 
 Run:
     python gspo.py --preset toy                                  # CPU, minutes
@@ -23,8 +24,8 @@ from common.logprobs import completion_logprobs
 from common.offpolicy import importance_weights
 from common.run import end_step, finish, launch, progress_bar, setup
 from common.sampling import old_and_reference_logprobs, sample_batch
-from common.stats import BatchStats, sum_over_processes, this_process
-from common.update import backward_share, masked_mean, microbatches, minibatches, rows_of, save_dumps
+from common.stats import BatchStats, masked_mean, sum_over_processes, this_process
+from common.update import backward_share, microbatches, minibatches, rows_of, save_dumps
 
 
 @dataclass
@@ -34,7 +35,9 @@ class Args(TrainArgs):
 
     exp_name: str = arg(os.path.basename(__file__)[: -len(".py")], "name of this experiment")
     # Algorithm-specific
-    beta: float = arg(0.0, "KL coefficient to the reference policy (k3, mean over each completion)", at_least=0)
+    beta: float = arg(
+        0.0, "KL coefficient to the reference policy (k3, mean over each completion)", at_least=0,
+    )
     epsilon: float = arg(3e-4, "lower clip range of the sequence ratio s_i", at_least=0)
     epsilon_high: float = arg(4e-4, "upper clip range of the sequence ratio s_i", at_least=0)
 
@@ -60,7 +63,8 @@ def batch_stats(advantages, mask, args: Args, total=this_process) -> Stats:
     return Stats(num_rows=total((mask.sum(-1) > 0).sum().float()))
 
 
-def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=None, tis_weights=None):
+def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=None,
+                 tis_weights=None):
     """GSPO loss (section 4.1) with full-batch semantics. `stats.num_rows` (default: these rows,
     less removed ones) is the denominator over the whole optimizer batch when called per
     micro-batch; `tis_weights` (B, T) scale row i's term by (1/L_i) sum_t mask * tis_t, as s_i sits
@@ -68,7 +72,8 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
     if stats is None:
         stats = batch_stats(advantages, mask, args)
     mask = mask.float()  # (B, T)
-    seq_ratio = torch.exp((mask * (logp - old_logp)).sum(-1) / mask.sum(-1).clamp(min=1))  # (B,)  GSPO: s_i
+    log_ratio = mask * (logp - old_logp)  # (B, T)
+    seq_ratio = torch.exp(log_ratio.sum(-1) / mask.sum(-1).clamp(min=1))  # (B,)  GSPO: s_i
     ratio = seq_ratio[:, None].expand_as(logp)  # (B, T)  GSPO: s_i on every token of row i
     A = advantages[:, None]  # (B, 1)
     clipped = torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high)  # (B, T)
@@ -101,25 +106,32 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
 
 
 def main(args: Args):
-    run = setup(args)  # common/run.py: processes, run folder, policy (+LoRA), reference, data, optimizer, engine
-    model, optimizer, scheduler, accelerator = run.model, run.optimizer, run.scheduler, run.accelerator
-    total = sum_over_processes(accelerator)  # sums a tensor over the processes: whole-batch statistics
+    # common/run.py: the processes, the run folder, the policy (+ LoRA), the reference, the data,
+    # the optimizer and the rollout engine
+    run = setup(args)
+    model = run.model
+    optimizer = run.optimizer
+    scheduler = run.scheduler
+    accelerator = run.accelerator
+    total = sum_over_processes(accelerator)  # a tensor's sum over the processes
     progress = progress_bar(run)
     for step in progress:
         step_start = time.time()
         metrics = {}
 
-        # 1. Rollouts and rewards, with the log-probs of the weights that sampled them (the behaviour policy's, old)
-        # and the reference's. --rollout_lag K: the batch of step + K is sampled now, this step's K steps ago.
+        # 1. Rollouts and rewards, with the log-probs of the weights that sampled them (the
+        # behaviour policy's, old) and the reference's. --rollout_lag K: the batch of step + K
+        # is sampled now, this step's K steps ago.
         for index in run.queue.steps_to_sample(step, args.total_steps):  # [step] at lag 0
-            batch = sample_batch(run, index, metrics)  # this process's rows of step `index` (common/batch.py)
-            batch.old_logp, batch.ref_logp = old_and_reference_logprobs(run, batch, metrics)  # (B, T) each
+            batch = sample_batch(run, index, metrics)  # this process's rows of step `index`
+            batch.old_logp, batch.ref_logp = old_and_reference_logprobs(run, batch, metrics)
             run.queue.put(batch, sampled_at=step)
         batch = run.queue.take(step)
         mask = batch.mask  # (B, T)
         T = mask.shape[1]
 
-        # 2. Advantages (and, for a sampler/trainer mismatch, truncated or masked importance weights)
+        # 2. Advantages (and, for a sampler/trainer mismatch, truncated or masked importance
+        # weights)
         advantages = compute_advantages(batch.rewards, args)  # (B,)
         tis_weights = None
         if args.tis_cap > 0:
@@ -133,23 +145,28 @@ def main(args: Args):
         update_metrics, grad_norms, dumps = [], [], []
         for _ in range(args.num_iterations):
             for mini in minibatches(run):  # a slice of this process's rows
-                stats = batch_stats(advantages[mini], mask[mini], args, total)  # the optimizer batch's
+                stats = batch_stats(advantages[mini], mask[mini], args, total)  # whole-batch
                 dumps.append(stats)  # --dump_stats_steps (e.g. SNIB's Figure 2)
                 for rows in microbatches(run, batch, mini):  # (b,) indices of this process's rows
                     input_ids = batch.input_ids[rows]  # (b, P+T)
                     attention = batch.attention_mask[rows]  # (b, P+T)
                     with accelerator.accumulate(model):
-                        logp, entropy = completion_logprobs(model, input_ids, attention, T, args.temperature)
-                        if run.on_policy:  # The weights being trained sampled the batch: old is current.
+                        logp, entropy = completion_logprobs(
+                            model, input_ids, attention, T, args.temperature
+                        )
+                        if run.on_policy:  # these weights sampled the batch: old is current
                             batch.old_logp[rows] = logp.detach()
-                        old_logp, ref_logp = batch.old_logp[rows], rows_of(batch.ref_logp, rows)  # (b, T)
+                        old_logp = batch.old_logp[rows]  # (b, T)
+                        ref_logp = rows_of(batch.ref_logp, rows)  # (b, T), or None: no KL term
                         loss, loss_metrics = compute_loss(
                             logp, old_logp, ref_logp, advantages[rows], mask[rows], args,
                             stats.for_rows(rows - mini.start), rows_of(tis_weights, rows),
                         )
-                        loss_metrics["loss/policy"] = backward_share(accelerator, loss)  # a share of the batch's
-                        if accelerator.sync_gradients:  # The mini-batch's last micro-batch: an optimizer step.
-                            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                        # the micro-batch's share of the batch's loss, scaled as its gradient is
+                        loss_metrics["loss/policy"] = backward_share(accelerator, loss)
+                        if accelerator.sync_gradients:  # the mini-batch's last: an optimizer step
+                            parameters = model.parameters()
+                            grad_norm = accelerator.clip_grad_norm_(parameters, args.max_grad_norm)
                             grad_norms.append(grad_norm)
                             optimizer.step()
                             optimizer.zero_grad()

@@ -1,18 +1,23 @@
-"""MaxRL: Maximum Likelihood Reinforcement Learning ("Maximum Likelihood Reinforcement Learning", Tajwar et al. 2026,
-arXiv:2602.02710): the group's mean reward (its success rate) normalises the advantage in place of its std.
+"""MaxRL: Maximum Likelihood Reinforcement Learning ("Maximum Likelihood Reinforcement Learning",
+Tajwar et al. 2026, arXiv:2602.02710): the group's mean reward (its success rate) normalises the
+advantage in place of its std.
 
     A_i = (R_i - mean_g R) / (mean_g R + 1e-6)  (0 where mean_g R <= 0),   r_t = exp(logp_t - old_logp_t)
     L   = -(1/n) sum_{i,t} mask * [max(min(r_t A_i, clip(r_t, 1-eps, 1+eps_high) A_i), c A_i if A_i < 0) - beta kl_t]
 
-With binary rewards and K successes of G: A = (G - K) / K on a success, -1 on a failure, so the gradient is
-(1/K) sum_{successes} grad log pi: the maximum-likelihood gradient of the successes' share, an unbiased estimate of the
-order-G truncation of the log pass rate's gradient (the paper; G = 1 is REINFORCE, G -> infinity maximum likelihood).
+With binary rewards and K successes of G: A = (G - K) / K on a success, -1 on a failure, so the
+gradient is (1/K) sum_{successes} grad log pi: the maximum-likelihood gradient of the successes'
+share, an unbiased estimate of the order-G truncation of the log pass rate's gradient (the paper; G
+= 1 is REINFORCE, G -> infinity maximum likelihood).
 
-Differs from grpo.py (the authors' verl fork, `compute_maxrl_outcome_advantage`; prime-rl's `max_rl`):
-- the group mean replaces the std: (R - mean) / (mean + 1e-6) as the authors' verl fork; 0 where mean <= 0, as
-  prime-rl (for rewards >= 0 the two agree: such a group's rewards are all 0). Meant for rewards >= 0 (a pass rate).
-- the rest is verl's defaults, which that fork keeps: the PPO token clip (eps 0.2) with verl's dual clip (c 3 for
-  A < 0), a token mean over the optimizer batch (loss_agg_mode token-mean), no KL (beta 0; k3 in the loss if set).
+Differs from grpo.py (the authors' verl fork, `compute_maxrl_outcome_advantage`; prime-rl's
+`max_rl`):
+- the group mean replaces the std: (R - mean) / (mean + 1e-6) as the authors' verl fork; 0 where
+  mean <= 0, as prime-rl (for rewards >= 0 the two agree: such a group's rewards are all 0). Meant
+  for rewards >= 0 (a pass rate).
+- the rest is verl's defaults, which that fork keeps: the PPO token clip (eps 0.2) with verl's dual
+  clip (c 3 for A < 0), a token mean over the optimizer batch (loss_agg_mode token-mean), no KL
+  (beta 0; k3 in the loss if set).
 - TIS / MIS multiply each token's policy term; no ablation switches.
 
 Run:
@@ -31,8 +36,8 @@ from common.logprobs import completion_logprobs
 from common.offpolicy import importance_weights
 from common.run import end_step, finish, launch, progress_bar, setup
 from common.sampling import old_and_reference_logprobs, sample_batch
-from common.stats import BatchStats, sum_over_processes, this_process
-from common.update import backward_share, masked_mean, microbatches, minibatches, rows_of, save_dumps
+from common.stats import BatchStats, masked_mean, sum_over_processes, this_process
+from common.update import backward_share, microbatches, minibatches, rows_of, save_dumps
 
 
 @dataclass
@@ -42,7 +47,9 @@ class Args(TrainArgs):
 
     exp_name: str = arg(os.path.basename(__file__)[: -len(".py")], "name of this experiment")
     # Algorithm-specific
-    beta: float = arg(0.0, "KL coefficient to the reference policy (k3 estimator; verl's use_kl_loss off)", at_least=0)
+    beta: float = arg(
+        0.0, "KL coefficient to the reference policy (k3 estimator; verl's use_kl_loss off)", at_least=0,
+    )
     epsilon: float = arg(0.2, "lower clip range (verl's clip_ratio)", at_least=0)
     epsilon_high: float = arg(0.2, "upper clip range", at_least=0)
     clip_ratio_c: float = arg(3.0, "dual clip: a token with A < 0 loses at most c |A| (verl's clip_ratio_c)",
@@ -56,7 +63,8 @@ def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
     grouped = rewards.view(-1, args.num_generations)  # (N, G)
     mean = grouped.mean(dim=1, keepdim=True)  # (N, 1)  MAXRL: p_hat, the group's pass rate
     A = (grouped - mean) / (mean + 1e-6)  # (N, G)  MAXRL: (R_i - p_hat) / p_hat
-    return torch.where(mean > 0, A, torch.zeros_like(A)).flatten()  # (B,)  MAXRL: no success, no signal
+    # (B,)  MAXRL: no success, no signal
+    return torch.where(mean > 0, A, torch.zeros_like(A)).flatten()
 
 
 @dataclass
@@ -72,7 +80,8 @@ def batch_stats(advantages, mask, args: Args, total=this_process) -> Stats:
     return Stats(num_tokens=total(mask.sum().float()))
 
 
-def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=None, tis_weights=None):
+def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=None,
+                 tis_weights=None):
     """MaxRL loss (verl's PPO loss with its dual clip) with full-batch semantics. `num_tokens`
     (default: this batch's valid tokens) is the denominator over the whole optimizer batch per
     micro-batch; `tis_weights` (B, T) multiply the policy term per token."""
@@ -83,7 +92,8 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
     A = advantages[:, None]  # (B, 1)
     clipped = torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high)  # (B, T)
     surrogate = torch.min(ratio * A, clipped * A)  # (B, T)  s_t
-    dual = (A < 0) & (surrogate < args.clip_ratio_c * A)  # (B, T)  MAXRL: verl's dual clip, no gradient
+    # (B, T)  MAXRL: verl's dual clip, no gradient
+    dual = (A < 0) & (surrogate < args.clip_ratio_c * A)
     surrogate = torch.where(dual, args.clip_ratio_c * A, surrogate)  # (B, T)
     if tis_weights is not None:
         surrogate = surrogate * tis_weights  # (B, T)
@@ -110,25 +120,32 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
 
 
 def main(args: Args):
-    run = setup(args)  # common/run.py: processes, run folder, policy (+LoRA), reference, data, optimizer, engine
-    model, optimizer, scheduler, accelerator = run.model, run.optimizer, run.scheduler, run.accelerator
-    total = sum_over_processes(accelerator)  # sums a tensor over the processes: whole-batch statistics
+    # common/run.py: the processes, the run folder, the policy (+ LoRA), the reference, the data,
+    # the optimizer and the rollout engine
+    run = setup(args)
+    model = run.model
+    optimizer = run.optimizer
+    scheduler = run.scheduler
+    accelerator = run.accelerator
+    total = sum_over_processes(accelerator)  # a tensor's sum over the processes
     progress = progress_bar(run)
     for step in progress:
         step_start = time.time()
         metrics = {}
 
-        # 1. Rollouts and rewards, with the log-probs of the weights that sampled them (the behaviour policy's, old)
-        # and the reference's. --rollout_lag K: the batch of step + K is sampled now, this step's K steps ago.
+        # 1. Rollouts and rewards, with the log-probs of the weights that sampled them (the
+        # behaviour policy's, old) and the reference's. --rollout_lag K: the batch of step + K
+        # is sampled now, this step's K steps ago.
         for index in run.queue.steps_to_sample(step, args.total_steps):  # [step] at lag 0
-            batch = sample_batch(run, index, metrics)  # this process's rows of step `index` (common/batch.py)
-            batch.old_logp, batch.ref_logp = old_and_reference_logprobs(run, batch, metrics)  # (B, T) each
+            batch = sample_batch(run, index, metrics)  # this process's rows of step `index`
+            batch.old_logp, batch.ref_logp = old_and_reference_logprobs(run, batch, metrics)
             run.queue.put(batch, sampled_at=step)
         batch = run.queue.take(step)
         mask = batch.mask  # (B, T)
         T = mask.shape[1]
 
-        # 2. Advantages (and, for a sampler/trainer mismatch, truncated or masked importance weights)
+        # 2. Advantages (and, for a sampler/trainer mismatch, truncated or masked importance
+        # weights)
         advantages = compute_advantages(batch.rewards, args)  # (B,)
         tis_weights = None
         if args.tis_cap > 0:
@@ -142,23 +159,28 @@ def main(args: Args):
         update_metrics, grad_norms, dumps = [], [], []
         for _ in range(args.num_iterations):
             for mini in minibatches(run):  # a slice of this process's rows
-                stats = batch_stats(advantages[mini], mask[mini], args, total)  # the optimizer batch's
+                stats = batch_stats(advantages[mini], mask[mini], args, total)  # whole-batch
                 dumps.append(stats)  # --dump_stats_steps (e.g. SNIB's Figure 2)
                 for rows in microbatches(run, batch, mini):  # (b,) indices of this process's rows
                     input_ids = batch.input_ids[rows]  # (b, P+T)
                     attention = batch.attention_mask[rows]  # (b, P+T)
                     with accelerator.accumulate(model):
-                        logp, entropy = completion_logprobs(model, input_ids, attention, T, args.temperature)
-                        if run.on_policy:  # The weights being trained sampled the batch: old is current.
+                        logp, entropy = completion_logprobs(
+                            model, input_ids, attention, T, args.temperature
+                        )
+                        if run.on_policy:  # these weights sampled the batch: old is current
                             batch.old_logp[rows] = logp.detach()
-                        old_logp, ref_logp = batch.old_logp[rows], rows_of(batch.ref_logp, rows)  # (b, T)
+                        old_logp = batch.old_logp[rows]  # (b, T)
+                        ref_logp = rows_of(batch.ref_logp, rows)  # (b, T), or None: no KL term
                         loss, loss_metrics = compute_loss(
                             logp, old_logp, ref_logp, advantages[rows], mask[rows], args,
                             stats.for_rows(rows - mini.start), rows_of(tis_weights, rows),
                         )
-                        loss_metrics["loss/policy"] = backward_share(accelerator, loss)  # a share of the batch's
-                        if accelerator.sync_gradients:  # The mini-batch's last micro-batch: an optimizer step.
-                            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                        # the micro-batch's share of the batch's loss, scaled as its gradient is
+                        loss_metrics["loss/policy"] = backward_share(accelerator, loss)
+                        if accelerator.sync_gradients:  # the mini-batch's last: an optimizer step
+                            parameters = model.parameters()
+                            grad_norm = accelerator.clip_grad_norm_(parameters, args.max_grad_norm)
                             grad_norms.append(grad_norm)
                             optimizer.step()
                             optimizer.zero_grad()

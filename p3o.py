@@ -1,15 +1,17 @@
-"""P3O: Policy-on Policy-off Policy Optimization (Fakoor et al. 2019, arXiv:1905.01756) with the batch ESS of
-"Trust the Batch, On- or Off-Policy: Adaptive Policy Optimization for RL Post-Training" (code: FeynRL's
-algs/P3O/p3o.py, github.com/FeynRL-project/FeynRL).
+"""P3O: Policy-on Policy-off Policy Optimization (Fakoor et al. 2019, arXiv:1905.01756) with the
+batch ESS of "Trust the Batch, On- or Off-Policy: Adaptive Policy Optimization for RL Post-Training"
+(code: FeynRL's algs/P3O/p3o.py, github.com/FeynRL-project/FeynRL).
 
     A_i = z-score,   r_t = exp(logp_t - old_logp_t),   ESS = (sum r)^2 / (n sum r^2) over the batch's n valid tokens
     L   = (1/n) sum_{i,t} mask [-sg(min(r_t, ESS)) A_i logp_t + (1-ESS) kl_old_t + beta kl_ref_t - entropy_coeff H_t]
 
 Differs from grpo.py:
-- no clip: the batch ESS caps a detached score-function weight and weighs a KL to the behaviour policy,
-  kl_old_t = (logp - old_logp) + exp(clamp(old_logp - logp, -10, 10)) - 1; a token mean over the batch.
-- ESS over every valid token of the optimizer batch, all processes; --ess_scope micro_batch: each micro-batch's own
-  (FeynRL's choice, a departure from full-batch semantics: docs/estimators/conventions.md).
+- no clip: the batch ESS caps a detached score-function weight and weighs a KL to the behaviour
+  policy, kl_old_t = (logp - old_logp) + exp(clamp(old_logp - logp, -10, 10)) - 1; a token mean over
+  the batch.
+- ESS over every valid token of the optimizer batch, all processes; --ess_scope micro_batch: each
+  micro-batch's own (FeynRL's choice, a departure from full-batch semantics:
+  docs/estimators/conventions.md).
 
 Run:
     python p3o.py --preset toy                                   # CPU, minutes
@@ -28,8 +30,8 @@ from common.logprobs import completion_logprobs
 from common.offpolicy import importance_weights
 from common.run import end_step, finish, launch, progress_bar, setup
 from common.sampling import log_ratio_now, old_and_reference_logprobs, sample_batch  # P3O:
-from common.stats import BatchStats, sum_over_processes, this_process
-from common.update import backward_share, masked_mean, microbatches, minibatches, rows_of, save_dumps
+from common.stats import BatchStats, masked_mean, sum_over_processes, this_process
+from common.update import backward_share, microbatches, minibatches, rows_of, save_dumps
 
 
 @dataclass
@@ -39,9 +41,15 @@ class Args(TrainArgs):
 
     exp_name: str = arg(os.path.basename(__file__)[: -len(".py")], "name of this experiment")
     # Algorithm-specific
-    beta: float = arg(0.0, "KL coefficient to the reference policy (kl_old's estimator)", at_least=0)
-    entropy_coeff: float = arg(0.0, "entropy bonus; > 0 needs the entropy with gradient", at_least=0)
-    ess_scope: Literal["batch", "micro_batch"] = arg("batch", "ESS over the batch, or each micro-batch (FeynRL)")
+    beta: float = arg(
+        0.0, "KL coefficient to the reference policy (kl_old's estimator)", at_least=0,
+    )
+    entropy_coeff: float = arg(
+        0.0, "entropy bonus; > 0 needs the entropy with gradient", at_least=0,
+    )
+    ess_scope: Literal["batch", "micro_batch"] = arg(
+        "batch", "ESS over the batch, or each micro-batch (FeynRL)",
+    )
 
 
 # ALGO LOGIC: advantages and loss
@@ -66,8 +74,10 @@ def batch_stats(log_ratio, advantages, mask, args: Args, total=this_process) -> 
     """What compute_loss needs from the whole optimizer batch when it is called per micro-batch.
     `log_ratio` (B, T): logp - old_logp at the current weights; `total` sums a tensor over the
     processes."""
-    # P3O: ESS needs sum r, sum r^2 and n over every valid token of the optimizer batch, at the current weights;
-    # --ess_scope micro_batch leaves them to each micro-batch's own forward and keeps the batch's token count
+    # P3O: ESS needs sum r, sum r^2 and n over every valid token of the optimizer batch, at the
+    # current weights;
+    # --ess_scope micro_batch leaves them to each micro-batch's own forward and keeps the batch's
+    # token count
     if args.ess_scope == "micro_batch":
         return Stats(num_tokens=total(mask.double().sum()))
     return ess_sums(log_ratio, mask, total)
@@ -95,17 +105,21 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
     if stats.sum_r is None:  # --ess_scope micro_batch: these rows' own
         own = ess_sums(logp.detach() - old_logp, mask)
     mask = mask.float()  # (B, T)
-    ess = (own.sum_r**2 / (own.num_tokens * own.sum_r2).clamp(1e-300)).to(logp.dtype)  # ()  P3O: 0 if no token
+    # ()  P3O: 0 if no token
+    ess = (own.sum_r**2 / (own.num_tokens * own.sum_r2).clamp(1e-300)).to(logp.dtype)
     delta = logp - old_logp  # (B, T)
     ratio = torch.exp(delta.detach().masked_fill(mask == 0, 0))  # (B, T)  r_t
     A = advantages[:, None]  # (B, 1)
-    per_token = -torch.clamp(ratio, max=ess) * logp * A  # (B, T)  P3O: -sg(clamp(r_t, 0, ESS)) logp_t A_i
+    # (B, T)  P3O: -sg(clamp(r_t, 0, ESS)) logp_t A_i
+    per_token = -torch.clamp(ratio, max=ess) * logp * A
     if tis_weights is not None:
         per_token = per_token * tis_weights  # (B, T)
-    kl_old = delta + torch.exp(torch.clamp(-delta, -10, 10)) - 1  # (B, T)  P3O: KL to the behaviour policy
+    # (B, T)  P3O: KL to the behaviour policy
+    kl_old = delta + torch.exp(torch.clamp(-delta, -10, 10)) - 1
     per_token = per_token + (1 - ess) * kl_old  # (B, T)  P3O: adaptive trust region
     if args.beta > 0:
-        kl = (logp - ref_logp) + torch.exp(torch.clamp(ref_logp - logp, -10, 10)) - 1  # (B, T)  P3O: kl_old's form
+        # (B, T)  P3O: kl_old's form
+        kl = (logp - ref_logp) + torch.exp(torch.clamp(ref_logp - logp, -10, 10)) - 1
         per_token = per_token + args.beta * kl  # (B, T)
     if args.entropy_coeff > 0:
         per_token = per_token - args.entropy_coeff * entropy  # (B, T)  P3O: entropy bonus
@@ -125,25 +139,32 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
 
 
 def main(args: Args):
-    run = setup(args)  # common/run.py: processes, run folder, policy (+LoRA), reference, data, optimizer, engine
-    model, optimizer, scheduler, accelerator = run.model, run.optimizer, run.scheduler, run.accelerator
-    total = sum_over_processes(accelerator)  # sums a tensor over the processes: whole-batch statistics
+    # common/run.py: the processes, the run folder, the policy (+ LoRA), the reference, the data,
+    # the optimizer and the rollout engine
+    run = setup(args)
+    model = run.model
+    optimizer = run.optimizer
+    scheduler = run.scheduler
+    accelerator = run.accelerator
+    total = sum_over_processes(accelerator)  # a tensor's sum over the processes
     progress = progress_bar(run)
     for step in progress:
         step_start = time.time()
         metrics = {}
 
-        # 1. Rollouts and rewards, with the log-probs of the weights that sampled them (the behaviour policy's, old)
-        # and the reference's. --rollout_lag K: the batch of step + K is sampled now, this step's K steps ago.
+        # 1. Rollouts and rewards, with the log-probs of the weights that sampled them (the
+        # behaviour policy's, old) and the reference's. --rollout_lag K: the batch of step + K
+        # is sampled now, this step's K steps ago.
         for index in run.queue.steps_to_sample(step, args.total_steps):  # [step] at lag 0
-            batch = sample_batch(run, index, metrics)  # this process's rows of step `index` (common/batch.py)
-            batch.old_logp, batch.ref_logp = old_and_reference_logprobs(run, batch, metrics)  # (B, T) each
+            batch = sample_batch(run, index, metrics)  # this process's rows of step `index`
+            batch.old_logp, batch.ref_logp = old_and_reference_logprobs(run, batch, metrics)
             run.queue.put(batch, sampled_at=step)
         batch = run.queue.take(step)
         mask = batch.mask  # (B, T)
         T = mask.shape[1]
 
-        # 2. Advantages (and, for a sampler/trainer mismatch, truncated or masked importance weights)
+        # 2. Advantages (and, for a sampler/trainer mismatch, truncated or masked importance
+        # weights)
         advantages = compute_advantages(batch.rewards, args)  # (B,)
         tis_weights = None
         if args.tis_cap > 0:
@@ -164,18 +185,22 @@ def main(args: Args):
                     input_ids = batch.input_ids[rows]  # (b, P+T)
                     attention = batch.attention_mask[rows]  # (b, P+T)
                     with accelerator.accumulate(model):
-                        logp, entropy = completion_logprobs(  # P3O: the entropy bonus's gradient
-                            model, input_ids, attention, T, args.temperature, args.entropy_coeff > 0)  # P3O:
-                        if run.on_policy:  # The weights being trained sampled the batch: old is current.
+                        logp, entropy = completion_logprobs(
+                            model, input_ids, attention, T, args.temperature, args.entropy_coeff > 0  # P3O:
+                        )
+                        if run.on_policy:  # these weights sampled the batch: old is current
                             batch.old_logp[rows] = logp.detach()
-                        old_logp, ref_logp = batch.old_logp[rows], rows_of(batch.ref_logp, rows)  # (b, T)
+                        old_logp = batch.old_logp[rows]  # (b, T)
+                        ref_logp = rows_of(batch.ref_logp, rows)  # (b, T), or None: no KL term
                         loss, loss_metrics = compute_loss(
                             logp, old_logp, ref_logp, advantages[rows], mask[rows], args,
                             stats.for_rows(rows - mini.start), rows_of(tis_weights, rows), entropy,  # P3O:
                         )
-                        loss_metrics["loss/policy"] = backward_share(accelerator, loss)  # a share of the batch's
-                        if accelerator.sync_gradients:  # The mini-batch's last micro-batch: an optimizer step.
-                            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                        # the micro-batch's share of the batch's loss, scaled as its gradient is
+                        loss_metrics["loss/policy"] = backward_share(accelerator, loss)
+                        if accelerator.sync_gradients:  # the mini-batch's last: an optimizer step
+                            parameters = model.parameters()
+                            grad_norm = accelerator.clip_grad_norm_(parameters, args.max_grad_norm)
                             grad_norms.append(grad_norm)
                             optimizer.step()
                             optimizer.zero_grad()

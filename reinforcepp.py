@@ -1,19 +1,24 @@
-"""REINFORCE++ ("REINFORCE++: A Simple and Efficient Approach for Aligning Large Language Models", Hu et al. 2025,
-arXiv:2501.03262), as verl's `reinforce_plus_plus` / `reinforce_plus_plus_baseline` advantage estimators compute it.
+"""REINFORCE++ ("REINFORCE++: A Simple and Efficient Approach for Aligning Large Language Models",
+Hu et al. 2025, arXiv:2501.03262), as verl's `reinforce_plus_plus` / `reinforce_plus_plus_baseline`
+advantage estimators compute it.
 
     G_it = R_i - beta sum_{k>=t} mask * (sampler_logp_k - ref_logp_k)       (k1 KL in the reward, gamma 1: returns)
     A_it = (G_it - mu) / sqrt(var + 1e-8),   mu, var (unbiased): over every valid token of the whole batch
     --baseline: G_it = R'_i - mean_g R',  R'_i = R_i - beta sum_t mask * (sampler_logp_t - ref_logp_t)
     L    = -(1/n) sum_{i,t} mask * max(min(r_t A_it, clip(r_t, 1-eps, 1+eps_high) A_it), c A_it if A_it < 0)
 
-Differs from grpo.py (verl's core_algos.py for the advantages and the loss, OpenRLHF's defaults for the KL):
-- no group std: per-token returns of the outcome reward with the KL penalty folded in (OpenRLHF's default: KL in the
-  reward, k1, beta 0.01, gamma 1), whitened over the whole batch's valid tokens (verl's masked_whiten): main() adds
-  up the sums of A and A^2 over all processes before any mini-batch; --baseline subtracts the group mean first.
-- the PPO token clip with verl's dual clip (c 3 for A < 0), eps 0.2; a token mean over the optimizer batch (verl's
-  loss_agg_mode token-mean); the KL is in the reward, not the loss; TIS / MIS multiply each token's term.
-- departures: the KL uses the sampler's log-probs (verl: the trainer's old_logp, the same weights); tool-output
-  tokens (mask 0) are cut out of the returns (verl's loop restarts the return at them); no log-ratio clamp at 20.
+Differs from grpo.py (verl's core_algos.py for the advantages and the loss, OpenRLHF's defaults for
+the KL):
+- no group std: per-token returns of the outcome reward with the KL penalty folded in (OpenRLHF's
+  default: KL in the reward, k1, beta 0.01, gamma 1), whitened over the whole batch's valid tokens
+  (verl's masked_whiten): main() adds up the sums of A and A^2 over all processes before any
+  mini-batch; --baseline subtracts the group mean first.
+- the PPO token clip with verl's dual clip (c 3 for A < 0), eps 0.2; a token mean over the optimizer
+  batch (verl's loss_agg_mode token-mean); the KL is in the reward, not the loss; TIS / MIS multiply
+  each token's term.
+- departures: the KL uses the sampler's log-probs (verl: the trainer's old_logp, the same weights);
+  tool-output tokens (mask 0) are cut out of the returns (verl's loop restarts the return at them);
+  no log-ratio clamp at 20.
 
 Run:
     python reinforcepp.py --preset toy                           # CPU, minutes
@@ -31,8 +36,8 @@ from common.logprobs import completion_logprobs
 from common.offpolicy import importance_weights
 from common.run import end_step, finish, launch, progress_bar, setup
 from common.sampling import old_and_reference_logprobs, sample_batch
-from common.stats import BatchStats, sum_over_processes, this_process
-from common.update import backward_share, masked_mean, microbatches, minibatches, rows_of, save_dumps
+from common.stats import BatchStats, masked_mean, sum_over_processes, this_process
+from common.update import backward_share, microbatches, minibatches, rows_of, save_dumps
 
 
 @dataclass
@@ -42,12 +47,18 @@ class Args(TrainArgs):
 
     exp_name: str = arg(os.path.basename(__file__)[: -len(".py")], "name of this experiment")
     # Algorithm-specific
-    beta: float = arg(0.01, "KL coefficient, a k1 penalty in each token's reward (OpenRLHF's init_kl_coef)", at_least=0)
-    epsilon: float = arg(0.2, "lower clip range (verl's clip_ratio, OpenRLHF's eps_clip)", at_least=0)
+    beta: float = arg(
+        0.01, "KL coefficient, a k1 penalty in each token's reward (OpenRLHF's init_kl_coef)", at_least=0,
+    )
+    epsilon: float = arg(
+        0.2, "lower clip range (verl's clip_ratio, OpenRLHF's eps_clip)", at_least=0,
+    )
     epsilon_high: float = arg(0.2, "upper clip range", at_least=0)
     clip_ratio_c: float = arg(3.0, "dual clip: a token with A < 0 loses at most c |A| (verl's clip_ratio_c)",
                               at_least=1)
-    baseline: bool = arg(False, "REINFORCE++-baseline: subtract the group mean reward before whitening (verl)")
+    baseline: bool = arg(
+        False, "REINFORCE++-baseline: subtract the group mean reward before whitening (verl)",
+    )
 
 
 # ALGO LOGIC: advantages and loss
@@ -62,7 +73,8 @@ def compute_advantages(rewards: torch.Tensor, args: Args, kl: torch.Tensor | Non
         return (grouped - grouped.mean(dim=1, keepdim=True)).flatten()  # (B,)
     if kl is None:
         return rewards.clone()  # (B,)  REINFORCEPP: every token's return is R_i
-    return rewards[:, None] - args.beta * kl.flip(-1).cumsum(-1).flip(-1)  # (B, T)  REINFORCEPP: G_it, gamma 1
+    # (B, T)  REINFORCEPP: G_it, gamma 1
+    return rewards[:, None] - args.beta * kl.flip(-1).cumsum(-1).flip(-1)
 
 
 def token_kl(batch) -> torch.Tensor | None:
@@ -82,7 +94,8 @@ def whiten(advantages: torch.Tensor, mask: torch.Tensor, total=this_process) -> 
     sum_a2 = total((A * A).sum())  # ()
     A = advantages if advantages.dim() == 2 else advantages[:, None].expand(mask.shape)  # (B, T)
     mean = sum_a / n.clamp(min=1)
-    var = (sum_a2 / n.clamp(min=1) - mean**2).clamp(min=0) * n / (n - 1).clamp(min=1)  # Bessel's correction
+    # Bessel's correction
+    var = (sum_a2 / n.clamp(min=1) - mean**2).clamp(min=0) * n / (n - 1).clamp(min=1)
     return (A - mean) * torch.rsqrt(var + 1e-8) * mask  # (B, T)
 
 
@@ -99,7 +112,8 @@ def batch_stats(advantages, mask, args: Args, total=this_process) -> Stats:
     return Stats(num_tokens=total(mask.sum().float()))
 
 
-def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=None, tis_weights=None):
+def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=None,
+                 tis_weights=None):
     """PPO loss with verl's dual clip on whitened advantages (B,) or (B, T), full-batch semantics.
     `num_tokens` (default: this batch's valid tokens) is the denominator over the whole optimizer
     batch per micro-batch; `tis_weights` (B, T) multiply each token's term. The KL is in the
@@ -111,7 +125,8 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
     A = advantages if advantages.dim() == 2 else advantages[:, None]  # (B, T) or (B, 1)
     clipped = torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high)  # (B, T)
     surrogate = torch.min(ratio * A, clipped * A)  # (B, T)  s_t
-    dual = (A < 0) & (surrogate < args.clip_ratio_c * A)  # (B, T)  REINFORCEPP: verl's dual clip, no gradient
+    # (B, T)  REINFORCEPP: verl's dual clip, no gradient
+    dual = (A < 0) & (surrogate < args.clip_ratio_c * A)
     surrogate = torch.where(dual, args.clip_ratio_c * A, surrogate)  # (B, T)
     if tis_weights is not None:
         surrogate = surrogate * tis_weights  # (B, T)
@@ -134,25 +149,32 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
 
 
 def main(args: Args):
-    run = setup(args)  # common/run.py: processes, run folder, policy (+LoRA), reference, data, optimizer, engine
-    model, optimizer, scheduler, accelerator = run.model, run.optimizer, run.scheduler, run.accelerator
-    total = sum_over_processes(accelerator)  # sums a tensor over the processes: whole-batch statistics
+    # common/run.py: the processes, the run folder, the policy (+ LoRA), the reference, the data,
+    # the optimizer and the rollout engine
+    run = setup(args)
+    model = run.model
+    optimizer = run.optimizer
+    scheduler = run.scheduler
+    accelerator = run.accelerator
+    total = sum_over_processes(accelerator)  # a tensor's sum over the processes
     progress = progress_bar(run)
     for step in progress:
         step_start = time.time()
         metrics = {}
 
-        # 1. Rollouts and rewards, with the log-probs of the weights that sampled them (the behaviour policy's, old)
-        # and the reference's. --rollout_lag K: the batch of step + K is sampled now, this step's K steps ago.
+        # 1. Rollouts and rewards, with the log-probs of the weights that sampled them (the
+        # behaviour policy's, old) and the reference's. --rollout_lag K: the batch of step + K
+        # is sampled now, this step's K steps ago.
         for index in run.queue.steps_to_sample(step, args.total_steps):  # [step] at lag 0
-            batch = sample_batch(run, index, metrics)  # this process's rows of step `index` (common/batch.py)
-            batch.old_logp, batch.ref_logp = old_and_reference_logprobs(run, batch, metrics)  # (B, T) each
+            batch = sample_batch(run, index, metrics)  # this process's rows of step `index`
+            batch.old_logp, batch.ref_logp = old_and_reference_logprobs(run, batch, metrics)
             run.queue.put(batch, sampled_at=step)
         batch = run.queue.take(step)
         mask = batch.mask  # (B, T)
         T = mask.shape[1]
 
-        # 2. Advantages (and, for a sampler/trainer mismatch, truncated or masked importance weights)
+        # 2. Advantages (and, for a sampler/trainer mismatch, truncated or masked importance
+        # weights)
         advantages = compute_advantages(batch.rewards, args, token_kl(batch))  # REINFORCEPP: returns
         advantages = whiten(advantages, mask, total)  # REINFORCEPP: (B, T), over the whole batch
         tis_weights = None
@@ -167,23 +189,28 @@ def main(args: Args):
         update_metrics, grad_norms, dumps = [], [], []
         for _ in range(args.num_iterations):
             for mini in minibatches(run):  # a slice of this process's rows
-                stats = batch_stats(advantages[mini], mask[mini], args, total)  # the optimizer batch's
+                stats = batch_stats(advantages[mini], mask[mini], args, total)  # whole-batch
                 dumps.append(stats)  # --dump_stats_steps (e.g. SNIB's Figure 2)
                 for rows in microbatches(run, batch, mini):  # (b,) indices of this process's rows
                     input_ids = batch.input_ids[rows]  # (b, P+T)
                     attention = batch.attention_mask[rows]  # (b, P+T)
                     with accelerator.accumulate(model):
-                        logp, entropy = completion_logprobs(model, input_ids, attention, T, args.temperature)
-                        if run.on_policy:  # The weights being trained sampled the batch: old is current.
+                        logp, entropy = completion_logprobs(
+                            model, input_ids, attention, T, args.temperature
+                        )
+                        if run.on_policy:  # these weights sampled the batch: old is current
                             batch.old_logp[rows] = logp.detach()
-                        old_logp, ref_logp = batch.old_logp[rows], rows_of(batch.ref_logp, rows)  # (b, T)
+                        old_logp = batch.old_logp[rows]  # (b, T)
+                        ref_logp = rows_of(batch.ref_logp, rows)  # (b, T), or None: no KL term
                         loss, loss_metrics = compute_loss(
                             logp, old_logp, ref_logp, advantages[rows], mask[rows], args,
                             stats.for_rows(rows - mini.start), rows_of(tis_weights, rows),
                         )
-                        loss_metrics["loss/policy"] = backward_share(accelerator, loss)  # a share of the batch's
-                        if accelerator.sync_gradients:  # The mini-batch's last micro-batch: an optimizer step.
-                            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                        # the micro-batch's share of the batch's loss, scaled as its gradient is
+                        loss_metrics["loss/policy"] = backward_share(accelerator, loss)
+                        if accelerator.sync_gradients:  # the mini-batch's last: an optimizer step
+                            parameters = model.parameters()
+                            grad_norm = accelerator.clip_grad_norm_(parameters, args.max_grad_norm)
                             grad_norms.append(grad_norm)
                             optimizer.step()
                             optimizer.zero_grad()

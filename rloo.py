@@ -1,18 +1,24 @@
-"""RLOO: REINFORCE Leave-One-Out ("Back to Basics: Revisiting REINFORCE Style Optimization for Learning from Human
-Feedback in LLMs", Ahmadian et al. 2024, arXiv:2402.14740; the baseline of Kool et al. 2019, "Buy 4 REINFORCE Samples,
-Get a Baseline for Free!"), with the PPO ratio of TRL's RLOOTrainer.
+"""RLOO: REINFORCE Leave-One-Out ("Back to Basics: Revisiting REINFORCE Style Optimization for
+Learning from Human Feedback in LLMs", Ahmadian et al. 2024, arXiv:2402.14740; the baseline of Kool
+et al. 2019, "Buy 4 REINFORCE Samples, Get a Baseline for Free!"), with the PPO ratio of TRL's
+RLOOTrainer.
 
     A_i = R'_i - mean_{j != i} R'_j,   R'_i = R_i - beta sum_t mask * (sampler_logp_t - ref_logp_t)   (KL in the reward)
     L   = -(1/B) sum_i min(s_i A_i, clip(s_i, 1-eps, 1+eps_high) A_i),   s_i = exp(sum_t mask * (logp_t - old_logp_t))
 
-Differs from grpo.py (Ahmadian et al. for the baseline and the reward, TRL 1.16's RLOOTrainer for the loss):
-- the leave-one-out baseline, no std; the KL to the reference is a penalty in each completion's reward (its
-  sampler log-probs, the weights that sampled), not a loss term; beta 0.05 (TRL's default).
-- one ratio per completion, s_i, the product of its token ratios, PPO-clipped (eps 0.2): on policy the gradient is
-  REINFORCE's, A_i grad log pi(y_i), a sum over tokens; a mean over completions; no ablation switches.
-- TIS / MIS: a completion's term times the mean of its tokens' weights (as gspo.py); the KL, in A_i, with it.
-- --rollout_lag K: s_i and KL_i are those of the weights of step s - K; tool-output tokens (mask 0) leave s_i and
-  KL_i; a removed row leaves the mean over rows, its reward stays in its group's baseline (as GRPO's group mean).
+Differs from grpo.py (Ahmadian et al. for the baseline and the reward, TRL 1.16's RLOOTrainer for
+the loss):
+- the leave-one-out baseline, no std; the KL to the reference is a penalty in each completion's
+  reward (its sampler log-probs, the weights that sampled), not a loss term; beta 0.05 (TRL's
+  default).
+- one ratio per completion, s_i, the product of its token ratios, PPO-clipped (eps 0.2): on policy
+  the gradient is REINFORCE's, A_i grad log pi(y_i), a sum over tokens; a mean over completions; no
+  ablation switches.
+- TIS / MIS: a completion's term times the mean of its tokens' weights (as gspo.py); the KL, in A_i,
+  with it.
+- --rollout_lag K: s_i and KL_i are those of the weights of step s - K; tool-output tokens (mask 0)
+  leave s_i and KL_i; a removed row leaves the mean over rows, its reward stays in its group's
+  baseline (as GRPO's group mean).
 
 Run:
     python rloo.py --preset toy                                  # CPU, minutes
@@ -30,8 +36,8 @@ from common.logprobs import completion_logprobs
 from common.offpolicy import importance_weights
 from common.run import end_step, finish, launch, progress_bar, setup
 from common.sampling import old_and_reference_logprobs, sample_batch
-from common.stats import BatchStats, sum_over_processes, this_process
-from common.update import backward_share, masked_mean, microbatches, minibatches, rows_of, save_dumps
+from common.stats import BatchStats, masked_mean, sum_over_processes, this_process
+from common.update import backward_share, microbatches, minibatches, rows_of, save_dumps
 
 
 @dataclass
@@ -53,9 +59,11 @@ def compute_advantages(rewards: torch.Tensor, args: Args, kl: torch.Tensor | Non
     (B,): sum_t mask * (sampler_logp - ref_logp), each completion's log-ratio to the reference
     (None: beta is 0)."""
     if kl is not None:
-        rewards = rewards - args.beta * kl  # (B,)  RLOO: R'_i = R_i - beta KL_i, the KL in the reward
+        # (B,)  RLOO: R'_i = R_i - beta KL_i, the KL in the reward
+        rewards = rewards - args.beta * kl
     grouped = rewards.view(-1, args.num_generations)  # (N, G)
-    baseline = (grouped.sum(dim=1, keepdim=True) - grouped) / (args.num_generations - 1)  # (N, G)  RLOO: mean_{j!=i}
+    # (N, G)  RLOO: mean_{j!=i}
+    baseline = (grouped.sum(dim=1, keepdim=True) - grouped) / (args.num_generations - 1)
     return (grouped - baseline).flatten()  # (B,)  RLOO: = G / (G - 1) (R'_i - mean_g R'), no std
 
 
@@ -80,7 +88,8 @@ def batch_stats(advantages, mask, args: Args, total=this_process) -> Stats:
     return Stats(num_rows=total((mask.sum(-1) > 0).sum().float()))
 
 
-def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=None, tis_weights=None):
+def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=None,
+                 tis_weights=None):
     """RLOO loss (TRL's RLOOTrainer) with full-batch semantics. `stats.num_rows` (default: these
     rows, less removed ones) is the denominator over the whole optimizer batch when called per
     micro-batch; `tis_weights` (B, T) scale row i's term by (1/L_i) sum_t mask * tis_t, as s_i sits
@@ -89,7 +98,8 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
     if stats is None:
         stats = batch_stats(advantages, mask, args)
     mask = mask.float()  # (B, T)
-    seq_ratio = torch.exp((mask * (logp - old_logp)).sum(-1))  # (B,)  RLOO: s_i = pi(y_i) / pi_old(y_i)
+    # (B,)  RLOO: s_i = pi(y_i) / pi_old(y_i)
+    seq_ratio = torch.exp((mask * (logp - old_logp)).sum(-1))
     ratio = seq_ratio[:, None].expand_as(logp)  # (B, T)  RLOO: s_i on every token of row i
     A = advantages[:, None]  # (B, 1)
     clipped = torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high)  # (B, T)
@@ -97,7 +107,8 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
     if tis_weights is not None:
         surrogate = surrogate * tis_weights  # (B, T)
     per_token = surrogate  # (B, T)
-    lengths = mask.sum(-1).clamp(min=1)  # (B,)  RLOO: per_seq = min(s_i A_i, clip(s_i) A_i) (times TIS's mean)
+    # (B,)  RLOO: per_seq = min(s_i A_i, clip(s_i) A_i) (times TIS's mean)
+    lengths = mask.sum(-1).clamp(min=1)
     per_seq = (per_token * mask).sum(-1) / lengths  # (B,)
     loss = -per_seq.sum() / stats.num_rows.clamp(min=1)
 
@@ -117,25 +128,32 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
 
 
 def main(args: Args):
-    run = setup(args)  # common/run.py: processes, run folder, policy (+LoRA), reference, data, optimizer, engine
-    model, optimizer, scheduler, accelerator = run.model, run.optimizer, run.scheduler, run.accelerator
-    total = sum_over_processes(accelerator)  # sums a tensor over the processes: whole-batch statistics
+    # common/run.py: the processes, the run folder, the policy (+ LoRA), the reference, the data,
+    # the optimizer and the rollout engine
+    run = setup(args)
+    model = run.model
+    optimizer = run.optimizer
+    scheduler = run.scheduler
+    accelerator = run.accelerator
+    total = sum_over_processes(accelerator)  # a tensor's sum over the processes
     progress = progress_bar(run)
     for step in progress:
         step_start = time.time()
         metrics = {}
 
-        # 1. Rollouts and rewards, with the log-probs of the weights that sampled them (the behaviour policy's, old)
-        # and the reference's. --rollout_lag K: the batch of step + K is sampled now, this step's K steps ago.
+        # 1. Rollouts and rewards, with the log-probs of the weights that sampled them (the
+        # behaviour policy's, old) and the reference's. --rollout_lag K: the batch of step + K
+        # is sampled now, this step's K steps ago.
         for index in run.queue.steps_to_sample(step, args.total_steps):  # [step] at lag 0
-            batch = sample_batch(run, index, metrics)  # this process's rows of step `index` (common/batch.py)
-            batch.old_logp, batch.ref_logp = old_and_reference_logprobs(run, batch, metrics)  # (B, T) each
+            batch = sample_batch(run, index, metrics)  # this process's rows of step `index`
+            batch.old_logp, batch.ref_logp = old_and_reference_logprobs(run, batch, metrics)
             run.queue.put(batch, sampled_at=step)
         batch = run.queue.take(step)
         mask = batch.mask  # (B, T)
         T = mask.shape[1]
 
-        # 2. Advantages (and, for a sampler/trainer mismatch, truncated or masked importance weights)
+        # 2. Advantages (and, for a sampler/trainer mismatch, truncated or masked importance
+        # weights)
         advantages = compute_advantages(batch.rewards, args, sequence_kl(batch))  # RLOO: KL in the reward
         tis_weights = None
         if args.tis_cap > 0:
@@ -149,23 +167,28 @@ def main(args: Args):
         update_metrics, grad_norms, dumps = [], [], []
         for _ in range(args.num_iterations):
             for mini in minibatches(run):  # a slice of this process's rows
-                stats = batch_stats(advantages[mini], mask[mini], args, total)  # the optimizer batch's
+                stats = batch_stats(advantages[mini], mask[mini], args, total)  # whole-batch
                 dumps.append(stats)  # --dump_stats_steps (e.g. SNIB's Figure 2)
                 for rows in microbatches(run, batch, mini):  # (b,) indices of this process's rows
                     input_ids = batch.input_ids[rows]  # (b, P+T)
                     attention = batch.attention_mask[rows]  # (b, P+T)
                     with accelerator.accumulate(model):
-                        logp, entropy = completion_logprobs(model, input_ids, attention, T, args.temperature)
-                        if run.on_policy:  # The weights being trained sampled the batch: old is current.
+                        logp, entropy = completion_logprobs(
+                            model, input_ids, attention, T, args.temperature
+                        )
+                        if run.on_policy:  # these weights sampled the batch: old is current
                             batch.old_logp[rows] = logp.detach()
-                        old_logp, ref_logp = batch.old_logp[rows], rows_of(batch.ref_logp, rows)  # (b, T)
+                        old_logp = batch.old_logp[rows]  # (b, T)
+                        ref_logp = rows_of(batch.ref_logp, rows)  # (b, T), or None: no KL term
                         loss, loss_metrics = compute_loss(
                             logp, old_logp, ref_logp, advantages[rows], mask[rows], args,
                             stats.for_rows(rows - mini.start), rows_of(tis_weights, rows),
                         )
-                        loss_metrics["loss/policy"] = backward_share(accelerator, loss)  # a share of the batch's
-                        if accelerator.sync_gradients:  # The mini-batch's last micro-batch: an optimizer step.
-                            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                        # the micro-batch's share of the batch's loss, scaled as its gradient is
+                        loss_metrics["loss/policy"] = backward_share(accelerator, loss)
+                        if accelerator.sync_gradients:  # the mini-batch's last: an optimizer step
+                            parameters = model.parameters()
+                            grad_norm = accelerator.clip_grad_norm_(parameters, args.max_grad_norm)
                             grad_norms.append(grad_norm)
                             optimizer.step()
                             optimizer.zero_grad()

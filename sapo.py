@@ -3,12 +3,16 @@
     A_i = (R_i - mean_g R) / (std_g R + 1e-6),  r_t = exp(logp_t - old_logp_t),  tau_i = tau_pos if A_i > 0 else tau_neg
     L   = -(1/B) sum_i (1/L_i) sum_t mask * [(4 / tau_i) sigmoid(tau_i (r_t - 1)) A_i - beta * kl_t]
 
-Differs from grpo.py (the paper's objective: a soft gate f(r) = (4/tau) sigmoid(tau (r - 1)) for PPO's clip):
-- no clip: each token's gradient is scaled by 4 p (1 - p) r_t, p = sigmoid(tau_i (r_t - 1)), 1 on policy and decaying
-  smoothly off it, faster for A_i <= 0 (tau_neg 1.05 > tau_pos 1.0); beta 0; no ablation switches.
-- TIS / MIS weights multiply the gated policy term per token; the k3 KL (--beta > 0) joins the token means, as TRL's.
-- --rollout_lag K: r_t is K steps stale, and the gate, not a clip, tempers it (on the toy, at lag 4, only with
-  --beta > 0: docs/off-policy.md); tool-output tokens (mask 0) and removed rows leave every mean.
+Differs from grpo.py (the paper's objective: a soft gate f(r) = (4/tau) sigmoid(tau (r - 1)) for
+PPO's clip):
+- no clip: each token's gradient is scaled by 4 p (1 - p) r_t, p = sigmoid(tau_i (r_t - 1)), 1 on
+  policy and decaying smoothly off it, faster for A_i <= 0 (tau_neg 1.05 > tau_pos 1.0); beta 0; no
+  ablation switches.
+- TIS / MIS weights multiply the gated policy term per token; the k3 KL (--beta > 0) joins the token
+  means, as TRL's.
+- --rollout_lag K: r_t is K steps stale, and the gate, not a clip, tempers it (on the toy, at lag 4,
+  only with --beta > 0: docs/off-policy.md); tool-output tokens (mask 0) and removed rows leave
+  every mean.
 
 Run:
     python sapo.py --preset toy                                  # CPU, minutes
@@ -26,8 +30,8 @@ from common.logprobs import completion_logprobs
 from common.offpolicy import importance_weights
 from common.run import end_step, finish, launch, progress_bar, setup
 from common.sampling import old_and_reference_logprobs, sample_batch
-from common.stats import BatchStats, sum_over_processes, this_process
-from common.update import backward_share, masked_mean, microbatches, minibatches, rows_of, save_dumps
+from common.stats import BatchStats, masked_mean, sum_over_processes, this_process
+from common.update import backward_share, microbatches, minibatches, rows_of, save_dumps
 
 
 @dataclass
@@ -64,7 +68,8 @@ def batch_stats(advantages, mask, args: Args, total=this_process) -> Stats:
     return Stats(num_rows=total((mask.sum(-1) > 0).sum().float()))
 
 
-def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=None, tis_weights=None):
+def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=None,
+                 tis_weights=None):
     """SAPO loss with full-batch semantics. `stats.num_rows` (default: these rows, less removed
     ones) is the denominator over the whole optimizer batch when called per micro-batch;
     `tis_weights` (B, T) multiply the policy term per token (TIS or masked IS, per token or per
@@ -74,9 +79,12 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
     mask = mask.float()  # (B, T)
     ratio = torch.exp(logp - old_logp)  # (B, T)  r_t
     A = advantages[:, None]  # (B, 1)
-    tau = torch.full_like(A, args.tau_neg).masked_fill(A > 0, args.tau_pos)  # (B, 1)  SAPO: tau_i by sign of A_i
-    gate = torch.sigmoid(tau * (ratio - 1))  # (B, T)  SAPO: p_t = sigmoid(tau_i (r_t - 1)), 1/2 on policy
-    surrogate = 4 / tau * gate * A  # (B, T)  SAPO: f(r_t) A_i, f = (4/tau) p_t; d f / d r_t = 4 p_t (1 - p_t)
+    # (B, 1)  SAPO: tau_i by sign of A_i
+    tau = torch.full_like(A, args.tau_neg).masked_fill(A > 0, args.tau_pos)
+    # (B, T)  SAPO: p_t = sigmoid(tau_i (r_t - 1)), 1/2 on policy
+    gate = torch.sigmoid(tau * (ratio - 1))
+    # (B, T)  SAPO: f(r_t) A_i, f = (4/tau) p_t; d f / d r_t = 4 p_t (1 - p_t)
+    surrogate = 4 / tau * gate * A
     if tis_weights is not None:
         surrogate = surrogate * tis_weights  # (B, T)
     per_token = surrogate  # (B, T)
@@ -88,7 +96,8 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
     loss = -per_seq.sum() / stats.num_rows.clamp(min=1)
 
     with torch.no_grad():
-        weight = 4 * gate * (1 - gate)  # (B, T)  SAPO: the gate's weight on r_t grad logp_t, 1 on policy
+        # (B, T)  SAPO: the gate's weight on r_t grad logp_t, 1 on policy
+        weight = 4 * gate * (1 - gate)
         metrics = {
             "loss/policy": loss.detach(),
             "policy/ratio_mean": masked_mean(ratio, mask),
@@ -101,25 +110,32 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
 
 
 def main(args: Args):
-    run = setup(args)  # common/run.py: processes, run folder, policy (+LoRA), reference, data, optimizer, engine
-    model, optimizer, scheduler, accelerator = run.model, run.optimizer, run.scheduler, run.accelerator
-    total = sum_over_processes(accelerator)  # sums a tensor over the processes: whole-batch statistics
+    # common/run.py: the processes, the run folder, the policy (+ LoRA), the reference, the data,
+    # the optimizer and the rollout engine
+    run = setup(args)
+    model = run.model
+    optimizer = run.optimizer
+    scheduler = run.scheduler
+    accelerator = run.accelerator
+    total = sum_over_processes(accelerator)  # a tensor's sum over the processes
     progress = progress_bar(run)
     for step in progress:
         step_start = time.time()
         metrics = {}
 
-        # 1. Rollouts and rewards, with the log-probs of the weights that sampled them (the behaviour policy's, old)
-        # and the reference's. --rollout_lag K: the batch of step + K is sampled now, this step's K steps ago.
+        # 1. Rollouts and rewards, with the log-probs of the weights that sampled them (the
+        # behaviour policy's, old) and the reference's. --rollout_lag K: the batch of step + K
+        # is sampled now, this step's K steps ago.
         for index in run.queue.steps_to_sample(step, args.total_steps):  # [step] at lag 0
-            batch = sample_batch(run, index, metrics)  # this process's rows of step `index` (common/batch.py)
-            batch.old_logp, batch.ref_logp = old_and_reference_logprobs(run, batch, metrics)  # (B, T) each
+            batch = sample_batch(run, index, metrics)  # this process's rows of step `index`
+            batch.old_logp, batch.ref_logp = old_and_reference_logprobs(run, batch, metrics)
             run.queue.put(batch, sampled_at=step)
         batch = run.queue.take(step)
         mask = batch.mask  # (B, T)
         T = mask.shape[1]
 
-        # 2. Advantages (and, for a sampler/trainer mismatch, truncated or masked importance weights)
+        # 2. Advantages (and, for a sampler/trainer mismatch, truncated or masked importance
+        # weights)
         advantages = compute_advantages(batch.rewards, args)  # (B,)
         tis_weights = None
         if args.tis_cap > 0:
@@ -133,23 +149,28 @@ def main(args: Args):
         update_metrics, grad_norms, dumps = [], [], []
         for _ in range(args.num_iterations):
             for mini in minibatches(run):  # a slice of this process's rows
-                stats = batch_stats(advantages[mini], mask[mini], args, total)  # the optimizer batch's
+                stats = batch_stats(advantages[mini], mask[mini], args, total)  # whole-batch
                 dumps.append(stats)  # --dump_stats_steps (e.g. SNIB's Figure 2)
                 for rows in microbatches(run, batch, mini):  # (b,) indices of this process's rows
                     input_ids = batch.input_ids[rows]  # (b, P+T)
                     attention = batch.attention_mask[rows]  # (b, P+T)
                     with accelerator.accumulate(model):
-                        logp, entropy = completion_logprobs(model, input_ids, attention, T, args.temperature)
-                        if run.on_policy:  # The weights being trained sampled the batch: old is current.
+                        logp, entropy = completion_logprobs(
+                            model, input_ids, attention, T, args.temperature
+                        )
+                        if run.on_policy:  # these weights sampled the batch: old is current
                             batch.old_logp[rows] = logp.detach()
-                        old_logp, ref_logp = batch.old_logp[rows], rows_of(batch.ref_logp, rows)  # (b, T)
+                        old_logp = batch.old_logp[rows]  # (b, T)
+                        ref_logp = rows_of(batch.ref_logp, rows)  # (b, T), or None: no KL term
                         loss, loss_metrics = compute_loss(
                             logp, old_logp, ref_logp, advantages[rows], mask[rows], args,
                             stats.for_rows(rows - mini.start), rows_of(tis_weights, rows),
                         )
-                        loss_metrics["loss/policy"] = backward_share(accelerator, loss)  # a share of the batch's
-                        if accelerator.sync_gradients:  # The mini-batch's last micro-batch: an optimizer step.
-                            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                        # the micro-batch's share of the batch's loss, scaled as its gradient is
+                        loss_metrics["loss/policy"] = backward_share(accelerator, loss)
+                        if accelerator.sync_gradients:  # the mini-batch's last: an optimizer step
+                            parameters = model.parameters()
+                            grad_norm = accelerator.clip_grad_norm_(parameters, args.max_grad_norm)
                             grad_norms.append(grad_norm)
                             optimizer.step()
                             optimizer.zero_grad()

@@ -1,12 +1,14 @@
-"""SNIB: "Principled Policy Optimization for LLMs via Self-Normalized Importance Sampling" (under review, no arXiv id).
+"""SNIB: "Principled Policy Optimization for LLMs via Self-Normalized Importance Sampling" (under
+review, no arXiv id).
 
     A_i = R_i - mean_g R,   u_i = sum_t mask (logp - old_logp),   w_i = exp(u_i - sg(log mean_{j in g} exp(u_j)))
     L   = -(1/B) sum_i [min(w_i A_i, clip(w_i, 1-eps, 1+eps) A_i) - beta * w_i * (1/L_i) sum_t mask * kl_t]
 
 Differs from grpo.py (the paper's section 3 and Algorithm 1):
-- one weight per completion, its sequence ratio (EOS included) over its group's mean (in [0, G], mean 1); baseline-
-  only advantages; symmetric clip; IS-weighted KL; sequence TIS. Ablations (Table 5, Figure 1a): --self_normalize
-  false (Vanilla IS), --stop_grad_norm false (SNIB-fg), --baseline false, --adv_std (z-score), --reward_noise SIGMA.
+- one weight per completion, its sequence ratio (EOS included) over its group's mean (in [0, G],
+  mean 1); baseline-only advantages; symmetric clip; IS-weighted KL; sequence TIS. Ablations (Table
+  5, Figure 1a): --self_normalize false (Vanilla IS), --stop_grad_norm false (SNIB-fg), --baseline
+  false, --adv_std (z-score), --reward_noise SIGMA.
 
 Run:
     python snib.py --preset toy                                  # CPU, minutes
@@ -24,8 +26,8 @@ from common.logprobs import completion_logprobs
 from common.offpolicy import importance_weights
 from common.run import end_step, finish, launch, progress_bar, setup
 from common.sampling import log_ratio_now, old_and_reference_logprobs, sample_batch  # SNIB:
-from common.stats import BatchStats, per_row, sum_over_processes, this_process  # SNIB:
-from common.update import backward_share, masked_mean, microbatches, minibatches, rows_of, save_dumps
+from common.stats import BatchStats, masked_mean, per_row, sum_over_processes, this_process  # SNIB:
+from common.update import backward_share, microbatches, minibatches, rows_of, save_dumps
 
 
 @dataclass
@@ -35,13 +37,19 @@ class Args(TrainArgs):
 
     exp_name: str = arg(os.path.basename(__file__)[: -len(".py")], "name of this experiment")
     # Algorithm-specific
-    beta: float = arg(0.1, "KL coefficient to the reference policy (k3, IS-weighted per sequence)", at_least=0)
-    epsilon: float = arg(0.2, "clip range of the sequence weight: clip(w, 1-eps, 1+eps)", at_least=0)
+    beta: float = arg(
+        0.1, "KL coefficient to the reference policy (k3, IS-weighted per sequence)", at_least=0,
+    )
+    epsilon: float = arg(
+        0.2, "clip range of the sequence weight: clip(w, 1-eps, 1+eps)", at_least=0,
+    )
     self_normalize: bool = arg(True, "divide w by its group mean; false: Vanilla IS, w = exp(u)")
     stop_grad_norm: bool = arg(True, "no gradient through the group mean (SNIB-sg); false: SNIB-fg")
     baseline: bool = arg(True, "subtract the group mean reward; false: A_i = R_i")
     adv_std: bool = arg(False, "also divide by the group reward std (z-score, migration guide)")
-    reward_noise: float = arg(0.0, "std of Gaussian noise added to rewards (Figure 1a robustness study)", at_least=0)
+    reward_noise: float = arg(
+        0.0, "std of Gaussian noise added to rewards (Figure 1a robustness study)", at_least=0,
+    )
     kl_weight_grad: bool = arg(True, "the KL term w_i K_i keeps w_i's gradient; false: sg(w_i) K_i")
 
 
@@ -53,7 +61,8 @@ def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
         rank_rng = torch.Generator().manual_seed(int(torch.randint(2**62, ())) + PartialState().process_index)
         rewards = rewards + args.reward_noise * torch.randn(rewards.shape, generator=rank_rng).to(rewards)  # (B,)
     grouped = rewards.view(-1, args.num_generations)  # (N, G)
-    centered = grouped - grouped.mean(dim=1, keepdim=True) if args.baseline else grouped  # (N, G)  SNIB: or R_i
+    # (N, G)  SNIB: or R_i
+    centered = grouped - grouped.mean(dim=1, keepdim=True) if args.baseline else grouped
     if not args.adv_std:  # SNIB: baseline only
         return centered.flatten()  # (B,)
     return (centered / (grouped.std(dim=1, keepdim=True) + 1e-6)).flatten()  # (B,)
@@ -81,22 +90,26 @@ def batch_stats(log_ratio, advantages, mask, args: Args, total=this_process) -> 
     `log_ratio` (B, T): logp - old_logp at the current weights; `total` sums a tensor over the
     processes."""
     G, A = args.num_generations, advantages  # (B,)
-    kept = (mask.sum(-1) > 0).view(-1, G)  # (N, G)  removed rows (no valid token) leave wbar_g: G becomes n_g
+    # (N, G)  removed rows (no valid token) leave wbar_g: G becomes n_g
+    kept = (mask.sum(-1) > 0).view(-1, G)
     u = (log_ratio * mask).sum(-1)  # (B,)  SNIB: u_i at the current weights
     n_g = kept.sum(1).clamp(min=1).to(u.dtype)  # (N,)
     u_g = u.view(-1, G).masked_fill(~kept, -torch.inf)  # (N, G)
     u_g = torch.where(kept.any(1, keepdim=True), u_g, 0.0)  # (N, G)  a group with no row left: 0
     log_wbar = (torch.logsumexp(u_g, dim=1) - n_g.log()).repeat_interleave(G)  # (B,)  log wbar_g
     w = torch.exp(u - log_wbar) * kept.flatten()  # (B,)  w_i, 0 on removed rows
-    unclipped = w * A <= torch.clamp(w, 1 - args.epsilon, 1 + args.epsilon) * A  # (B,)  the min picks w_i A_i
-    # C_g = sum_k w_k d(-min(w_k A_k, clip(w_k) A_k)) / dw_k, over n_g: SNIB-fg's gradient through wbar_g
+    # (B,)  the min picks w_i A_i
+    unclipped = w * A <= torch.clamp(w, 1 - args.epsilon, 1 + args.epsilon) * A
+    # C_g = sum_k w_k d(-min(w_k A_k, clip(w_k) A_k)) / dw_k, over n_g: SNIB-fg's gradient through
+    # wbar_g
     fg_coeff = group_mean(-A * unclipped * w, n_g, G)  # (B,)
     group_ess = group_mean(w, n_g, G) ** 2 / group_mean(w**2, n_g, G).clamp(min=1e-30)  # (B,)
     num_rows = total(kept.sum().float())  # ()
     return Stats(num_rows, log_weight=u, log_wbar=log_wbar, fg_coeff=fg_coeff, group_ess=group_ess)
 
 
-def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=None, tis_weights=None):
+def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=None,
+                 tis_weights=None):
     """SNIB loss with full-batch semantics: sg(log wbar_g) is `stats.log_wbar` (None: these rows are
     the whole batch). SNIB-fg adds the gradient through wbar as -(1/B) C_g sum_{j in g} (w_j / n_g)
     du_j with value 0 (docs/estimators/snib.md); with a KL term or TIS, it takes wbar_g in the graph
@@ -107,11 +120,13 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
     mask = mask.float()  # (B, T)
     fg = args.self_normalize and not args.stop_grad_norm  # SNIB-fg: the gradient through wbar_g too
     log_wbar, fg_coeff = stats.log_wbar, stats.fg_coeff  # (B,) each
-    u = ((logp - old_logp) * mask).sum(-1)  # (B,)  SNIB: u_i = sum_t mask (logp - old_logp), EOS included
+    # (B,)  SNIB: u_i = sum_t mask (logp - old_logp), EOS included
+    u = ((logp - old_logp) * mask).sum(-1)
     if fg and (args.beta > 0 or tis_weights is not None):
         if u.numel() % G:
             raise ValueError("SNIB-fg with --beta > 0 or --tis_cap > 0 needs --micro_batch_size a multiple of G")
-        log_wbar = batch_stats(logp - old_logp, advantages, mask, args).log_wbar  # (B,)  in the graph
+        # (B,)  in the graph
+        log_wbar = batch_stats(logp - old_logp, advantages, mask, args).log_wbar
         fg_coeff = None
     if args.self_normalize:
         w = torch.exp(u - (log_wbar if fg else log_wbar.detach()))  # (B,)  SNIB: in [0, G]
@@ -129,11 +144,13 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
         kl_weight = w if args.kl_weight_grad else w.detach()  # (B,)  SNIB: the KL is IS-weighted
         per_seq -= args.beta * kl_weight * (kl * mask).sum(-1) / lengths  # (B,)
     if fg and fg_coeff is not None:
-        per_seq = per_seq + fg_coeff * w.detach() * (u - u.detach())  # (B,)  value 0, gradient C_g w_i / n_g du_i
+        # (B,)  value 0, gradient C_g w_i / n_g du_i
+        per_seq = per_seq + fg_coeff * w.detach() * (u - u.detach())
     loss = -per_seq.sum() / stats.num_rows
 
     with torch.no_grad():
-        is_low = (w < 1 - args.epsilon) & (advantages < 0)  # (B,)  clipped from below (gradient zeroed)
+        # (B,)  clipped from below (gradient zeroed)
+        is_low = (w < 1 - args.epsilon) & (advantages < 0)
         is_high = (w > 1 + args.epsilon) & (advantages > 0)  # (B,)
         metrics = {
             "loss/policy": loss.detach(),
@@ -149,25 +166,32 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
 
 
 def main(args: Args):
-    run = setup(args)  # common/run.py: processes, run folder, policy (+LoRA), reference, data, optimizer, engine
-    model, optimizer, scheduler, accelerator = run.model, run.optimizer, run.scheduler, run.accelerator
-    total = sum_over_processes(accelerator)  # sums a tensor over the processes: whole-batch statistics
+    # common/run.py: the processes, the run folder, the policy (+ LoRA), the reference, the data,
+    # the optimizer and the rollout engine
+    run = setup(args)
+    model = run.model
+    optimizer = run.optimizer
+    scheduler = run.scheduler
+    accelerator = run.accelerator
+    total = sum_over_processes(accelerator)  # a tensor's sum over the processes
     progress = progress_bar(run)
     for step in progress:
         step_start = time.time()
         metrics = {}
 
-        # 1. Rollouts and rewards, with the log-probs of the weights that sampled them (the behaviour policy's, old)
-        # and the reference's. --rollout_lag K: the batch of step + K is sampled now, this step's K steps ago.
+        # 1. Rollouts and rewards, with the log-probs of the weights that sampled them (the
+        # behaviour policy's, old) and the reference's. --rollout_lag K: the batch of step + K
+        # is sampled now, this step's K steps ago.
         for index in run.queue.steps_to_sample(step, args.total_steps):  # [step] at lag 0
-            batch = sample_batch(run, index, metrics)  # this process's rows of step `index` (common/batch.py)
-            batch.old_logp, batch.ref_logp = old_and_reference_logprobs(run, batch, metrics)  # (B, T) each
+            batch = sample_batch(run, index, metrics)  # this process's rows of step `index`
+            batch.old_logp, batch.ref_logp = old_and_reference_logprobs(run, batch, metrics)
             run.queue.put(batch, sampled_at=step)
         batch = run.queue.take(step)
         mask = batch.mask  # (B, T)
         T = mask.shape[1]
 
-        # 2. Advantages (and, for a sampler/trainer mismatch, truncated or masked importance weights)
+        # 2. Advantages (and, for a sampler/trainer mismatch, truncated or masked importance
+        # weights)
         advantages = compute_advantages(batch.rewards, args)  # (B,)
         tis_weights = None
         if args.tis_cap > 0:
@@ -188,17 +212,22 @@ def main(args: Args):
                     input_ids = batch.input_ids[rows]  # (b, P+T)
                     attention = batch.attention_mask[rows]  # (b, P+T)
                     with accelerator.accumulate(model):
-                        logp, entropy = completion_logprobs(model, input_ids, attention, T, args.temperature)
-                        if run.on_policy:  # The weights being trained sampled the batch: old is current.
+                        logp, entropy = completion_logprobs(
+                            model, input_ids, attention, T, args.temperature
+                        )
+                        if run.on_policy:  # these weights sampled the batch: old is current
                             batch.old_logp[rows] = logp.detach()
-                        old_logp, ref_logp = batch.old_logp[rows], rows_of(batch.ref_logp, rows)  # (b, T)
+                        old_logp = batch.old_logp[rows]  # (b, T)
+                        ref_logp = rows_of(batch.ref_logp, rows)  # (b, T), or None: no KL term
                         loss, loss_metrics = compute_loss(
                             logp, old_logp, ref_logp, advantages[rows], mask[rows], args,
                             stats.for_rows(rows - mini.start), rows_of(tis_weights, rows),
                         )
-                        loss_metrics["loss/policy"] = backward_share(accelerator, loss)  # a share of the batch's
-                        if accelerator.sync_gradients:  # The mini-batch's last micro-batch: an optimizer step.
-                            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                        # the micro-batch's share of the batch's loss, scaled as its gradient is
+                        loss_metrics["loss/policy"] = backward_share(accelerator, loss)
+                        if accelerator.sync_gradients:  # the mini-batch's last: an optimizer step
+                            parameters = model.parameters()
+                            grad_norm = accelerator.clip_grad_norm_(parameters, args.max_grad_norm)
                             grad_norms.append(grad_norm)
                             optimizer.step()
                             optimizer.zero_grad()

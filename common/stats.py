@@ -45,3 +45,8 @@ class BatchStats:
     def per_row_values(self) -> dict[str, torch.Tensor]:
         """The per-row fields by name (--dump_stats_steps saves them; e.g. SNIB's log-weights)."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("per_row")}
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of x over the tokens the loss sees."""
+    return (x * mask).sum() / mask.sum().clamp(min=1)

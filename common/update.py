@@ -44,11 +44,6 @@ def backward_share(accelerator, loss: torch.Tensor) -> torch.Tensor:
     return (loss * scale).detach()
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of x over the tokens the loss sees."""
-    return (x * mask).sum() / mask.sum().clamp(min=1)
-
-
 def save_dumps(run, step: int, dumps: list) -> None:
     """--dump_stats_steps: the per-row statistics of each optimizer step of `step` (e.g. SNIB's log-weights), one
     file per process; estimators without per-row statistics write nothing."""

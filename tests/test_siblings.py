@@ -19,11 +19,12 @@ from evals import ALGORITHMS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Max changed lines (`<` and `>`) in `diff grpo.py X.py`: each bound is the figure measured when it was set plus about
-# 10%, so that a readable change fits (measured then: cispo 74, covpo 139, ctpo 115, dppo 96, gmpo 83, gspo 76,
-# maxrl 87, p3o 146, reinforcepp 132, rloo 116, sapo 86, snib 159). Each estimator names its `Stats` and writes one
-# statement per line, so its diff is longer than when the statistics were dicts and lines were packed.
-BUDGET = {"covpo": 155, "gspo": 85, "p3o": 160, "reinforcepp": 145, "snib": 175}
-SIBLINGS = {name: BUDGET.get(name, 130) for name in ALGORITHMS if name != "grpo"}
+# 10%, so that a readable change fits (measured then: cispo 82, covpo 157, ctpo 132, dppo 108, gmpo 94, gspo 83,
+# maxrl 104, p3o 158, reinforcepp 148, rloo 130, sapo 98, snib 173; 60-118 when the statistics were dicts splatted
+# into compute_loss and lines ran to 120 columns). Each estimator names its `Stats`, and lines stop at 100 columns
+# with one statement each, so a diff shows more lines for the same change.
+BUDGET = {"covpo": 175, "gspo": 95, "p3o": 175, "reinforcepp": 165, "snib": 190}
+SIBLINGS = {name: BUDGET.get(name, 145) for name in ALGORITHMS if name != "grpo"}
 MAX_MAIN_LINES = 6
 
 
