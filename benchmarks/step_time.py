@@ -259,9 +259,10 @@ def summarize(steps: list[dict], warmup: int) -> dict:
     return summary
 
 
-def spawn(kind: str, argv: list[str], threads: int, out_file: str, mmap_threshold: int) -> dict:
+def spawn(kind: str, argv: list[str], threads: int, out_file: str, mmap_threshold: int,
+          no_cudnn_sdp: bool = False) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--_worker", kind, "--_argv", json.dumps(argv),
-           "--threads", str(threads), "--_out", out_file]
+           "--threads", str(threads), "--_out", out_file] + (["--no_cudnn_sdp"] if no_cudnn_sdp else [])
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
            "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join(filter(None, (REPO, os.environ.get("PYTHONPATH"))))}
@@ -295,6 +296,8 @@ def main():
     p.add_argument("--threads", type=int, default=1, help="torch threads in every run")
     p.add_argument("--malloc_mmap_threshold", type=int, default=0,
                    help="MALLOC_MMAP_THRESHOLD_ of every run, in bytes (0: glibc's default); 1048576 to compare memory")
+    p.add_argument("--no_cudnn_sdp", action="store_true",
+                   help="turn cuDNN's scaled-dot-product attention off in every run (torch picks another kernel)")
     p.add_argument("--output_dir", default="runs/benchmarks")
     p.add_argument("--out", default="runs/benchmarks/step_time.json")
     p.add_argument("--_worker", help=argparse.SUPPRESS)
@@ -303,6 +306,10 @@ def main():
     a = p.parse_args(argv)
     sys.path.insert(0, REPO)
     if a._worker:
+        if a.no_cudnn_sdp:
+            import torch
+
+            torch.backends.cuda.enable_cudnn_sdp(False)
         worker_argv = json.loads(a._argv)
         if a._worker == "trl":
             result = run_trl(worker_argv, a.threads)
@@ -325,7 +332,7 @@ def main():
         raise SystemExit(f"--algo: unknown {unknown}; choose among {ALGOS}")
     os.makedirs(a.output_dir, exist_ok=True)
     report = {"settings": {"steps": a.steps, "warmup": a.warmup, "repeat": a.repeat, "preset": a.preset,
-                           "shape": a.shape,
+                           "shape": a.shape, "no_cudnn_sdp": a.no_cudnn_sdp,
                            "threads": a.threads, "malloc_mmap_threshold": a.malloc_mmap_threshold,
                            "extra": extra, "cpu_count": os.cpu_count(),
                            "load_average_at_start": os.getloadavg()}, "runs": {}}
@@ -337,7 +344,7 @@ def main():
             print(f"== {name} ({repeat + 1}/{a.repeat}): {' '.join(run_argv)}", file=sys.stderr)
             shutil.rmtree(os.path.join(a.output_dir, f"step_time_{name}"), ignore_errors=True)  # the last run's
             result = spawn(kind, run_argv, a.threads, os.path.join(a.output_dir, f"step_time_{name}.worker.json"),
-                           a.malloc_mmap_threshold)
+                           a.malloc_mmap_threshold, a.no_cudnn_sdp)
             run = report["runs"].setdefault(name, {"argv": run_argv, "repeats": []})
             run["repeats"].append({"summary": summarize(result["steps"], a.warmup), "steps": result["steps"],
                                    "wall_s": result["wall_s"]})

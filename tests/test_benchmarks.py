@@ -152,6 +152,40 @@ def test_qwen3_shape_builds_its_task(tmp_path, monkeypatch):
     assert json.load(open(os.path.join(path, "model", "config.json")))["vocab_size"] == qwen3_shape.QWEN3_VOCAB
 
 
+def test_update_mfu_runs_small_full_and_lora(tmp_path):
+    """benchmarks/update_mfu.py on a tiny Qwen3 on the CPU (its GPU figures come from scripts/gpu_check.sh): one
+    update step each way, with the parameters its MFU counts: all of them for a tied head (the embedding's matrix is
+    the head's), the base model's too under LoRA."""
+    from benchmarks import update_mfu
+
+    small = ["--size", "tiny", "--tokens", "48", "--prompt_tokens", "16", "--rows", "2", "--device", "cpu",
+             "--steps", "1", "--vocab", "512", "--dtype", "float32"]
+    full = update_mfu.main(small + ["--out", str(tmp_path / "full.json")])
+    lora = update_mfu.main(small + ["--lora_r", "4"])
+    assert full["tokens_per_s"] > 0 and full["mfu"] is None and full["peak_memory_gib"] is None
+    assert json.loads((tmp_path / "full.json").read_text())["path_parameters"] == full["path_parameters"]
+    assert full["trainable_parameters"] == full["path_parameters"]  # tied: every parameter is on the path
+    assert lora["path_parameters"] == full["path_parameters"] + lora["trainable_parameters"]
+    assert 0 < lora["trainable_parameters"] < full["trainable_parameters"] / 4
+
+
+def test_learning_bars_runs_and_resumes(toy_workdir, tmp_path, monkeypatch):
+    """benchmarks/learning_bars.py on one estimator and seed, 2 steps: the gain it reports is the run's last
+    held-out accuracy less its first; a second call reads the finished run instead of running it again."""
+    from benchmarks import learning_bars
+
+    monkeypatch.chdir(tmp_path)
+    argv = ["--toys", str(toy_workdir / "runs" / "toy"), "--algos", "grpo", "--seeds", "1", "--jobs", "1",
+            "--extra", "--total_steps 2 --eval_steps 2 --eval_num_prompts 8", "--evaluations", "2",
+            "--out", "summary.json"]
+    first = learning_bars.main(argv)
+    metrics = tmp_path / "runs" / "learning_bars" / "toy" / "runs" / "grpo__s1" / "metrics.jsonl"
+    accuracies = [m["eval/accuracy"] for m in map(json.loads, metrics.read_text().splitlines()) if "eval/accuracy" in m]
+    assert first["grpo"]["gains"] == [accuracies[-1] - accuracies[0]] and len(accuracies) == 2
+    stamp = metrics.stat().st_mtime_ns
+    assert learning_bars.main(argv) == first and metrics.stat().st_mtime_ns == stamp  # read, not run again
+
+
 def test_server_overlap_runs_small():
     from benchmarks import server_overlap
 

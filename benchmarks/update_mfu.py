@@ -1,0 +1,191 @@
+"""The policy update at the sizes users train: Qwen3-0.6B / 1.7B / 4B with random weights (no download), one
+optimizer step of grpo.py's update on rows of full length, timed. Trainer only: no rollouts, as prime-rl's
+trainer benchmarks measure it.
+
+    python benchmarks/update_mfu.py --size 0.6b --tokens 2048 --rows 8                # one GPU, full fine-tuning
+    python benchmarks/update_mfu.py --size 4b --tokens 2048 --rows 8 --lora_r 16      # LoRA r 16
+    python benchmarks/update_mfu.py --size tiny --tokens 64 --rows 2 --device cpu    # the CPU rehearsal
+
+Each step is what grpo.py's loop does for one micro-batch: common.logprobs.completion_logprobs with gradient (the
+chunked LM head), grpo.compute_loss (on-policy: old_logp is the update's own, detached; beta 0), backward, gradient
+clipping and AdamW (fused on a GPU). A row is `--prompt_tokens` prompt tokens then `--tokens - --prompt_tokens`
+completion tokens, all valid (random ids: a random-weight model's completions run to the length limit anyway).
+Reports, over the steps after `--warmup`:
+
+    seconds per step, trainer tokens/s (rows x tokens / seconds)
+    MFU = 6 x N x tokens/s / peak, N the parameters the forward and backward pass through (the model's, less the
+          input embedding, which is a lookup; LoRA: the base model's too, as the gradient flows through it),
+          peak the device's dense bf16 FLOP/s (--peak_tflops, default 989: an H100 SXM or H200)
+    peak memory (torch.cuda.max_memory_allocated), and the GPU's idle fraction during one profiled step (1 - the
+    union of its kernels' time over the step's wall time; --profile)
+
+Published dimensions (the models' config.json on the hub): hidden size, layers, attention heads / KV heads, head
+size 128, MLP size, vocabulary 151,936, tied embeddings for 0.6B, 1.7B and 4B.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+# (hidden, layers, heads, kv heads, MLP, max positions) of Qwen/Qwen3-{0.6B,1.7B,4B}; "tiny" rehearses on a CPU.
+SIZES = {
+    "0.6b": (1024, 28, 16, 8, 3072, 40960),
+    "1.7b": (2048, 28, 16, 8, 6144, 40960),
+    "4b": (2560, 36, 32, 8, 9728, 40960),
+    "tiny": (64, 2, 2, 1, 128, 4096),
+}
+VOCAB = 151_936
+
+
+def build_model(size: str, dtype: torch.dtype, device: str, lora_r: int, vocab: int = VOCAB):
+    """A Qwen3 of the published dimensions with random weights, on `device` in `dtype` (and LoRA r on every linear
+    layer when lora_r > 0)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    hidden, layers, heads, kv_heads, mlp, positions = SIZES[size]
+    head_dim = 32 if size == "tiny" else 128
+    config = Qwen3Config(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                         intermediate_size=mlp, max_position_embeddings=positions, tie_word_embeddings=True,
+                         attn_implementation="sdpa", dtype=dtype)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config).to(dtype)
+    if lora_r > 0:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=lora_r, lora_alpha=2 * lora_r, target_modules="all-linear", lora_dropout=0.0)
+        model = get_peft_model(model, lora)
+    return model
+
+
+def path_parameters(model) -> int:
+    """The parameters a forward and backward pass through: all of them less the input embedding (a lookup). A tied
+    LM head is the embedding's matrix, and counts once, as the head's matmul."""
+    embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    total = sum(p.numel() for p in model.parameters())
+    return total if head is embedding else total - embedding.numel()
+
+
+def gpu_idle_fraction(step) -> float | None:
+    """1 - (the union of the CUDA kernels' time) / (the step's wall time), from torch.profiler, for one call of
+    `step`; None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    wall_us = (time.perf_counter() - start) * 1e6
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, end = 0.0, float("-inf")
+    for a, b in kernels:  # the union of the intervals
+        if b <= end:
+            continue
+        busy += b - max(a, end)
+        end = b
+    return max(0.0, 1 - busy / wall_us)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", choices=sorted(SIZES), default="0.6b")
+    p.add_argument("--tokens", type=int, default=2048, help="tokens per row, prompt and completion")
+    p.add_argument("--prompt_tokens", type=int, default=256)
+    p.add_argument("--rows", type=int, default=8, help="rows per forward/backward (a micro-batch)")
+    p.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary (Qwen3's; smaller only to rehearse)")
+    p.add_argument("--lora_r", type=int, default=0, help="LoRA rank; 0: full fine-tuning")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--gradient_checkpointing", action="store_true")
+    p.add_argument("--peak_tflops", type=float, default=989.0, help="the device's dense bf16 peak (H100/H200: 989)")
+    p.add_argument("--profile", action="store_true", help="one more step under torch.profiler: the GPU's idle share")
+    p.add_argument("--out", default="", help="write the result as JSON here")
+    a = p.parse_args(argv)
+    if a.prompt_tokens >= a.tokens:
+        raise SystemExit(f"--prompt_tokens {a.prompt_tokens} must be under --tokens {a.tokens}")
+
+    import grpo
+    from common.logprobs import completion_logprobs
+
+    dtype = getattr(torch, a.dtype)
+    model = build_model(a.size, dtype, a.device, a.lora_r, a.vocab)
+    if a.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    fused = a.device.startswith("cuda")
+    optimizer = torch.optim.AdamW(trainable, lr=1e-6, fused=fused)
+    args = grpo.Args(num_generations=a.rows, beta=0.0, max_completion_length=a.tokens - a.prompt_tokens)
+    T = a.tokens - a.prompt_tokens
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(2, a.vocab, (a.rows, a.tokens), generator=generator).to(a.device)
+    attention = torch.ones_like(input_ids)
+    mask = attention[:, a.prompt_tokens:]
+    advantages = torch.randn(a.rows, generator=generator).to(a.device)
+
+    def step():
+        logp, _ = completion_logprobs(model, input_ids, attention, T, 1.0)
+        loss, _ = grpo.compute_loss(logp, logp.detach(), None, advantages, mask, args)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def sync():
+        if a.device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    if a.device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for i in range(a.warmup + a.steps):
+        sync()
+        start = time.perf_counter()
+        step()
+        sync()
+        if i >= a.warmup:
+            times.append(time.perf_counter() - start)
+    seconds = sum(times) / len(times)
+    tokens_per_s = a.rows * a.tokens / seconds
+    n = path_parameters(model)
+    result = {
+        "size": a.size, "lora_r": a.lora_r, "dtype": a.dtype, "device": a.device,
+        "device_name": torch.cuda.get_device_name(0) if a.device.startswith("cuda") else "cpu",
+        "rows": a.rows, "tokens": a.tokens, "prompt_tokens": a.prompt_tokens, "steps": a.steps,
+        "gradient_checkpointing": a.gradient_checkpointing,
+        "path_parameters": n, "trainable_parameters": sum(p.numel() for p in trainable),
+        "seconds_per_step": seconds, "tokens_per_s": tokens_per_s,
+        "mfu": 6 * n * tokens_per_s / (a.peak_tflops * 1e12) if a.device.startswith("cuda") else None,
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if a.device.startswith("cuda") else None,
+        "gpu_idle_fraction": gpu_idle_fraction(step) if a.profile else None,
+    }
+    mfu = "-" if result["mfu"] is None else f"{100 * result['mfu']:.1f}%"
+    memory = "-" if result["peak_memory_gib"] is None else f"{result['peak_memory_gib']:.1f} GiB"
+    idle = "-" if result["gpu_idle_fraction"] is None else f"{100 * result['gpu_idle_fraction']:.1f}%"
+    print(f"Qwen3-{a.size} {'LoRA r ' + str(a.lora_r) if a.lora_r else 'full'}, {a.rows} x {a.tokens} tokens, "
+          f"{a.dtype} on {result['device_name']}: {seconds:.3f} s/step, {tokens_per_s:,.0f} tokens/s, MFU {mfu}, "
+          f"peak {memory}, GPU idle {idle} (N = {n / 1e9:.2f}B)")
+    if a.out:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
