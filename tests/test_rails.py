@@ -719,3 +719,29 @@ def test_help_describes_the_script_and_lists_every_flag_and_preset(capsys):
     assert all(name in text.split("--preset PRESET ")[-1][:200] for name in PRESET_NAMES), text
     assert "(default: the preset's, else train) --eval_dataset" in text  # one default, not two
     assert "--no_use_chat_template, --no-use-chat-template turn --use_chat_template off --enable_thinking" in text
+
+
+@pytest.mark.parametrize("where", ["ref_logp", "sampler_logp"])
+def test_a_non_finite_log_prob_names_its_pass_and_saves_the_batch(workdir, monkeypatch, where):
+    """Issue 55: a NaN in policy/kl or the log-prob gap at step 1 of a bf16 run, in 2 runs of 12, and nothing said
+    which pass made it; the gap check blamed a weight push. Now one line names the pass and its first row and
+    column, and the batch is saved to replay it."""
+    import grpo
+
+    original = grpo.old_and_reference_logprobs
+
+    def poisoned(run, batch, metrics):
+        old_logp, ref_logp = original(run, batch, metrics)
+        (ref_logp if where == "ref_logp" else batch.sampler_logp)[2, 0] = float("nan")
+        return old_logp, ref_logp
+
+    monkeypatch.setattr(grpo, "old_and_reference_logprobs", poisoned)
+    with pytest.raises(SystemExit) as exit_info:
+        run_script(grpo, SMALL + ["--beta", "0.04", "--run_name", f"nan_{where}"])
+    message = exit_info.value.code
+    what = {"ref_logp": "the reference's", "sampler_logp": "the sampler's"}[where]
+    saved = f"runs/nan_{where}/nonfinite_logprobs_step_1_process_0.pt"
+    assert message == (f"error: step 1: log-probs that are not finite: 1 in {what} (first: row 2, column 0: nan); "
+                       f"the batch is saved in {saved} to replay the pass (docs/notes.md, issue 55)")
+    batch = torch.load(saved, weights_only=True)
+    assert torch.isnan(batch[where][2, 0]) and torch.isfinite(batch["old_logp"]).all()
