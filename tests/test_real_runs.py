@@ -560,7 +560,7 @@ def room_left(path) -> int:
 
 @pytest.mark.parametrize("room", ["tmpfs", "file_size_limit"])
 @pytest.mark.parametrize("where", ["model.safetensors", "optimizer.bin"])
-def test_a_disk_that_fills_in_the_middle_of_a_save(workdir, tmp_path, small_disk, room, where):
+def test_a_disk_that_fills_in_the_middle_of_a_save(workdir, tmp_path, small_disk, monkeypatch, room, where):
     """Issue 55: the room runs out in the middle of the model's weights (safetensors says why in its text) or of the
     optimizer's state (torch.save's writer says only "unexpected pos 480704 vs 480596"). On a small tmpfs (ENOSPC;
     root mounts one) and under a file size limit (RLIMIT_FSIZE: EFBIG). One line, the unfinished copy removed, step
@@ -569,6 +569,7 @@ def test_a_disk_that_fills_in_the_middle_of_a_save(workdir, tmp_path, small_disk
 
     from accelerate import Accelerator
 
+    from common import repair
     from common.checkpoints import save_checkpoint
     from common.resume import find_checkpoint
 
@@ -601,6 +602,8 @@ def test_a_disk_that_fills_in_the_middle_of_a_save(workdir, tmp_path, small_disk
         message = ("error: a file reached the file size limit (ulimit -f) " + message +
                    "raise the limit (ulimit -f unlimited)")
     message += f" and resume with --resume_from {run_dir}"
+    errors, disk_full = [], repair.disk_full
+    monkeypatch.setattr(repair, "disk_full", lambda error, *a: errors.append(error) or disk_full(error, *a))
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     try:
         if room == "file_size_limit":
@@ -610,6 +613,10 @@ def test_a_disk_that_fills_in_the_middle_of_a_save(workdir, tmp_path, small_disk
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     assert str(exit_info.value) == message
+    if where == "optimizer.bin":  # torch.save's writer, the error the issue saw: no errno, no reason in its text
+        assert [type(e).__name__ for e in errors] == ["RuntimeError"] and "unexpected pos" in str(errors[0])
+    else:  # safetensors names the reason in its text
+        assert [type(e).__name__ for e in errors] == ["SafetensorError"]
     assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["step_1"]
     assert find_checkpoint(run_dir) == step_1  # intact: every file its manifest names, whole
     if room == "tmpfs":
