@@ -3,7 +3,6 @@ sampler/trainer log-prob gap (and the check that stops a run whose sampler does 
 peak memory. docs/metrics.md says what each one means."""
 
 import contextlib
-import os
 import time
 
 import torch
@@ -35,39 +34,11 @@ def logp_gap(sampler_logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Ten
             "rollout/logp_gap_max": gap.max().item()}
 
 
-# The log-probs a step reads, and the pass that made each (stop_on_nonfinite_logprobs names it).
-LOGPROB_PASSES = {"sampler_logp": "the sampler's", "old_logp": "the trainer's (on-policy: the update's own)",
-                  "ref_logp": "the reference's"}
-
-
-def stop_on_nonfinite_logprobs(batch, accelerator, run_dir: str, step: int) -> None:
-    """A NaN or inf in the step's log-probs, at any position (NaN * 0 is NaN: padding poisons the masked means too):
-    stop in one line naming the pass that made it and its first row and column, with this process's batch saved to
-    replay it (issue 55, docs/notes.md). Runs before check_weight_sync, which would blame a weight push. Every
-    process stops with it (the count is summed)."""
-    found = []
-    for name, what in LOGPROB_PASSES.items():
-        values = getattr(batch, name)
-        bad = None if values is None else ~torch.isfinite(values)  # (B, T)
-        if bad is not None and bad.any():
-            row, column = bad.nonzero()[0].tolist()
-            found.append(f"{int(bad.sum())} in {what} (first: row {row}, column {column}: {values[row, column]})")
-    total = accelerator.reduce(torch.tensor(len(found), device=accelerator.device), "sum").item()
-    if not total:
-        return
-    if not found:
-        raise SystemExit(f"error: step {step}: another process's log-probs are not finite (its error names the pass)")
-    path = os.path.join(run_dir, f"nonfinite_logprobs_step_{step}_process_{accelerator.process_index}.pt")
-    torch.save(batch.to("cpu").as_dict(), path)
-    raise SystemExit(f"error: step {step}: log-probs that are not finite: {'; '.join(found)}; the batch is saved in "
-                     f"{path} to replay the pass (docs/notes.md, issue 55)")
-
-
 def check_weight_sync(logp_gap_mean: float, max_gap: float, step: int) -> None:
     """Stop the run when the sampler's log-probs of its own tokens stray from the trainer's: the rollout engine is
     not running the weights the trainer just updated (a push that failed silently or reached only some layers, as
     TRL #5312 shipped), and every later step would train on a policy's samples it does not know."""
-    if max_gap > 0 and not logp_gap_mean <= max_gap:  # not <=: a NaN gap stops too
+    if max_gap > 0 and logp_gap_mean > max_gap:  # a NaN gap is no failed push: stop_if_nonfinite names it
         raise SystemExit(
             f"error: step {step}: rollout/logp_gap_mean = {logp_gap_mean:.4g} > --max_logp_gap {max_gap}: the rollout "
             f"engine's log-probs are not the trainer's, so its weights are not the trainer's (a weight push that did "

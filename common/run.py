@@ -34,7 +34,6 @@ from common.metrics import (
     mean_grad_norm,
     mean_over_processes,
     peak_memory_gib,
-    stop_on_nonfinite_logprobs,
     timed,
 )
 from common.offpolicy import RolloutQueue
@@ -292,7 +291,6 @@ def end_step(run: Run, step: int, step_start: float, batch, metrics: dict, updat
     """After the updates of step `step` (0-based): check and push the weights to the sampler, log the step's
     metrics, evaluate and save when due. A step whose metrics are not finite stops the run before it is saved."""
     args, accelerator = run.args, run.accelerator
-    stop_on_nonfinite_logprobs(batch, accelerator, run.log.run_dir, step + 1)  # names the pass
     metrics.update(logp_gap(batch.sampler_logp, batch.old_logp, batch.mask))  # sampler/trainer mismatch
     check_weight_sync(metrics["rollout/logp_gap_mean"], args.max_logp_gap, step + 1)  # a push that did not land?
     with timed(metrics, "time/weight_push"):

@@ -721,27 +721,34 @@ def test_help_describes_the_script_and_lists_every_flag_and_preset(capsys):
     assert "--no_use_chat_template, --no-use-chat-template turn --use_chat_template off --enable_thinking" in text
 
 
-@pytest.mark.parametrize("where", ["ref_logp", "sampler_logp"])
-def test_a_non_finite_log_prob_names_its_pass_and_saves_the_batch(workdir, monkeypatch, where):
-    """Issue 55: a NaN in policy/kl or the log-prob gap at step 1 of a bf16 run, in 2 runs of 12, and nothing said
-    which pass made it; the gap check blamed a weight push. Now one line names the pass and its first row and
-    column, and the batch is saved to replay it."""
+@pytest.mark.parametrize("where", ["ref_logp", "sampler_logp", "logp"])
+def test_a_non_finite_log_prob_is_named_by_the_metrics_it_breaks(workdir, monkeypatch, where):
+    """Issue 55: NaN in policy/kl or the log-prob gap at step 1 of bf16 runs. A NaN in the sampler's log-probs was
+    blamed on a failed weight push (the gap check), one in the reference's was "loss/policy is nan". Now the stop
+    names every non-finite metric, which says whose log-probs broke (docs/notes.md): the sampler's, the gap alone;
+    the reference's, policy/kl and the loss; the trainer's, all of them."""
     import grpo
 
-    original = grpo.old_and_reference_logprobs
+    original, completion_logprobs = grpo.old_and_reference_logprobs, grpo.completion_logprobs
 
     def poisoned(run, batch, metrics):
         old_logp, ref_logp = original(run, batch, metrics)
-        (ref_logp if where == "ref_logp" else batch.sampler_logp)[2, 0] = float("nan")
+        if where != "logp":
+            (ref_logp if where == "ref_logp" else batch.sampler_logp)[0, 0] = float("nan")
         return old_logp, ref_logp
 
+    def poisoned_update(*args, **kwargs):  # the update's own log-probs, old_logp on-policy
+        logp, entropy = completion_logprobs(*args, **kwargs)
+        return (logp * float("nan") if where == "logp" else logp), entropy
+
     monkeypatch.setattr(grpo, "old_and_reference_logprobs", poisoned)
+    monkeypatch.setattr(grpo, "completion_logprobs", poisoned_update)
     with pytest.raises(SystemExit) as exit_info:
         run_script(grpo, SMALL + ["--beta", "0.04", "--run_name", f"nan_{where}"])
-    message = exit_info.value.code
-    what = {"ref_logp": "the reference's", "sampler_logp": "the sampler's"}[where]
-    saved = f"runs/nan_{where}/nonfinite_logprobs_step_1_process_0.pt"
-    assert message == (f"error: step 1: log-probs that are not finite: 1 in {what} (first: row 2, column 0: nan); "
-                       f"the batch is saved in {saved} to replay the pass (docs/notes.md, issue 55)")
-    batch = torch.load(saved, weights_only=True)
-    assert torch.isnan(batch[where][2, 0]) and torch.isfinite(batch["old_logp"]).all()
+    names = {"sampler_logp": "rollout/logp_gap_mean is nan, rollout/logp_gap_max is nan",
+             "ref_logp": "loss/policy is nan, policy/kl is nan, optim/grad_norm is nan",
+             "logp": "rollout/logp_gap_mean is nan, rollout/logp_gap_max is nan, loss/policy is nan, "
+                     "policy/kl is nan, optim/grad_norm is nan"}[where]
+    assert exit_info.value.code == (f"error: step 1: {names}; training broke and stopped without saving these "
+                                    f"weights; no checkpoint was saved before it (see --save_steps)")
+    assert not os.path.exists(f"runs/nan_{where}/checkpoints")
