@@ -426,7 +426,7 @@ def check_args(args, num_processes: int, files: bool = True) -> None:
 # A broken run stops itself
 # ---------------------------------------------------------------------------
 
-WATCHED = ("loss/", "optim/grad_norm", "policy/kl", "rollout/logp_gap")  # the update or a log-prob broke
+WATCHED = ("loss/", "optim/grad_norm", "policy/kl", "rollout/logp_gap_mean")  # the update or a log-prob broke
 
 
 def stop_if_nonfinite(metrics: dict, run_dir: str, log) -> None:

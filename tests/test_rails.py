@@ -745,10 +745,10 @@ def test_a_non_finite_log_prob_is_named_by_the_metrics_it_breaks(workdir, monkey
     monkeypatch.setattr(grpo, "completion_logprobs", poisoned_update)
     with pytest.raises(SystemExit) as exit_info:
         run_script(grpo, SMALL + ["--beta", "0.04", "--run_name", f"nan_{where}"])
-    names = {"sampler_logp": "rollout/logp_gap_mean is nan, rollout/logp_gap_max is nan",
+    names = {"sampler_logp": "rollout/logp_gap_mean is nan",
              "ref_logp": "loss/policy is nan, policy/kl is nan, optim/grad_norm is nan",
-             "logp": "rollout/logp_gap_mean is nan, rollout/logp_gap_max is nan, loss/policy is nan, "
-                     "policy/kl is nan, optim/grad_norm is nan"}[where]
+             "logp": "rollout/logp_gap_mean is nan, loss/policy is nan, policy/kl is nan, optim/grad_norm is "
+                     "nan"}[where]
     assert exit_info.value.code == (f"error: step 1: {names}; training broke and stopped without saving these "
                                     f"weights; no checkpoint was saved before it (see --save_steps)")
     assert not os.path.exists(f"runs/nan_{where}/checkpoints")
