@@ -76,7 +76,7 @@ def save_checkpoint(accelerator, model, tokenizer, run_dir: str, step: int, save
             if save_total_limit > 0:
                 for old in checkpoint_steps(run_dir)[:-save_total_limit]:
                     shutil.rmtree(os.path.join(run_dir, "checkpoints", f"step_{old}"))
-    except Exception as e:  # a full disk stops in one line (common/repair.py disk_full), anything else as it is
+    except Exception as e:  # no room left stops in one line (common/repair.py disk_full), anything else as it is
         importlib.import_module("common.repair").disk_full(e, tmp, final, latest_checkpoint(run_dir), run_dir)
         raise
     accelerator.wait_for_everyone()

@@ -2,7 +2,7 @@
 
     check_args(args, P)           every flag's range, every name and path, the data's first rows and the model's
                                   config, before any weights load; one line per problem, naming the flag and the fix
-    stop_if_nonfinite(...)        a non-finite loss or gradient norm stops the run before anything is saved
+    stop_if_nonfinite(...)        a non-finite loss, gradient norm, KL or log-prob gap stops the run unsaved
 (run folders, never overwritten, and resumes that keep their settings: common/run_dir.py)
 
 Everything here reads inputs and files; nothing touches advantages, ratios, clipping, KL or loss aggregation.
@@ -426,12 +426,12 @@ def check_args(args, num_processes: int, files: bool = True) -> None:
 # A broken run stops itself
 # ---------------------------------------------------------------------------
 
-WATCHED = ("loss/", "optim/grad_norm")  # a non-finite value here means the update itself broke
+WATCHED = ("loss/", "optim/grad_norm", "policy/kl", "rollout/logp_gap_mean")  # the update or a log-prob broke
 
 
 def stop_if_nonfinite(metrics: dict, run_dir: str, log) -> None:
-    """Stop before a step with a non-finite loss or gradient norm is evaluated or saved (Adam has written NaN into the
-    weights); its metrics line is logged, the message names the last good checkpoint; every process stops with it."""
+    """Stop before a step with a non-finite WATCHED metric is evaluated or saved (Adam may have written NaN into the
+    weights), its metrics line logged, naming each (docs/notes.md: whose log-probs) and the last good checkpoint."""
     bad = [k for k, v in metrics.items() if k.startswith(WATCHED) and not math.isfinite(v)]
     if not bad:
         return
@@ -439,5 +439,5 @@ def stop_if_nonfinite(metrics: dict, run_dir: str, log) -> None:
     last = latest_checkpoint(run_dir)
     where = (f"the last good checkpoint is {last} (--resume_from {run_dir} continues from it, e.g. with a lower "
              f"--learning_rate)" if last else "no checkpoint was saved before it (see --save_steps)")
-    raise SystemExit(f"error: step {metrics['step']}: {bad[0]} is {metrics[bad[0]]}; training broke and stopped "
-                     f"without saving these weights; {where}")
+    raise SystemExit(f"error: step {metrics['step']}: {', '.join(f'{k} is {metrics[k]}' for k in bad)}; training "
+                     f"broke and stopped without saving these weights; {where}")

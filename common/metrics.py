@@ -38,7 +38,7 @@ def check_weight_sync(logp_gap_mean: float, max_gap: float, step: int) -> None:
     """Stop the run when the sampler's log-probs of its own tokens stray from the trainer's: the rollout engine is
     not running the weights the trainer just updated (a push that failed silently or reached only some layers, as
     TRL #5312 shipped), and every later step would train on a policy's samples it does not know."""
-    if max_gap > 0 and not logp_gap_mean <= max_gap:  # not <=: a NaN gap stops too
+    if max_gap > 0 and logp_gap_mean > max_gap:  # a NaN gap is no failed push: stop_if_nonfinite names it
         raise SystemExit(
             f"error: step {step}: rollout/logp_gap_mean = {logp_gap_mean:.4g} > --max_logp_gap {max_gap}: the rollout "
             f"engine's log-probs are not the trainer's, so its weights are not the trainer's (a weight push that did "

@@ -412,3 +412,29 @@ def test_padded_columns_leave_the_log_probs_as_they_are(monkeypatch, toy_model):
                                                (200, 64, 256), (37, 1, 37), (6, 1, 6)])
 def test_padded_width(used, step, width):
     assert common.logprobs.padded_width(used, step) == width
+
+
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_no_buffer_is_read_before_it_is_written(monkeypatch, path, entropy_grad):
+    """Issue 55: a NaN at the first step of a bf16 run on the CPU, in 2 runs of 12, pointed at memory read before it
+    was written. Every torch.empty / torch.empty_like made during the passes here is filled with NaN (the allocator
+    may hand back any bytes, and 0 * NaN is NaN): values and gradients must be finite and bit for bit those of the
+    run without the poison, in bf16, with chunks that line up neither with rows nor with the last position."""
+    monkeypatch.setattr(common.logprobs, "LOGPROB_CHUNK_ELEMENTS", 4 * 3_000 + 7)  # 4 positions per chunk
+    model = tiny_model(3_000, torch.bfloat16)
+    batch = make_batch(3_000, 5, 4, 9)
+    weights = torch.randn(2, *batch[2].shape, generator=torch.Generator().manual_seed(1))
+    clean = run(completion_logprobs, model, batch, 9, 0.8, entropy_grad, weights)
+    empty, empty_like, made = torch.empty, torch.empty_like, []
+
+    def poisoned(tensor):
+        made.append(tensor.numel())
+        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poisoned(empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poisoned(empty_like(*a, **k)))
+    logp, entropy, grads = run(completion_logprobs, model, batch, 9, 0.8, entropy_grad, weights)
+    assert made  # the passes made buffers, and each was poisoned
+    for want, got in [(clean[0], logp), (clean[1], entropy)] + [(clean[2][n], grads[n]) for n in clean[2]]:
+        assert torch.isfinite(got).all()
+        assert torch.equal(got, want)

@@ -719,3 +719,36 @@ def test_help_describes_the_script_and_lists_every_flag_and_preset(capsys):
     assert all(name in text.split("--preset PRESET ")[-1][:200] for name in PRESET_NAMES), text
     assert "(default: the preset's, else train) --eval_dataset" in text  # one default, not two
     assert "--no_use_chat_template, --no-use-chat-template turn --use_chat_template off --enable_thinking" in text
+
+
+@pytest.mark.parametrize("where", ["ref_logp", "sampler_logp", "logp"])
+def test_a_non_finite_log_prob_is_named_by_the_metrics_it_breaks(workdir, monkeypatch, where):
+    """Issue 55: NaN in policy/kl or the log-prob gap at step 1 of bf16 runs. A NaN in the sampler's log-probs was
+    blamed on a failed weight push (the gap check), one in the reference's was "loss/policy is nan". Now the stop
+    names every non-finite metric, which says whose log-probs broke (docs/notes.md): the sampler's, the gap alone;
+    the reference's, policy/kl and the loss; the trainer's, all of them."""
+    import grpo
+
+    original, completion_logprobs = grpo.old_and_reference_logprobs, grpo.completion_logprobs
+
+    def poisoned(run, batch, metrics):
+        old_logp, ref_logp = original(run, batch, metrics)
+        if where != "logp":
+            (ref_logp if where == "ref_logp" else batch.sampler_logp)[0, 0] = float("nan")
+        return old_logp, ref_logp
+
+    def poisoned_update(*args, **kwargs):  # the update's own log-probs, old_logp on-policy
+        logp, entropy = completion_logprobs(*args, **kwargs)
+        return (logp * float("nan") if where == "logp" else logp), entropy
+
+    monkeypatch.setattr(grpo, "old_and_reference_logprobs", poisoned)
+    monkeypatch.setattr(grpo, "completion_logprobs", poisoned_update)
+    with pytest.raises(SystemExit) as exit_info:
+        run_script(grpo, SMALL + ["--beta", "0.04", "--run_name", f"nan_{where}"])
+    names = {"sampler_logp": "rollout/logp_gap_mean is nan",
+             "ref_logp": "loss/policy is nan, policy/kl is nan, optim/grad_norm is nan",
+             "logp": "rollout/logp_gap_mean is nan, loss/policy is nan, policy/kl is nan, optim/grad_norm is "
+                     "nan"}[where]
+    assert exit_info.value.code == (f"error: step 1: {names}; training broke and stopped without saving these "
+                                    f"weights; no checkpoint was saved before it (see --save_steps)")
+    assert not os.path.exists(f"runs/nan_{where}/checkpoints")

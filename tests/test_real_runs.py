@@ -101,6 +101,10 @@ REAL_RUNS = [
      "test_refused[output_dir]"),
     ("a disk that fills during a checkpoint save", "one line: no space left on device; the last good checkpoint",
      "test_a_full_disk_during_a_save_is_one_line"),
+    ("a disk (or a quota, or a file size limit) that runs out in the middle of a save's model weights or "
+     "optimizer state (torch.save's writer then says only \"unexpected pos\")",
+     "one line naming what ran out and the last good checkpoint; it loads back",
+     "test_a_disk_that_fills_in_the_middle_of_a_save"),
     ("a metrics.jsonl or args_history.jsonl ending in half a line (a killed run) on --resume_from",
      "the half line is dropped with a warning and the run resumes (it was a JSON traceback)",
      "test_a_half_written_metrics_line_is_dropped_on_resume"),
@@ -535,6 +539,97 @@ def test_a_full_disk_during_a_save_is_one_line(workdir, tmp_path, monkeypatch):
     monkeypatch.setattr(type(model), "save_pretrained", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.EIO, "x")))
     with pytest.raises(OSError):  # another error is raised as it is
         save_checkpoint(accelerator, model, tokenizer, str(tmp_path), 2)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 64 MiB tmpfs at tmp_path/disk where this process may mount one (root), else None."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)]
+    mounted = shutil.which("mount") is not None and subprocess.run(mount, capture_output=True).returncode == 0
+    yield disk if mounted else None
+    if mounted:
+        subprocess.run(["umount", "--lazy", str(disk)], check=True)  # a mapped file may still hold it
+
+
+def room_left(path) -> int:
+    stat = os.statvfs(path)
+    return stat.f_bavail * stat.f_frsize
+
+
+@pytest.mark.parametrize("room", ["tmpfs", "file_size_limit"])
+@pytest.mark.parametrize("where", ["model.safetensors", "optimizer.bin"])
+def test_a_disk_that_fills_in_the_middle_of_a_save(workdir, tmp_path, small_disk, monkeypatch, room, where):
+    """Issue 55: the room runs out in the middle of the model's weights (safetensors says why in its text) or of the
+    optimizer's state (torch.save's writer says only "unexpected pos 480704 vs 480596"). On a small tmpfs (ENOSPC;
+    root mounts one) and under a file size limit (RLIMIT_FSIZE: EFBIG). One line, the unfinished copy removed, step
+    1 intact; once there is room, step 1 loads back and step 2 saves."""
+    import resource
+
+    from accelerate import Accelerator
+
+    from common import repair
+    from common.checkpoints import save_checkpoint
+    from common.resume import find_checkpoint
+
+    if room == "tmpfs" and small_disk is None:
+        pytest.skip("mounting a tmpfs needs root; the file size limit case runs without")
+    run_dir = str(small_disk) if room == "tmpfs" else str(tmp_path / "run")
+    tokenizer, accelerator = build_tokenizer(), Accelerator(cpu=True)
+    model = accelerator.prepare(build_model(tokenizer, seed=0))
+    optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters()))
+    model(input_ids=torch.tensor([[1, 2, 3, 4]]), labels=torch.tensor([[1, 2, 3, 4]])).loss.backward()
+    optimizer.step()  # AdamW's moments exist: the optimizer's state is the save's largest file
+    save_checkpoint(accelerator, model, tokenizer, run_dir, 1)
+    step_1 = os.path.join(run_dir, "checkpoints", "step_1")
+    written = sorted((os.path.join(d, f) for d, _, names in os.walk(step_1) for f in names),
+                     key=lambda f: os.stat(f).st_mtime_ns)  # in the order the save wrote them
+    sizes = [os.path.getsize(f) for f in written]
+    target = written.index(os.path.join(step_1, "state", where))
+    before = sizes[:target]
+    message = f"while saving {run_dir}/checkpoints/step_2; the last good checkpoint is {step_1}: "
+    if room == "tmpfs":
+        block = os.statvfs(run_dir).f_frsize
+        headroom = sum(-(-size // block) * block for size in before) + sizes[target] // 2 // block * block
+        with open(os.path.join(run_dir, "filler"), "wb") as f:
+            f.write(bytes(room_left(run_dir) - headroom))
+        assert room_left(run_dir) == headroom
+        message = "error: no space left on device " + message + "free space (or keep fewer with --save_total_limit)"
+    else:
+        limit = (max(before, default=0) + sizes[target]) // 2
+        assert max(before, default=0) < limit < sizes[target]  # the first file the limit stops is the target
+        message = ("error: a file reached the file size limit (ulimit -f) " + message +
+                   "raise the limit (ulimit -f unlimited)")
+    message += f" and resume with --resume_from {run_dir}"
+    errors, disk_full = [], repair.disk_full
+    monkeypatch.setattr(repair, "disk_full", lambda error, *a: errors.append(error) or disk_full(error, *a))
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    try:
+        if room == "file_size_limit":
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+        with pytest.raises(SystemExit) as exit_info:
+            save_checkpoint(accelerator, model, tokenizer, run_dir, 2)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert str(exit_info.value) == message
+    if where == "optimizer.bin":  # torch.save's writer, the error the issue saw: no errno, no reason in its text
+        assert [type(e).__name__ for e in errors] == ["RuntimeError"] and "unexpected pos" in str(errors[0])
+    else:  # safetensors names the reason in its text
+        assert [type(e).__name__ for e in errors] == ["SafetensorError"]
+    assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["step_1"]
+    assert find_checkpoint(run_dir) == step_1  # intact: every file its manifest names, whole
+    if room == "tmpfs":
+        os.remove(os.path.join(run_dir, "filler"))
+    saved = load_file(os.path.join(step_1, "model", "model.safetensors"))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    accelerator.load_state(os.path.join(step_1, "state"))
+    weights = accelerator.unwrap_model(model).state_dict()
+    assert all(torch.equal(weights[name], tensor) for name, tensor in saved.items())
+    save_checkpoint(accelerator, model, tokenizer, run_dir, 2)
+    assert find_checkpoint(run_dir) == os.path.join(run_dir, "checkpoints", "step_2")
 
 
 def test_a_half_written_metrics_line_is_dropped_on_resume(workdir, capsys):
