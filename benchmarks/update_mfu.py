@@ -5,6 +5,8 @@ trainer benchmarks measure it.
     python benchmarks/update_mfu.py --size 0.6b --tokens 2048 --rows 8                # one GPU, full fine-tuning
     python benchmarks/update_mfu.py --size 4b --tokens 2048 --rows 8 --lora_r 16      # LoRA r 16
     python benchmarks/update_mfu.py --size tiny --tokens 64 --rows 2 --device cpu    # the CPU rehearsal
+    python benchmarks/update_mfu.py --size 0.6b --save runs/qwen3_0.6b \
+        --tokenizer_from runs/qwen3_shape/model          # a model folder for the scripts (qwen3_shape.py's tokenizer)
 
 Each step is what grpo.py's loop does for one micro-batch: common.logprobs.completion_logprobs with gradient (the
 chunked LM head), grpo.compute_loss (on-policy: old_logp is the update's own, detached; beta 0), backward, gradient
@@ -115,6 +117,8 @@ def main(argv=None):
     p.add_argument("--peak_tflops", type=float, default=989.0, help="the device's dense bf16 peak (H100/H200: 989)")
     p.add_argument("--profile", action="store_true", help="one more step under torch.profiler: the GPU's idle share")
     p.add_argument("--out", default="", help="write the result as JSON here")
+    p.add_argument("--save", default="", help="only save the random-weight model (and no LoRA) to this folder")
+    p.add_argument("--tokenizer_from", default="", help="with --save: the tokenizer of this folder saved beside it")
     a = p.parse_args(argv)
     if a.prompt_tokens >= a.tokens:
         raise SystemExit(f"--prompt_tokens {a.prompt_tokens} must be under --tokens {a.tokens}")
@@ -123,6 +127,14 @@ def main(argv=None):
     from common.logprobs import completion_logprobs
 
     dtype = getattr(torch, a.dtype)
+    if a.save:  # a model folder for the scripts (benchmarks/step_time.py -- --model FOLDER)
+        build_model(a.size, dtype, a.device, 0, a.vocab).save_pretrained(a.save)
+        if a.tokenizer_from:
+            from transformers import AutoTokenizer
+
+            AutoTokenizer.from_pretrained(a.tokenizer_from).save_pretrained(a.save)
+        print(f"saved a random-weight Qwen3-{a.size} to {a.save}")
+        return {"saved": a.save}
     model = build_model(a.size, dtype, a.device, a.lora_r, a.vocab)
     if a.gradient_checkpointing:
         model.gradient_checkpointing_enable()

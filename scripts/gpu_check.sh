@@ -7,7 +7,8 @@
 # Installs the carried wheels, then runs `pytest -m "gpu and not vllm"` (tests/test_gpu.py: one RL step of each script
 # on CUDA in bf16 and fp32, with and without LoRA; FSDP2 in one process; the toy trained 200 steps; the chunked
 # LM-head log-probs against the naive form in bf16), then the realistic-shape benchmark against TRL when TRL is
-# there. Writes REPORT_DIR/report.md with the device, each part's result and the figures.
+# there, then the update at real sizes and a whole step of Qwen3-0.6B against TRL (issue 50). Writes
+# REPORT_DIR/report.md with the device, each part's result and the figures. GPU_CHECK_TESTS=0 leaves the tests out.
 # PYTEST_ADDOPTS="-n 8" spreads the tests over pytest-xdist workers; GPU_CHECK_BENCH_TIMEOUT (s, default 480) bounds
 # the benchmark. GPU_CHECK_REHEARSAL=1 runs it all without a GPU: the GPU tests are collected and skipped, the benchmark is not run.
 set -uo pipefail
@@ -46,22 +47,25 @@ export PYTHONUNBUFFERED=1
 nvidia-smi > "$report/nvidia-smi.txt" 2>&1 || true
 
 start=$SECONDS
-python3 -m pytest tests/test_gpu.py -m "gpu and not vllm" -p no:cacheprovider -rs -s --durations=0 \
-    --junitxml "$report/junit.xml" > "$report/pytest.log" 2>&1
-rc=$?
-summary=$(tail -n 1 "$report/pytest.log")
-# the chunked head's memory figures are printed (-s), which pytest-xdist workers swallow: that test again, alone
-PYTEST_ADDOPTS= python3 -m pytest tests/test_gpu.py -k chunked -p no:cacheprovider -s -q >> "$report/pytest.log" 2>&1
-{
-    echo "- tests/test_gpu.py: exit $rc, $summary ($((SECONDS - start)) s); log: pytest.log, junit.xml"
-    grep -oE "V=[0-9]+: peak CUDA memory.*" "$report/pytest.log" | sort -u | sed 's/^/  - /'
-    if python3 -c "import vllm" 2>/dev/null; then
-        echo "- vLLM is installed: run \`python3 -m pytest -m \"gpu and vllm\"\` too"
-    else
-        echo "- not run: the vLLM-on-GPU tests (-m \"gpu and vllm\"): vLLM is not installed here and cannot be carried" \
-             "(it brings its own torch)"
-    fi
-} >> "$md"
+rc=0
+if [ "${GPU_CHECK_TESTS:-1}" = 1 ]; then
+    python3 -m pytest tests/test_gpu.py -m "gpu and not vllm" -p no:cacheprovider -rs -s --durations=0 \
+        --junitxml "$report/junit.xml" > "$report/pytest.log" 2>&1
+    rc=$?
+    summary=$(tail -n 1 "$report/pytest.log")
+    # the chunked head's memory figures are printed (-s), which pytest-xdist workers swallow: that test again, alone
+    PYTEST_ADDOPTS= python3 -m pytest tests/test_gpu.py -k chunked -p no:cacheprovider -s -q >> "$report/pytest.log" 2>&1
+    {
+        echo "- tests/test_gpu.py: exit $rc, $summary ($((SECONDS - start)) s); log: pytest.log, junit.xml"
+        grep -oE "V=[0-9]+: peak CUDA memory.*" "$report/pytest.log" | sort -u | sed 's/^/  - /'
+        if python3 -c "import vllm" 2>/dev/null; then
+            echo "- vLLM is installed: run \`python3 -m pytest -m \"gpu and vllm\"\` too"
+        else
+            echo "- not run: the vLLM-on-GPU tests (-m \"gpu and vllm\"): vLLM is not installed here and cannot be carried" \
+                 "(it brings its own torch)"
+        fi
+    } >> "$md"
+fi
 
 if [ "$rehearsal" != 1 ] && python3 -c "import trl" 2>/dev/null; then
     # Qwen3's vocabulary and varied lengths (benchmarks/qwen3_shape.py), in bf16 with a GPU-sized batch; the body
@@ -72,6 +76,37 @@ if [ "$rehearsal" != 1 ] && python3 -c "import trl" 2>/dev/null; then
     echo "- benchmarks/step_time.py --shape qwen3 --trl: exit $?, see step_time.txt" >> "$md"
 else
     echo "- not run: the benchmark against TRL ($([ "$rehearsal" = 1 ] && echo rehearsal || echo 'trl not importable'))" >> "$md"
+fi
+# Issue 50: the update at the sizes users train (Qwen3 with random weights, benchmarks/update_mfu.py), a whole GRPO
+# step of Qwen3-0.6B against TRL's, and the Qwen3-shaped step with cuDNN's attention off. Each part has its own
+# time limit (GPU_CHECK_PART_TIMEOUT, s), so a part that does not fit leaves the others their time.
+part=${GPU_CHECK_PART_TIMEOUT:-150}
+if [ "$rehearsal" = 1 ]; then
+    python3 benchmarks/update_mfu.py --size tiny --device cpu --vocab 512 --dtype float32 --tokens 48 \
+        --prompt_tokens 16 --rows 2 --steps 1 --out "$report/update_mfu_tiny.json" > "$report/update_mfu.txt" 2>&1
+    echo "- benchmarks/update_mfu.py (rehearsal, tiny on the CPU): exit $?" >> "$md"
+else
+    for spec in "0.6b 0 2048 8 --profile" "1.7b 0 2048 8" "4b 16 2048 8 --profile" "0.6b 0 16384 1" "4b 16 16384 1"; do
+        set -- $spec
+        timeout "$part" python3 benchmarks/update_mfu.py --size "$1" --lora_r "$2" --tokens "$3" --rows "$4" \
+            "${@:5}" --out "$report/update_mfu_$1_r$2_$3.json" >> "$report/update_mfu.txt" 2>&1
+        echo "- update_mfu.py --size $1 --lora_r $2 --tokens $3 --rows $4 ${*:5}: exit $?" >> "$md"
+    done
+    grep -E "^Qwen3-" "$report/update_mfu.txt" | sed 's/^/  - /' >> "$md"
+    if python3 -c "import trl" 2>/dev/null; then
+        python3 benchmarks/qwen3_shape.py > /dev/null  # its tokenizer (Qwen3's vocabulary) for the 0.6B model
+        timeout "$part" python3 benchmarks/update_mfu.py --size 0.6b --save runs/qwen3_0.6b \
+            --tokenizer_from runs/qwen3_shape/model >> "$report/update_mfu.txt" 2>&1
+        timeout "$((2 * part))" python3 benchmarks/step_time.py --shape qwen3 --algo grpo --trl --steps 3 --repeat 1 \
+            --output_dir "$report/bench_0.6b" --out "$report/step_time_0.6b.json" \
+            -- --model runs/qwen3_0.6b --dtype bfloat16 --batch_size 64 --micro_batch_size 8 \
+            --max_completion_length 512 > "$report/step_time_0.6b.txt" 2>&1
+        echo "- step_time.py, Qwen3-0.6B (random weights), 64 x 512 tokens, against TRL: exit $?, see step_time_0.6b.txt" >> "$md"
+        timeout "$part" python3 benchmarks/step_time.py --shape qwen3 --algo grpo --trl --steps 3 --repeat 1 \
+            --no_cudnn_sdp --output_dir "$report/bench_nocudnn" --out "$report/step_time_nocudnn.json" \
+            -- --dtype bfloat16 --batch_size 64 --micro_batch_size 16 > "$report/step_time_nocudnn.txt" 2>&1
+        echo "- step_time.py --shape qwen3 --no_cudnn_sdp against TRL: exit $?, see step_time_nocudnn.txt" >> "$md"
+    fi
 fi
 cat "$md"
 exit $rc

@@ -48,6 +48,7 @@ def test_the_gpu_check_rehearses_on_the_cpu_and_refuses_to_run_there(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     report = (tmp_path / "r2" / "report.md").read_text()
     assert "tests/test_gpu.py: exit 0" in report and "skipped" in report and "failed" not in report, report
+    assert "benchmarks/update_mfu.py (rehearsal, tiny on the CPU): exit 0" in report, report
 
 
 # Every script in benchmarks/ has a smoke test: it runs on the smallest work it accepts and its figures are sane.
