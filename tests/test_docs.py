@@ -81,17 +81,41 @@ def pipes_in_table_code(text: str) -> list[str]:
     return found
 
 
-def test_the_pipe_check_finds_a_pipe_in_a_cells_code():
+def rows_with_another_cell_count(text: str) -> list[str]:
+    """The table rows whose number of unescaped `|` differs from their table's header row's: a missing or an extra
+    cell, which GitHub renders shifted (a table is a run of lines starting with `|`, outside fenced code)."""
+    found, fenced, header = [], False, None
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        if fenced or not line.startswith("|"):
+            header = None
+            continue
+        count = len(re.findall(r"(?<!\\)\|", line.rstrip()))
+        if header is None:
+            header = count
+        elif count != header:
+            found.append(f"line {number}: {count - 1} cells, the header {header - 1}")
+    return found
+
+
+def test_the_table_checks_find_a_pipe_in_a_cells_code_and_a_missing_cell():
     table = "| a | b |\n| --- | --- |\n| `abs(x)` | `|x|` |\n| `x || y` | `a\\|b` |\n"
     assert pipes_in_table_code(table) == ["line 3: `|x|`", "line 4: `x || y`", "line 4: `a\\|b`"]
-    fenced = "```\n| `|x|` |\n```\nA line with `|x|` outside a table.\n| ``a`b`` | `a` | b |\n"
-    assert pipes_in_table_code(fenced) == []
+    assert rows_with_another_cell_count(table) == ["line 3: 4 cells, the header 2", "line 4: 4 cells, the header 2"]
+    fenced = "```\n| `|x|` |\n```\nA line with `|x|` outside a table.\n| ``a`b`` | `a` | b |\n| 1 | 2 | 3 |\n"
+    assert pipes_in_table_code(fenced) == [] and rows_with_another_cell_count(fenced) == []
+    assert rows_with_another_cell_count("| a | b |\n| --- | --- |\n| 1 |\n\n| c |\n| --- |\n") == [
+        "line 3: 1 cells, the header 2"]
 
 
 @pytest.mark.parametrize("page", [README, *PAGES], ids=rel)
-def test_no_table_cell_holds_a_pipe_in_code(page):
-    found = pipes_in_table_code(read(page))
+def test_every_table_renders_on_github(page):
+    text = read(page)
+    found = pipes_in_table_code(text)
     assert not found, f"{rel(page)}: a `|` inside a table cell's code splits the cell on GitHub: {found}"
+    found = rows_with_another_cell_count(text)
+    assert not found, f"{rel(page)}: a table row with a cell missing or too many: {found}"
 
 
 def test_readme_keeps_the_lines_ci_runs():
