@@ -420,11 +420,11 @@ def extract_answer(text: str) -> str | None:
     boxed = _final_boxes(text)
     if boxed is not None:
         return boxed.strip()
-    # "25 + 60 = \boxed{}": the answer's place is empty, and the expression
+    # "25 + 60 = \boxed{}": the answer's place is empty, and the expression before "=" is the
+    # question restated, not its answer (a policy learned to write exactly this).
     if _EMPTY_BOX_AFTER_EQUALS.search(text):
-        # before "=" is the question restated, not its answer (a policy learned to write exactly
-        # this)
         return None
+
     return _marked_answer(text) or _trailing_expression(text)
 
 
