@@ -424,7 +424,6 @@ def extract_answer(text: str) -> str | None:
     # question restated, not its answer (a policy learned to write exactly this).
     if _EMPTY_BOX_AFTER_EQUALS.search(text):
         return None
-
     return _marked_answer(text) or _trailing_expression(text)
 
 
@@ -706,8 +705,6 @@ def _verify(pred: str, gold: str, ordered: bool) -> bool:
         pairs = [_prepared(p, g) for p, g in zip(pred_items, gold_items)]
         verdicts = (_quick_verdict(*pair) or _verify(*pair, False) for pair in pairs)
         return len(pred_items) == len(gold_items) and all(verdicts)
-
-
     try:
         gold_parsed = _parse(gold)
         pred_parsed = _parse(pred)

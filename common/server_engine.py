@@ -411,7 +411,6 @@ class ServerEngine:
                 "version": (body["version"] if versions <= {version}
                             else ", ".join(sorted(versions)))}
 
-
     def vllm_sync(self, body: dict) -> dict:
         """A weight sync with vllm serve (the sender thread), vLLM's own handshake: pause (letting
         running requests finish), start, update from the version's folder (common/vllm_worker.py's
@@ -450,7 +449,6 @@ class ServerEngine:
             if main:
                 size = call(self.url, "/get_world_size", None, self.timeout,
                             "world size query")["world_size"]
-
             self.sender = nccl_sender(self.url, self.timeout, self.accelerator.unwrap_model(model),
                                       self.accelerator.process_index, size)
         if main:

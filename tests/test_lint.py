@@ -21,7 +21,9 @@ MAX_COLUMNS = 100
 MAX_LONG_SHARE = 0.05
 # The files of common/ already brought under 100 columns: each must stay at most 5% over.
 WRAPPED_FILES = [
+    "common/checks.py",
     "common/math_grader.py",
+    "common/server_engine.py",
 ]
 
 
