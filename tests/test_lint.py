@@ -21,9 +21,12 @@ MAX_COLUMNS = 100
 MAX_LONG_SHARE = 0.05
 # The files of common/ already brought under 100 columns: each must stay at most 5% over.
 WRAPPED_FILES = [
+    "common/benchmarks.py",
     "common/checks.py",
     "common/math_grader.py",
+    "common/run.py",
     "common/server_engine.py",
+    "common/vllm_engine.py",
 ]
 
 
