@@ -23,7 +23,9 @@ MAX_LONG_SHARE = 0.05
 WRAPPED_FILES = [
     "common/benchmarks.py",
     "common/checks.py",
+    "common/choice_grader.py",
     "common/math_grader.py",
+    "common/multiturn.py",
     "common/run.py",
     "common/server_engine.py",
     "common/vllm_engine.py",
