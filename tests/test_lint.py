@@ -25,9 +25,13 @@ WRAPPED_FILES = [
     "common/checks.py",
     "common/choice_grader.py",
     "common/math_grader.py",
+    "common/models.py",
     "common/multiturn.py",
+    "common/rewards.py",
     "common/run.py",
+    "common/sandbox.py",
     "common/server_engine.py",
+    "common/toy.py",
     "common/vllm_engine.py",
 ]
 
