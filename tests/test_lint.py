@@ -21,15 +21,19 @@ MAX_COLUMNS = 100
 MAX_LONG_SHARE = 0.05
 # The files of common/ already brought under 100 columns: each must stay at most 5% over.
 WRAPPED_FILES = [
+    "common/args.py",
     "common/benchmarks.py",
     "common/checks.py",
     "common/choice_grader.py",
     "common/math_grader.py",
     "common/models.py",
     "common/multiturn.py",
+    "common/real_checks.py",
+    "common/resume.py",
     "common/rewards.py",
     "common/run.py",
     "common/sandbox.py",
+    "common/serve.py",
     "common/server_engine.py",
     "common/toy.py",
     "common/vllm_engine.py",
