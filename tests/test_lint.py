@@ -25,6 +25,8 @@ WRAPPED_FILES = [
     "common/benchmarks.py",
     "common/checks.py",
     "common/choice_grader.py",
+    "common/data.py",
+    "common/evaluation.py",
     "common/math_grader.py",
     "common/models.py",
     "common/multiturn.py",
@@ -36,7 +38,9 @@ WRAPPED_FILES = [
     "common/serve.py",
     "common/server_engine.py",
     "common/toy.py",
+    "common/toy_tir.py",
     "common/vllm_engine.py",
+    "common/vllm_worker.py",
 ]
 
 
