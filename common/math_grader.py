@@ -798,7 +798,10 @@ class _Pool:
     worker."""
 
     def __init__(self, size: int):
-        self.size, self.pid, self.workers, self.lock = size, os.getpid(), [], threading.Lock()
+        self.size = size
+        self.pid = os.getpid()
+        self.workers = []
+        self.lock = threading.Lock()
 
     def run(self, jobs: list[tuple], limits: list[float]) -> tuple[list, list[float]]:
         """Each job's result, None for one that ran over its limit (seconds) or killed its worker,
@@ -815,7 +818,8 @@ class _Pool:
             while left:
                 for w in self.workers:
                     if w.ready and w.job is None and pending:
-                        w.job, w.started = pending.popleft(), time.monotonic()
+                        w.job = pending.popleft()
+                        w.started = time.monotonic()
                         w.deadline = w.started + limits[w.job]
                         w.conn.send((w.job, *jobs[w.job]))
                 soonest = min(w.deadline for w in self.workers)

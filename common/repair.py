@@ -1,6 +1,6 @@
-"""What a killed or starved run leaves behind: a .jsonl file ending in half a line, a checkpoint save that filled
-the disk. Imported only then: on --resume_from (common/checkpoints.py MetricsLog, common/resume.py), when a save
-fails."""
+"""What a killed or starved run leaves behind: a .jsonl file ending in half a line, a checkpoint
+save that filled the disk. Imported only then: on --resume_from (common/checkpoints.py MetricsLog,
+common/resume.py), when a save fails."""
 
 import errno
 import json
@@ -10,7 +10,8 @@ from common.args import warn
 
 
 def json_lines(path: str) -> list[dict]:
-    """The lines of a .jsonl file that read; a line a killed run left half written is dropped, with a warning."""
+    """The lines of a .jsonl file that read; a line a killed run left half written is dropped, with
+    a warning."""
     with open(path) as f:
         lines = [line for line in f if line.strip()]
     kept = []
@@ -18,7 +19,8 @@ def json_lines(path: str) -> list[dict]:
         try:
             kept.append(json.loads(line))
         except ValueError:
-            warn(f"{path} line {number} is not whole JSON (a run killed while writing it?); dropped: {line[:80]!r}")
+            warn(f"{path} line {number} is not whole JSON (a run killed while writing it?); "
+                 f"dropped: {line[:80]!r}")
     return kept
 
 
@@ -28,10 +30,11 @@ def metrics_until(path: str, step: int) -> list[str]:
 
 
 def disk_full(error: Exception, tmp: str, final: str, last: str | None, run_dir: str) -> None:
-    """A checkpoint save that filled the disk (OSError ENOSPC, or torch.save's RuntimeError saying so): the unfinished
-    copy removed, one line; the checkpoints before it are untouched. Any other error: returns, to be raised."""
+    """A checkpoint save that filled the disk (OSError ENOSPC, or torch.save's RuntimeError saying
+    so): the unfinished copy removed, one line; the checkpoints before it are untouched. Any other
+    error: returns, to be raised."""
     if getattr(error, "errno", None) == errno.ENOSPC or "No space left on device" in str(error):
         shutil.rmtree(tmp, ignore_errors=True)
-        raise SystemExit(f"error: no space left on device while saving {final}; the last good checkpoint is "
-                         f"{last or 'none'}: free space (or keep fewer with --save_total_limit) and resume with "
-                         f"--resume_from {run_dir}") from None
+        raise SystemExit(f"error: no space left on device while saving {final}; the last good "
+                         f"checkpoint is {last or 'none'}: free space (or keep fewer with "
+                         f"--save_total_limit) and resume with --resume_from {run_dir}") from None
