@@ -246,8 +246,8 @@ def parse_args(args_cls, argv: list[str] | None = None):
         args=[a for a in rest if not a.startswith("--config=")], return_remaining_strings=True)
     if unknown:
         raise SystemExit(f"error: unknown arguments "
-                         f"{' '.join(unknown)}{did_you_mean(unknown, args_cls)}; --help lists the "
-                         f"flags")
+                         f"{' '.join(unknown)}{did_you_mean(unknown, args_cls)}; "
+                         f"--help lists the flags")
     # argparse checked the command line's values; a YAML file's reach the dataclass as they are
     if recipe:
         from common.recipes import type_problems

@@ -28,8 +28,8 @@ from common.data import LOCAL_FORMATS, load_rows
 from common.rewards import RewardFn, get_reward_function
 
 MATH_TEMPLATE = "{prompt}\nPlease reason step by step, and put your final answer within \\boxed{}."
-CHOICE_TEMPLATE = ("{prompt}\nPlease reason step by step, and put the letter of your final answer "
-                   "within \\boxed{}.")
+CHOICE_TEMPLATE = ("{prompt}\nPlease reason step by step, and put the letter of "
+                   "your final answer within \\boxed{}.")
 GRADERS = {"math": "math_accuracy", "choice": "choice_accuracy", "toy": "toy_addition"}
 
 
@@ -46,8 +46,8 @@ class Benchmark:
     template: str = MATH_TEMPLATE  # the user message; {prompt} is the question (with its options)
     # columns to report separately (those the data lacks are skipped)
     group_by: tuple[str, ...] = ()
-    # Multiple choice: row -> (options, index of the correct one); the prompt lists them as
-    # "A. ...".
+    # Multiple choice: row -> (options, index of the correct one);
+    # the prompt lists them as "A. ...".
     choices: Callable[[dict], tuple[list[str], int]] | None = None
     keep: Callable[[dict], bool] | None = None  # rows to evaluate on (default: all)
     gated: bool = False  # the hub asks users to accept terms first
@@ -100,8 +100,8 @@ def gpqa_choices(row: dict) -> tuple[list[str], int]:
 # "schema:" comments were checked in 2026-11 against dataset cards and code that loads each dataset,
 # found by search (this project's machines cannot reach the hub); tests/test_evals.py holds the
 # fixtures to those columns.
-MATH_ARENA = ("MathArena set: problem_idx, problem, answer, problem_type (list of 'Algebra', "
-              "'Geometry', ...)")
+MATH_ARENA = ("MathArena set: problem_idx, problem, answer, problem_type "
+              "(list of 'Algebra', 'Geometry', ...)")
 for _benchmark in [
     # schema: openai/gsm8k card (configs main / socratic; test 1,319 rows; question, answer: str)
     Benchmark("gsm8k", "openai/gsm8k", "test", "question", "answer", config="main",
@@ -120,9 +120,9 @@ for _benchmark in [
                     "'Level 1'..'Level 5'"),
     # schema: HuggingFaceH4/aime_2024 card (train, 30 rows; id: int, answer and year: str)
     Benchmark("aime24", "HuggingFaceH4/aime_2024", "train", "problem", "answer"),
-    # schema: the MathArena/aime_2025 card as a dataset survey quotes it (train, 30 rows, answer:
-    # int64) and code that reads its problem_type as a list; the card itself was not found in the
-    # search index
+    # schema: the MathArena/aime_2025 card as a dataset survey quotes it (train, 30
+    # rows, answer: int64) and code that reads its problem_type as a list; the card
+    # itself was not found in the search index
     Benchmark("aime25", "MathArena/aime_2025", "train", "problem", "answer",
               group_by=("problem_type",), notes=MATH_ARENA + "; answer is an int"),
     # schema: MathArena/aime_2026 card (train, 30 rows; problem_idx, answer: int64, problem; no
@@ -133,9 +133,9 @@ for _benchmark in [
     # was not found
     Benchmark("amc23", "math-ai/amc23", "test", "question", "answer",
               notes="answer is a float such as 27.0"),
-    # schema: MathArena/hmmt_feb_2025 card at revision c16a42a (train, 30 rows; answer: str) and
-    # evalscope's hmmt25 adapter, which reads problem_type (sequence of str) from the current
-    # revision
+    # schema: MathArena/hmmt_feb_2025 card at revision c16a42a (train, 30 rows;
+    # answer: str) and evalscope's hmmt25 adapter, which reads problem_type
+    # (sequence of str) from the current revision
     Benchmark("hmmt_feb25", "MathArena/hmmt_feb_2025", "train", "problem", "answer",
               group_by=("problem_type",), notes=MATH_ARENA),
     # schema: only the hub id, split train and the problem / answer columns are confirmed (code that
@@ -231,11 +231,11 @@ def _load_table(benchmark: Benchmark, path_override: str | None) -> datasets.Dat
         tables = [load_rows(benchmark.path, config, benchmark.split) for config in configs]
     except ValueError as e:
         if _is_gated(e):
-            raise ValueError(f"benchmark {benchmark.name!r}: the dataset {benchmark.path} is "
-                             f"gated. To get access, accept the terms at "
-                             f"https://huggingface.co/datasets/{benchmark.path} and run `hf auth "
-                             f"login` (or set HF_TOKEN). Or evaluate on a local copy with "
-                             f"--data_dir.") from e
+            raise ValueError(f"benchmark {benchmark.name!r}: the dataset "
+                             f"{benchmark.path} is gated. To get access, accept the "
+                             f"terms at https://huggingface.co/datasets/{benchmark.path} "
+                             f"and run `hf auth login` (or set HF_TOKEN). Or evaluate on "
+                             f"a local copy with --data_dir.") from e
         gated = (f"\nThe dataset is gated: accept the terms at "
                  f"https://huggingface.co/datasets/{benchmark.path} "
                  "and run `hf auth login` (or set HF_TOKEN).") if benchmark.gated else ""

@@ -120,9 +120,9 @@ def geometry_problems(args, num_processes: int) -> list[str]:
         return [f"each of the {num_processes} processes needs whole groups of every mini-batch: "
                 f"the {M // G} prompts of a mini-batch must be divisible by {num_processes}"]
     if (M // num_processes) % args.micro_batch_size:
-        return [f"--micro_batch_size {args.micro_batch_size} must divide the {M // num_processes} "
-                f"rows of a mini-batch on each process (--mini_batch_size {M} / {num_processes} "
-                f"processes)"]
+        return [f"--micro_batch_size {args.micro_batch_size} must divide the "
+                f"{M // num_processes} rows of a mini-batch on each process "
+                f"(--mini_batch_size {M} / {num_processes} processes)"]
     return []
 
 
@@ -163,13 +163,13 @@ def reward_problems(args) -> list[str]:
         weights = [w.strip() for w in str(args.reward_weights).split(",")]
         bad = [w for w in weights if not _is_finite_number(w)]
         if bad:
-            problems.append(f"--reward_weights {args.reward_weights!r}: {bad[0]!r} is not a finite "
-                            f"number; give one number per reward function, e.g. --reward_weights "
-                            f"1,0.1")
+            problems.append(f"--reward_weights {args.reward_weights!r}: {bad[0]!r} is "
+                            f"not a finite number; give one number per reward "
+                            f"function, e.g. --reward_weights 1,0.1")
         elif len(weights) != len(names):
-            problems.append(f"--reward_weights gives {len(weights)} weights for {len(names)} "
-                            f"--reward_funcs ({args.reward_funcs}); give one per function, in the "
-                            f"same order")
+            problems.append(f"--reward_weights gives {len(weights)} weights for "
+                            f"{len(names)} --reward_funcs ({args.reward_funcs}); give one "
+                            f"per function, in the same order")
     return problems
 
 
@@ -205,8 +205,8 @@ def model_problems(flag: str, path: str) -> tuple[list[str], object]:
         AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except Exception as e:
         where = "" if os.path.exists(path) else " (no local folder of that name either)"
-        fix = (f"HF_HUB_OFFLINE is set: fetch it where the hub is reachable (hf download {path}), "
-               f"or unset it" if huggingface_hub.is_offline_mode()
+        fix = (f"HF_HUB_OFFLINE is set: fetch it where the hub is reachable "
+               f"(hf download {path}), or unset it" if huggingface_hub.is_offline_mode()
                else "pass a local folder written by save_pretrained, or a hub id")
         problem = f"cannot load {flag} {path!r}{where}: {type(e).__name__}: {_first_line(e)}; {fix}"
         return [problem], None
@@ -366,8 +366,8 @@ def argument_problems(args, num_processes: int) -> list[str]:
     unknown = [n for n in filter(None, args.resume_overrides.split(","))
                if n not in type(args).__dataclass_fields__]
     if unknown:
-        problems.append(f"--resume_overrides: {', '.join(unknown)} not a field of this script's "
-                        f"Args")
+        problems.append(f"--resume_overrides: {', '.join(unknown)} not a "
+                        f"field of this script's Args")
     return problems
 
 
@@ -486,9 +486,9 @@ def model_length_notes(args, config) -> list[str]:
              f"max_position_embeddings {limit}"] if limit is not None and total > limit else []
     if (args.system_prompt and args.use_chat_template
             and not AutoTokenizer.from_pretrained(args.model).chat_template):
-        notes.append(f"--system_prompt is not used: the tokenizer of --model {args.model} has no "
-                     f"chat template, so a prompt is --prompt_template alone; put the instruction "
-                     f"there")
+        notes.append(f"--system_prompt is not used: the tokenizer of --model "
+                     f"{args.model} has no chat template, so a prompt is "
+                     f"--prompt_template alone; put the instruction there")
     return notes
 
 

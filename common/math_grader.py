@@ -45,16 +45,16 @@ from common.rewards import Rewards, register_reward
 # Text as models write it: Unicode and LaTeX spellings of the same answer
 # ---------------------------------------------------------------------------
 
-# "x²" -> "x^2" must come before NFKC, which would make it "x2"; "√2" -> "\sqrt2", "−3" (U+2212) ->
-# "-3".
+# "x²" -> "x^2" must come before NFKC, which would make it "x2"; "√2"
+# -> "\sqrt2", "−3" (U+2212) -> "-3".
 _UNICODE_MATH = str.maketrans(
     {**{c: f"^{d}" for d, c in enumerate("⁰¹²³⁴⁵⁶⁷⁸⁹")}, "⁻": "^-", "−": "-", "–": "-",
      "×": r"\times ", "·": r"\cdot ", "÷": r"\div ", "π": r"\pi ", "∞": r"\infty ", "√": r"\sqrt",
      "≤": r"\le ", "≥": r"\ge ", "≠": r"\ne ", "°": r"^\circ ", "±": r"\pm ", "∓": r"\mp ",
      "\u00a0": " ", "\u2009": " ", "\u202f": " "})
-# "½" -> "\frac{1}{2}" in the same table (NFKC would give "1⁄2"), and "3½" -> "3+\frac{1}{2}" (NFKC:
-# "31⁄2"): one C-level pass each, as a 1 MB completion of "½" took 0.9 s with a Python call per
-# match.
+# "½" -> "\frac{1}{2}" in the same table (NFKC would give "1⁄2"), and "3½" ->
+# "3+\frac{1}{2}" (NFKC: "31⁄2"): one C-level pass each, as a 1 MB completion of
+# "½" took 0.9 s with a Python call per match.
 _VULGAR = [chr(c) for c in [*range(0xBC, 0xBF), *range(0x2150, 0x215F)]]
 _UNICODE_MATH.update(
     str.maketrans(
@@ -115,8 +115,8 @@ def _last_boxed(text: str) -> str | None:
     return text[found[-1][1] : found[-1][2]] if found else None
 
 
-# Boxes separated only by this are one answer: "$\boxed{-1}$ and $\boxed{-9}$", "x = \boxed{2}, x =
-# \boxed{3}".
+# Boxes separated only by this are one answer: "$\boxed{-1}$ and
+# $\boxed{-9}$", "x = \boxed{2}, x = \boxed{3}".
 _BOX_GAP = re.compile(
     r"(?:\s|[$,;.]|\\[()\[\],;! ]|\\quad|\band\b|\bor\b|\\text\{\s*(?:and|or)\s*\}|"
     r"(?<![a-zA-Z])[a-zA-Z](?:_\w)?\s*=)*")
@@ -263,8 +263,8 @@ _ANCHOR = re.compile(
     r"rounds?(?: up| down)? to|(?:will|would|can|could|must|should)\s+[a-z]+(?=\s+\$?\d)|"
     r"needs?|needed|takes?|took|spends?|spent|costs?|pays?|paid|saves?|saved|earns?|earned|weighs?|"
     r"last)\b")
-# "$118 000", "650 000/2 = 325 000 cars each" (GSM8K, reference 325,000); not "12 200-kilobyte
-# videos"
+# "$118 000", "650 000/2 = 325 000 cars each" (GSM8K, reference
+# 325,000); not "12 200-kilobyte videos"
 _SPACED_THOUSANDS = re.compile(r"(?:\$\s*|(?<![\d.]))\d{1,3}(?: \d{3})+(?![\d\-])")
 # "12 200-kilobyte videos": 12, then another number
 _NEXT_QUANTITY = re.compile(r"(?<=[\d}])\s+(?=[$\d])")
@@ -467,8 +467,8 @@ _TEXT = re.compile(r"\\(?:text|textbf|textit|mbox|mathrm|mathbf)\s*\{([^{}]*)\}"
 # and 166 rejected)
 _TRAILING_UNIT = re.compile(
     r"(?<=[^\s{])\s*\\(?:text|mbox|mathrm)\s*\{\s*[a-zA-Z][^{}]*\}(?:\^\{?[23]\}?)?$")
-# Matches start only where a run of spaces starts ((?<!\s)): "1" + 200,000 spaces + "x" took minutes
-# otherwise.
+# Matches start only where a run of spaces starts ((?<!\s)): "1" + 200,000
+# spaces + "x" took minutes otherwise.
 _PERCENT = re.compile(r"(?<!\s)\s*(?:\\?%|\\text\{\s*%\s*\}|(?<=\s)percent)$")
 # Spacing commands, but not the row break "\\" of a matrix: in "a \\ b" the "\ " was read as a space
 # and the rows merged, so every pmatrix answer written with spaces was rejected (ProcessBench
@@ -527,10 +527,10 @@ def _plain_number(s: str) -> Fraction | None:
 
 
 
-# Numbers written in English words. math-verify reads a word as a product of symbols (twelve ->
-# E*E*l*t*v*w), so an answer that is wholly a number phrase is turned into digits before the
-# comparison; one with anything else in it ("twelve apples", "a dozen", "nineteen ninety") is left
-# as it is.
+# Numbers written in English words. math-verify reads a word as a product of symbols
+# (twelve -> E*E*l*t*v*w), so an answer that is wholly a number phrase is turned into
+# digits before the comparison; one with anything else in it ("twelve apples", "a
+# dozen", "nineteen ninety") is left as it is.
 _SMALL = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
           "fifteen sixteen seventeen eighteen nineteen").split()
 _TENS = "twenty thirty forty fifty sixty seventy eighty ninety".split()

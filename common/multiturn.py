@@ -98,8 +98,8 @@ def simpletir_output(result) -> str:
         return ""
     if len(text) > SIMPLETIR_OUTPUT_CHARS:
         half = SIMPLETIR_OUTPUT_CHARS // 2
-        note = (f"\n..._This content has been truncated to stay below {SIMPLETIR_OUTPUT_CHARS} "
-                f"characters_...\n")
+        note = (f"\n..._This content has been truncated to stay below "
+                f"{SIMPLETIR_OUTPUT_CHARS} characters_...\n")
         text = text[:half] + note + text[-half:]
     return f"\nCode execution result: {text}\n"
 
@@ -194,11 +194,11 @@ def multi_turn_generate(engine, model, tokenizer, prompt_ids: list[list[int]], s
     common.sandbox.run_python does; up to `tool_workers` run at once. `is_final(result)`: a tool
     result after which the trajectory ends (SimpleTIR: simpletir_is_final)."""
     if len(seeds) != len(prompt_ids):
-        raise ValueError(f"one seed per prompt: got {len(seeds)} seeds for {len(prompt_ids)} "
-                         f"prompts")
+        raise ValueError(f"one seed per prompt: got {len(seeds)} seeds for "
+                         f"{len(prompt_ids)} prompts")
     if max_turns < 1 or max_tokens < 1:
-        raise ValueError(f"max_turns and max_tokens must be at least 1, got {max_turns} and "
-                         f"{max_tokens}")
+        raise ValueError(f"max_turns and max_tokens must be at least 1, got "
+                         f"{max_turns} and {max_tokens}")
     out = MultiTurnRollout.empty(len(prompt_ids))
     # where each row's current model turn begins in its completion
     turn_start = [0] * len(prompt_ids)

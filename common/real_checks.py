@@ -40,9 +40,9 @@ def file_problems(path: str) -> list[str]:
                 f"trust_remote_code); use a checkpoint of a type transformers has"]
     if "adapter_config.json" in names and "config.json" not in names:
         base = read_json(path, "adapter_config.json").get("base_model_name_or_path")
-        return [f"it holds a LoRA adapter (adapter_config.json), not a model; merge it into its "
-                f"base model {base!r} (peft's merge_and_unload, then save_pretrained) and pass "
-                f"that folder"]
+        return [f"it holds a LoRA adapter (adapter_config.json), not a model; merge it "
+                f"into its base model {base!r} (peft's merge_and_unload, then "
+                f"save_pretrained) and pass that folder"]
     index = {}
     if "model.safetensors.index.json" in names:
         index = read_json(path, "model.safetensors.index.json")

@@ -132,10 +132,10 @@ def check_resume(run_dir: str, args) -> None:
     changed = [k for k in new if k in old and k not in may_change and old[k] != new[k]]
     if changed:
         what = ", ".join(f"--{k} {old[k]!r} -> {new[k]!r}" for k in changed)
-        raise SystemExit(f"error: --resume_from {run_dir}: {what} changed since the run started; a "
-                         f"resume continues the same run: pass the run's values, or "
-                         f"--resume_overrides {','.join(changed)} to change them anyway, or start "
-                         f"a new run")
+        raise SystemExit(f"error: --resume_from {run_dir}: {what} changed since the run "
+                         f"started; a resume continues the same run: pass the run's "
+                         f"values, or --resume_overrides {','.join(changed)} to change "
+                         f"them anyway, or start a new run")
     overridden = [k for k in filter(None, args.resume_overrides.split(","))
                   if k in old and old[k] != new[k]]
     if overridden:

@@ -29,8 +29,8 @@ if TYPE_CHECKING:
 
 RewardFn = Callable[..., Sequence[float]]
 MAX_REWARD = 1e15  # larger rewards make a group's std overflow in float32 (inf, then NaN losses)
-# Registered names whose module is imported when they are first asked for (common/math_grader.py is
-# 800 lines).
+# Registered names whose module is imported when they are first asked for
+# (common/math_grader.py is 800 lines).
 BUILT_IN_MODULES = {**{name: "common.math_grader" for name in ("math_accuracy", "format")},
                     "choice_accuracy": "common.choice_grader",
                     **{name: "common.toy" for name in ("toy_addition", "toy_closeness")},
@@ -183,12 +183,12 @@ def _call_reward(
         if i is not None:
             where = _describe(name, f"raised {type(e).__name__}: {e}", i, prompts, completions)
         else:
-            where = (f"reward function {name!r} raised {type(e).__name__}: {e} (no single sample "
-                     f"fails alone)")
+            where = (f"reward function {name!r} raised {type(e).__name__}: {e} "
+                     f"(no single sample fails alone)")
         raise RewardError(where) from e
     if isinstance(out, (str, bytes)) or not hasattr(out, "__len__"):
-        raise RewardError(f"reward function {name!r} returned {type(out).__name__}, expected a "
-                          f"list of floats")
+        raise RewardError(f"reward function {name!r} returned "
+                          f"{type(out).__name__}, expected a list of floats")
     if len(out) != len(completions):
         raise RewardError(f"reward function {name!r} returned {len(out)} rewards for "
                           f"{len(completions)} completions")

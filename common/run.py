@@ -166,8 +166,8 @@ def setup(args) -> Run:
     set_seed(args.seed)
 
     tokenizer = AutoTokenizer.from_pretrained(args.model, padding_side="left")
-    # the data before the weights: prompts or benchmark questions longer than --max_prompt_length
-    # cost no load
+    # the data before the weights: prompts or benchmark questions longer
+    # than --max_prompt_length cost no load
     try:
         train_data, eval_data, eval_sets = load_data(args, tokenizer, accelerator)
     except ValueError as e:

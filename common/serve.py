@@ -54,8 +54,8 @@ def load_version(model: torch.nn.Module, sync_dir: str, version: int) -> None:
     folder = version_dir(sync_dir, version)
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if not files:
-        raise WeightError(f"no weights in {folder}: trainer and server must see --sync_dir at the "
-                          f"same path")
+        raise WeightError(f"no weights in {folder}: trainer and server must see "
+                          f"--sync_dir at the same path")
     tensors = {name: t for f in files for name, t in load_file(f).items()}
     params = dict(model.named_parameters())
     missing = sorted(set(params) - set(tensors))
@@ -119,9 +119,9 @@ class Sampler:
 
     def generate(self, request: dict) -> dict:
         if request.get("version") != self.version:
-            raise VersionError(f"the trainer expects weights version {request.get('version')}, "
-                               f"this server holds version {self.version} (restarted, or another "
-                               f"trainer pushed?)")
+            raise VersionError(f"the trainer expects weights version "
+                               f"{request.get('version')}, this server holds version "
+                               f"{self.version} (restarted, or another trainer pushed?)")
         ids, logps = self.engine.generate(self.model, request["prompt_ids"], request["seeds"],
                                           max_tokens=request["max_tokens"],
                                           temperature=request["temperature"],
@@ -196,8 +196,8 @@ def main(argv=None) -> None:
     from common.devices import vllm_installed
 
     if args.engine == "vllm" and not vllm_installed():
-        raise SystemExit("error: --engine vllm needs vLLM (pip install -r requirements.txt); or "
-                         "use --engine hf")
+        raise SystemExit("error: --engine vllm needs vLLM (pip install -r "
+                         "requirements.txt); or use --engine hf")
     os.makedirs(args.sync_dir, exist_ok=True)
     sampler = Sampler(args.model, args.sync_dir, args.engine, args.dtype, args.seed,
                       args.max_model_len, args.gpu_memory_utilization)

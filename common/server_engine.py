@@ -50,9 +50,9 @@ def call(url: str, path: str, body: dict | None, timeout: float, what: str) -> d
         try:
             return json.loads(body)
         except ValueError:  # another kind of service at that address (a web page, a proxy's notice)
-            raise SystemExit(f"error: the service at {url} answered the {what} with {body[:60]!r}, "
-                             f"not JSON: is vllm serve (or python -m common.serve) running at this "
-                             f"address?") from None
+            raise SystemExit(f"error: the service at {url} answered the {what} with "
+                             f"{body[:60]!r}, not JSON: is vllm serve (or python -m "
+                             f"common.serve) running at this address?") from None
     except urllib.error.HTTPError as e:
         try:
             reason = json.loads(e.read())["error"]
@@ -68,8 +68,8 @@ def call(url: str, path: str, body: dict | None, timeout: float, what: str) -> d
         if isinstance(e.reason, (TimeoutError, socket.timeout)):
             why = f"within {timeout:g} s (--server_timeout): it is hung, or slower than the limit"
         else:
-            why = (f"({e.reason}): is vllm serve (or python -m common.serve) running at this "
-                   f"address?")
+            why = (f"({e.reason}): is vllm serve (or python -m "
+                   f"common.serve) running at this address?")
     except (ConnectionError, HTTPException) as e:
         # it closed the connection: it died while answering
         why = f"({type(e).__name__}: the connection closed: the server stopped?)"
@@ -136,10 +136,10 @@ def server_problems(args) -> list[str]:
                         f"shares with the trainer) or '{{\"backend\": \"nccl\"}}' (GPUs) "
                         f"(docs/rollouts.md)")
     if backend == "nccl" and not torch.cuda.is_available():
-        problems.append(f"--server_url {args.server_url}: vllm serve takes its weights over NCCL, "
-                        f"which needs a CUDA GPU in the trainer too (this process sees none); "
-                        f"start the server with --weight-transfer-config '{{\"backend\": "
-                        f"\"disk\"}}'")
+        problems.append(f"--server_url {args.server_url}: vllm serve takes its weights "
+                        f"over NCCL, which needs a CUDA GPU in the trainer too (this "
+                        f"process sees none); start the server with "
+                        f"--weight-transfer-config '{{\"backend\": \"disk\"}}'")
     if info is not None and info["dtype"] != args.dtype:
         problems.append(f"--server_url {args.server_url}: the server runs --dtype {info['dtype']}, "
                         f"the trainer --dtype {args.dtype}; start it with the trainer's")
@@ -152,10 +152,10 @@ def server_problems(args) -> list[str]:
         for flag, on in [("--dynamic_sampling", args.dynamic_sampling),
                          (f"--max_turns {args.max_turns}", args.max_turns > 1)]:
             if on:
-                problems.append(f"{flag} with --server_url and --rollout_lag {args.rollout_lag}: "
-                                f"its later requests depend on earlier answers, so they cannot be "
-                                f"sent ahead; use --rollout_lag 0 in server mode, or the colocated "
-                                f"engine")
+                problems.append(f"{flag} with --server_url and --rollout_lag "
+                                f"{args.rollout_lag}: its later requests depend on earlier "
+                                f"answers, so they cannot be sent ahead; use --rollout_lag 0 in "
+                                f"server mode, or the colocated engine")
     return problems
 
 
@@ -235,16 +235,18 @@ class ServerEngine:
             future, path, body, what, then = self.outbox.get()
             if self.failure is None:
                 try:
-                    answer = path(body) if callable(path) else call(self.url, path, body,
-                                                                    self.timeout, what)
+                    if callable(path):
+                        answer = path(body)
+                    else:
+                        answer = call(self.url, path, body, self.timeout, what)
                     future.set_result(then(answer) if then else answer)
                     continue
                 except SystemExit as e:
                     self.failure = str(e)
                 except Exception as e:
                     # an answer without its fields: the thread must not die with it
-                    self.failure = (f"error: the answer of the rollout server at {self.url} to the "
-                                    f"{what}: {e!r}")
+                    self.failure = (f"error: the answer of the rollout server at "
+                                    f"{self.url} to the {what}: {e!r}")
             future.set_exception(SystemExit(self.failure))
 
     def post(self, path, body: dict, what: str, then=None) -> Future:
@@ -261,8 +263,8 @@ class ServerEngine:
         later generate() of the same rows (seeds) takes its answer. Every process's rows go in one
         request."""
         if len(seeds) != len(prompt_ids):
-            raise ValueError(f"one seed per prompt: got {len(seeds)} seeds for {len(prompt_ids)} "
-                             f"prompts")
+            raise ValueError(f"one seed per prompt: got {len(seeds)} seeds for "
+                             f"{len(prompt_ids)} prompts")
         shares = [(prompt_ids, seeds, max_tokens)]
         if self.accelerator.num_processes > 1:
             shares = gather_object(shares)
@@ -286,8 +288,8 @@ class ServerEngine:
                 return answer
 
             future = self.post(self.vllm_generate if self.vllm else "/generate", body,
-                               f"generate request ({len(body['seeds'])} prompts, weights version "
-                               f"{version})", sampled_by_that_version)
+                               f"generate request ({len(body['seeds'])} prompts, "
+                               f"weights version {version})", sampled_by_that_version)
         self.ahead[tuple(seeds)] = Sent(future, [len(ids) for ids, _, _ in shares])
 
     def answer(self, seeds: list[int]) -> tuple[list[list[int]], list[list[float]]]:
@@ -426,8 +428,8 @@ class ServerEngine:
                                    ("/reset_prefix_cache", {})]:
                 call(self.url, route, payload, self.timeout, f"{what}: {route.split('?')[0]}")
         finally:
-            # a refused update leaves the server unpaused (vLLM ends the update itself), for the
-            # next client
+            # a refused update leaves the server unpaused (vLLM ends the
+            # update itself), for the next client
             call(self.url, "/resume", {}, self.timeout, f"{what}: /resume")
         return {"version": version}
 

