@@ -61,8 +61,7 @@ def _command(code_fd: int, started_fd: int, timeout_s: float, memory_mb: int,
     prefix = sys.base_prefix  # the base interpreter, not a virtual environment's site-packages
     python = os.path.join(prefix, "bin", f"python{sys.version_info.major}.{sys.version_info.minor}")
     as_root = os.geteuid() == 0
-    # CPU over wall time only with several threads
-    cpu_s = math.ceil(timeout_s) + 1
+    cpu_s = math.ceil(timeout_s) + 1  # CPU over wall time only with several threads
     size = memory_mb << 20
     bwrap = [
         "bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",

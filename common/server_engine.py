@@ -207,9 +207,8 @@ class ServerEngine:
             version = call(self.url, "/weight_info", None, self.timeout, "weight query")
             weight_version = str(version["weight_version"])
             self.version = int(version["weight_version"]) if weight_version.isdigit() else 0
-            # nccl: built once
             self.backend = weight_transfer_backend(self.url, self.timeout)
-            self.sender = None
+            self.sender = None  # nccl: built once
             if accelerator.is_main_process:
                 os.makedirs(self.sync_dir, exist_ok=True)
         else:  # python -m common.serve names its folder
@@ -310,9 +309,11 @@ class ServerEngine:
             start = 0
             for size in sent.sizes if self.accelerator.is_main_process else []:
                 rows = slice(start, start + size)
-                shares.append([None, outcome[1]] if outcome[1]
-                              else [{k: outcome[0][k][rows]
-                                     for k in ("completion_ids", "sampler_logp")}, None])
+                if outcome[1]:
+                    shares.append([None, outcome[1]])
+                else:
+                    share = {k: outcome[0][k][rows] for k in ("completion_ids", "sampler_logp")}
+                    shares.append([share, None])
                 start += size
             received = [None]
             dist.scatter_object_list(received, shares or None, src=0)
