@@ -1,7 +1,8 @@
-"""Prompt datasets: load with `datasets.load_dataset`, map columns, apply the prompt template, tokenize.
+"""Prompt datasets: load with `datasets.load_dataset`, map columns, apply the prompt template,
+tokenize.
 
-Every row of the returned dataset keeps all of its original columns (reward functions receive them as keyword
-arguments) plus:
+Every row of the returned dataset keeps all of its original columns (reward functions receive them
+as keyword arguments) plus:
     prompt       the question as the user wrote it (column `prompt_column`)
     answer       the reference answer (column `answer_column`), where the dataset has one
     prompt_text  what the model sees: the template, then the tokenizer's chat template if it has one
@@ -18,20 +19,21 @@ from common.args import warn
 DATASET_PRESETS = {
     "gsm8k": dict(path="openai/gsm8k", name="main", split="train", eval_split="test",
                   prompt_column="question", answer_column="answer"),
-    "math": dict(path="DigitalLearningGmbH/MATH-lighteval", name="default", split="train", eval_split="test",
-                 prompt_column="problem", answer_column="solution"),
+    "math": dict(path="DigitalLearningGmbH/MATH-lighteval", name="default", split="train",
+                 eval_split="test", prompt_column="problem", answer_column="solution"),
     "numina": dict(path="AI-MO/NuminaMath-TIR", name=None, split="train", eval_split="test",
                    prompt_column="problem", answer_column="solution"),
-    "deepscaler": dict(path="agentica-org/DeepScaleR-Preview-Dataset", name=None, split="train", eval_split=None,
-                       prompt_column="problem", answer_column="answer"),
+    "deepscaler": dict(path="agentica-org/DeepScaleR-Preview-Dataset", name=None, split="train",
+                       eval_split=None, prompt_column="problem", answer_column="answer"),
 }
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
-OFFLINE = "without network, load it once where the hub is reachable (datasets.load_dataset({0!r}, {1!r})), then set " \
-          "HF_HUB_OFFLINE=1 to use the local cache only"  # datasets reads its own cache offline, not hf download's
+# datasets reads its own cache offline, not hf download's
+OFFLINE = ("without network, load it once where the hub is reachable (datasets.load_dataset({0!r}, "
+           "{1!r})), then set HF_HUB_OFFLINE=1 to use the local cache only")
 
 
-def resolve_dataset(dataset: str, split: str | None, prompt_column: str | None, answer_column: str | None,
-                    eval_split: str | None = None) -> dict:
+def resolve_dataset(dataset: str, split: str | None, prompt_column: str | None,
+                    answer_column: str | None, eval_split: str | None = None) -> dict:
     """Expand a preset name into its hub id, config, splits and columns; explicit values win."""
     spec = dict(path=dataset, name=None, split="train", eval_split="test", prompt_column="prompt",
                 answer_column="answer")
@@ -44,14 +46,16 @@ def resolve_dataset(dataset: str, split: str | None, prompt_column: str | None, 
 
 
 def looks_local(path: str) -> bool:
-    """A path that can only mean a local file or folder: not a hub id (`name` or `org/name`). Such a path that does
-    not exist must say so, instead of being tried on the hub (slowly, and blamed on it)."""
+    """A path that can only mean a local file or folder: not a hub id (`name` or `org/name`). Such a
+    path that does not exist must say so, instead of being tried on the hub (slowly, and blamed on
+    it)."""
     return (os.path.exists(path) or path.startswith((".", "/", "~")) or path.count("/") >= 2
             or os.path.splitext(path)[1] in LOCAL_FORMATS)
 
 
 def load_rows(path: str, name: str | None, split: str) -> datasets.Dataset:
-    """A hub id, a local .jsonl/.json/.parquet/.csv file, a directory of such files, or a `save_to_disk` folder."""
+    """A hub id, a local .jsonl/.json/.parquet/.csv file, a directory of such files, or a
+    `save_to_disk` folder."""
     ext = os.path.splitext(path)[1]
     try:
         if os.path.isfile(path) and ext in LOCAL_FORMATS:
@@ -63,23 +67,30 @@ def load_rows(path: str, name: str | None, split: str) -> datasets.Dataset:
             raise FileNotFoundError(f"no such file or directory: {path}")
         return datasets.load_dataset(path, name, split=split)
     except Exception as e:
-        if os.path.exists(path):  # a local file or folder that does not parse: its own first error, not the hub's
+        # a local file or folder that does not parse: its own first error, not the hub's
+        if os.path.exists(path):
             root = e
             while (root.__cause__ or root.__context__) is not None:
                 root = root.__cause__ or root.__context__
             first = (str(root).strip().splitlines() or [""])[0]
-            raise ValueError(f"Could not read {path!r}: {type(root).__name__}: {first}; a .jsonl file holds one "
-                             f"JSON object per line, in UTF-8") from e
-        preset = next((k for k, v in DATASET_PRESETS.items() if v["path"] == path), None)  # not "use a preset"
-        hint = f"it is the hub data set of the preset {preset}" if preset else "pass a hub id reachable from here, " \
-            f"a local .jsonl/.json/.parquet/.csv file or folder, or one of the presets: {', '.join(DATASET_PRESETS)}"
-        raise ValueError(f"Could not load dataset {path!r} (config {name!r}, split {split!r}): {type(e).__name__}: "
-                         f"{(str(e).strip().splitlines() or [''])[0]}; {hint}; {OFFLINE.format(path, name)}") from e
+            raise ValueError(f"Could not read {path!r}: {type(root).__name__}: {first}; a .jsonl "
+                             f"file holds one JSON object per line, in UTF-8") from e
+        # not "use a preset"
+        preset = next((k for k, v in DATASET_PRESETS.items() if v["path"] == path), None)
+        if preset:
+            hint = f"it is the hub data set of the preset {preset}"
+        else:
+            hint = (f"pass a hub id reachable from here, a local .jsonl/.json/.parquet/.csv file "
+                    f"or folder, or one of the presets: {', '.join(DATASET_PRESETS)}")
+        raise ValueError(f"Could not load dataset {path!r} (config {name!r}, split {split!r}): "
+                         f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}; {hint}; "
+                         f"{OFFLINE.format(path, name)}") from e
 
 
-def format_prompt(tokenizer, prompt: str, template: str, system_prompt: str, use_chat_template: bool,
-                  enable_thinking: bool) -> str:
-    """`template` with {prompt} filled in, wrapped in the tokenizer's chat template when it has one."""
+def format_prompt(tokenizer, prompt: str, template: str, system_prompt: str,
+                  use_chat_template: bool, enable_thinking: bool) -> str:
+    """`template` with {prompt} filled in, wrapped in the tokenizer's chat template when it has
+    one."""
     text = template.replace("{prompt}", prompt)
     if not (use_chat_template and tokenizer.chat_template):
         return text
@@ -95,7 +106,8 @@ def load_prompts(tokenizer, path: str, name: str | None, split: str, prompt_colu
                  answer_column: str | None, template: str = "{prompt}", system_prompt: str = "",
                  use_chat_template: bool = True, enable_thinking: bool = False,
                  max_prompt_length: int | None = None) -> datasets.Dataset:
-    """Load, check the columns, format and tokenize; prompts longer than max_prompt_length are dropped."""
+    """Load, check the columns, format and tokenize; prompts longer than max_prompt_length are
+    dropped."""
     ds = load_rows(path, name, split)
     for flag, column in [("--prompt_column", prompt_column), ("--answer_column", answer_column)]:
         if column is not None and column not in ds.column_names:
@@ -107,10 +119,12 @@ def load_prompts(tokenizer, path: str, name: str | None, split: str, prompt_colu
         raise ValueError(f"--prompt_template must contain '{{prompt}}', got {template!r}")
 
     def prepare(row):
-        text = format_prompt(tokenizer, row[prompt_column], template, system_prompt, use_chat_template,
-                             enable_thinking)
-        ids = tokenizer(text, add_special_tokens=not (use_chat_template and tokenizer.chat_template))["input_ids"]
-        out = {"prompt": row[prompt_column], "prompt_text": text, "prompt_ids": ids}  # a chat template writes its BOS
+        text = format_prompt(tokenizer, row[prompt_column], template, system_prompt,
+                             use_chat_template, enable_thinking)
+        # a chat template writes its BOS
+        add_special_tokens = not (use_chat_template and tokenizer.chat_template)
+        ids = tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        out = {"prompt": row[prompt_column], "prompt_text": text, "prompt_ids": ids}
         if answer_column is not None:
             out["answer"] = row[answer_column]
         return out
@@ -120,9 +134,10 @@ def load_prompts(tokenizer, path: str, name: str | None, split: str, prompt_colu
         before = len(ds)
         ds = ds.filter(lambda row: len(row["prompt_ids"]) <= max_prompt_length)
         if len(ds) == 0:
-            raise ValueError(f"All {before} prompts of {path!r} are longer than --max_prompt_length "
-                             f"{max_prompt_length}; raise it.")
+            raise ValueError(f"All {before} prompts of {path!r} are longer than "
+                             f"--max_prompt_length {max_prompt_length}; raise it.")
         if len(ds) < before:
-            warn(f"{before - len(ds):,} of the {before:,} prompts of {path} ({(before - len(ds)) / before:.1%}) are "
-                 f"longer than --max_prompt_length {max_prompt_length} tokens and were dropped; raise it to keep them")
+            warn(f"{before - len(ds):,} of the {before:,} prompts of {path} "
+                 f"({(before - len(ds)) / before:.1%}) are longer than --max_prompt_length "
+                 f"{max_prompt_length} tokens and were dropped; raise it to keep them")
     return ds

@@ -1,13 +1,16 @@
-"""Benchmark evaluation as a library: avg@k and pass@k of a model on benchmark sets, and the held-out accuracy the
-training scripts log (--eval_benchmarks, eval_steps). The command line around it is evals/run.py.
+"""Benchmark evaluation as a library: avg@k and pass@k of a model on benchmark sets, and the
+held-out accuracy the training scripts log (--eval_benchmarks, eval_steps). The command line around
+it is evals/run.py.
 
-    avg@k  = mean_q (1/k) sum_j score_qj                      mean accuracy over k samples per question
-    pass@k = mean_q [1 - C(n - c_q, k) / C(n, k)]             unbiased estimate from n >= k samples (Chen et al.
-                                                              2021, arXiv:2107.03374), c_q of them correct
+    avg@k  = mean_q (1/k) sum_j score_qj              mean accuracy over k samples per question
+    pass@k = mean_q [1 - C(n - c_q, k) / C(n, k)]     unbiased estimate from n >= k samples (Chen
+                                                      et al. 2021, arXiv:2107.03374), c_q of them
+                                                      correct
 
-Each completion has its own seed, sample_seed(seed, 0, question, sample), so a result does not depend on the
-engine's batching or on the number of processes. Graders are the training rewards (common/rewards.py).
-In a training loop: `load_eval_sets` once, then `evaluate_benchmarks` every eval_steps (see its docstring).
+Each completion has its own seed, sample_seed(seed, 0, question, sample), so a result does not
+depend on the engine's batching or on the number of processes. Graders are the training rewards
+(common/rewards.py). In a training loop: `load_eval_sets` once, then `evaluate_benchmarks` every
+eval_steps (see its docstring).
 """
 
 import math
@@ -46,7 +49,8 @@ def k_values(n: int) -> list[int]:
 def _stats(scores: list[list[float]], n: int) -> dict:
     """avg@n and pass@k over questions; a sample scoring above 0.5 counts as correct for pass@k."""
     correct = [sum(s > 0.5 for s in row) for row in scores]
-    stats = {"num_questions": len(scores), f"avg@{n}": sum(sum(row) / n for row in scores) / len(scores)}
+    stats = {"num_questions": len(scores),
+             f"avg@{n}": sum(sum(row) / n for row in scores) / len(scores)}
     for k in k_values(n):
         stats[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in correct) / len(scores)
     return stats
@@ -97,9 +101,10 @@ class EvalSet:
     examples: list[dict]  # {"prompt", "answer", "groups", "prompt_text", "prompt_ids"}
 
 
-def prepare_eval_set(name: str, tokenizer, *, path_override: str | None = None, data_dir: str | None = None,
-                     use_chat_template: bool = True, enable_thinking: bool = False, system_prompt: str = "",
-                     max_questions: int = 0, max_prompt_length: int | None = None) -> EvalSet:
+def prepare_eval_set(name: str, tokenizer, *, path_override: str | None = None,
+                     data_dir: str | None = None, use_chat_template: bool = True,
+                     enable_thinking: bool = False, system_prompt: str = "", max_questions: int = 0,
+                     max_prompt_length: int | None = None) -> EvalSet:
     from common.benchmarks import get_benchmark, load_benchmark, local_file  # benchmark runs only
 
     benchmark = get_benchmark(name)
@@ -111,32 +116,38 @@ def prepare_eval_set(name: str, tokenizer, *, path_override: str | None = None, 
     for e in examples:
         e["prompt_text"] = format_prompt(tokenizer, e["prompt"], benchmark.template, system_prompt,
                                          use_chat_template, enable_thinking)
-        e["prompt_ids"] = tokenizer(e["prompt_text"], add_special_tokens=not (use_chat_template and
-                                                                              tokenizer.chat_template))["input_ids"]
+        add_special_tokens = not (use_chat_template and tokenizer.chat_template)
+        tokenized = tokenizer(e["prompt_text"], add_special_tokens=add_special_tokens)
+        e["prompt_ids"] = tokenized["input_ids"]
     longest = max(len(e["prompt_ids"]) for e in examples)
     if max_prompt_length is not None and longest > max_prompt_length:
-        raise ValueError(f"benchmark {name!r} has prompts of up to {longest} tokens, more than --max_prompt_length "
-                         f"{max_prompt_length}; raise it (questions are not dropped from a benchmark)")
+        raise ValueError(f"benchmark {name!r} has prompts of up to {longest} tokens, more than "
+                         f"--max_prompt_length {max_prompt_length}; raise it (questions are not "
+                         f"dropped from a benchmark)")
     return EvalSet(name, benchmark, path_override or benchmark.path, examples)
 
 
 def load_eval_sets(spec: str, tokenizer, data_dir: str | None = None, **kwargs) -> list[EvalSet]:
-    """`"math500,aime25=/data/aime25.jsonl"` -> one EvalSet per name (NAME=FILE: read a local copy)."""
+    """`"math500,aime25=/data/aime25.jsonl"` -> one EvalSet per name (NAME=FILE: read a local
+    copy)."""
     eval_sets = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
         name, _, path = item.partition("=")
-        eval_sets.append(prepare_eval_set(name, tokenizer, path_override=path or None, data_dir=data_dir, **kwargs))
+        eval_sets.append(
+            prepare_eval_set(name, tokenizer, path_override=path or None, data_dir=data_dir,
+                             **kwargs))
     return eval_sets
 
 
-def run_eval_set(engine, model, tokenizer, eval_set: EvalSet, *, n: int, temperature: float, max_tokens: int,
-                 top_p: float = 1.0, seed: int = 0, batch_size: int = 256, process_index: int = 0,
-                 num_processes: int = 1, keep_completions: bool = False, progress: bool = False) -> list[dict]:
+def run_eval_set(engine, model, tokenizer, eval_set: EvalSet, *, n: int, temperature: float,
+                 max_tokens: int, top_p: float = 1.0, seed: int = 0, batch_size: int = 256,
+                 process_index: int = 0, num_processes: int = 1, keep_completions: bool = False,
+                 progress: bool = False) -> list[dict]:
     """Sample and grade n completions for this process's questions (every num_processes-th one).
 
     Returns one record per question: {"index", "scores", "lengths", "truncated"} (+ "completions").
-    Every process makes the same number of engine calls (ZeRO-3 / FSDP generation is collective): the
-    shorter slices are padded with a repeated question whose results are dropped.
+    Every process makes the same number of engine calls (ZeRO-3 / FSDP generation is collective):
+    the shorter slices are padded with a repeated question whose results are dropped.
     """
     if n < 1:
         raise ValueError(f"n (samples per question) must be at least 1, got {n}")
@@ -148,7 +159,10 @@ def run_eval_set(engine, model, tokenizer, eval_set: EvalSet, *, n: int, tempera
     from common.benchmarks import get_grader
 
     grader = get_grader(eval_set.benchmark)
-    completions, lengths, truncated, scores = [], [], [], []
+    completions = []
+    lengths = []
+    truncated = []
+    scores = []
     chunks = range(0, len(requests), batch_size)
     for start in tqdm(chunks, desc=eval_set.name, disable=not progress):
         chunk = requests[start : start + batch_size]
@@ -166,26 +180,31 @@ def run_eval_set(engine, model, tokenizer, eval_set: EvalSet, *, n: int, tempera
     records = []
     for i, q in enumerate(mine):  # the padding comes after these
         rows = slice(i * n, (i + 1) * n)
-        record = {"index": q, "scores": scores[rows], "lengths": lengths[rows], "truncated": truncated[rows]}
+        record = {"index": q, "scores": scores[rows], "lengths": lengths[rows],
+                  "truncated": truncated[rows]}
         if keep_completions:
             record["completions"] = completions[rows]
         records.append(record)
     return records
 
 
-def evaluate_benchmarks(engine, model, tokenizer, eval_sets: list[EvalSet], *, n: int, temperature: float,
-                        max_tokens: int, top_p: float = 1.0, seed: int = 0, batch_size: int = 256,
-                        process_index: int = 0, num_processes: int = 1,
+def evaluate_benchmarks(engine, model, tokenizer, eval_sets: list[EvalSet], *, n: int,
+                        temperature: float, max_tokens: int, top_p: float = 1.0, seed: int = 0,
+                        batch_size: int = 256, process_index: int = 0, num_processes: int = 1,
                         gather: Callable[[list], list] | None = None) -> dict[str, float]:
-    """avg@n and pass@n of each benchmark (and of its groups), as flat metrics `eval/<benchmark>/avg@<n>`.
+    """avg@n and pass@n of each benchmark (and of its groups), as flat metrics
+    `eval/<benchmark>/avg@<n>`.
 
-    With several processes each one generates for its own slice of the questions; `gather` concatenates
-    a list over processes (accelerate.utils.gather_object), and every process returns the same metrics.
-    In a training script (the sets loaded once, before the loop, with `load_eval_sets`):
+    With several processes each one generates for its own slice of the questions; `gather`
+    concatenates a list over processes (accelerate.utils.gather_object), and every process returns
+    the same metrics. In a training script (the sets loaded once, before the loop, with
+    `load_eval_sets`):
 
-        metrics.update(evaluate_benchmarks(engine, model, tokenizer, eval_sets, n=..., temperature=...,
-                       max_tokens=..., seed=args.seed, process_index=accelerator.process_index,
-                       num_processes=accelerator.num_processes, gather=gather_object))
+        metrics.update(evaluate_benchmarks(engine, model, tokenizer, eval_sets, n=...,
+                                           temperature=..., max_tokens=..., seed=args.seed,
+                                           process_index=accelerator.process_index,
+                                           num_processes=accelerator.num_processes,
+                                           gather=gather_object))
     """
     metrics = {}
     if not eval_sets:

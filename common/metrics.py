@@ -1,6 +1,6 @@
-"""A step's metrics: timings, means over micro-batches and processes, the batch's rewards and lengths, the
-sampler/trainer log-prob gap (and the check that stops a run whose sampler does not run the trainer's weights),
-peak memory. docs/metrics.md says what each one means."""
+"""A step's metrics: timings, means over micro-batches and processes, the batch's rewards and
+lengths, the sampler/trainer log-prob gap (and the check that stops a run whose sampler does not run
+the trainer's weights), peak memory. docs/metrics.md says what each one means."""
 
 import contextlib
 import time
@@ -11,16 +11,18 @@ from accelerate.utils import gather_object
 
 @contextlib.contextmanager
 def timed(metrics: dict, key: str):
-    """Adds the seconds the block takes to metrics[key] (a step may sample several batches: --rollout_lag)."""
+    """Adds the seconds the block takes to metrics[key] (a step may sample several batches:
+    --rollout_lag)."""
     start = time.time()
     yield
     metrics[key] = metrics.get(key, 0.0) + time.time() - start
 
 
 def mean_over_processes(step_metrics: list[dict], accelerator) -> dict:
-    """Each key's mean over this process's micro-batches, then over the processes that logged it (one gather: keys
-    may differ by process)."""
-    local = {key: sum(m[key].item() for m in step_metrics if key in m) / sum(key in m for m in step_metrics)
+    """Each key's mean over this process's micro-batches, then over the processes that logged it
+    (one gather: keys may differ by process)."""
+    local = {key: sum(m[key].item() for m in step_metrics if key in m)
+                  / sum(key in m for m in step_metrics)
              for key in {key for m in step_metrics for key in m}}
     per_process = gather_object([local])
     return {key: sum(p[key] for p in per_process if key in p) / sum(key in p for p in per_process)
@@ -28,22 +30,26 @@ def mean_over_processes(step_metrics: list[dict], accelerator) -> dict:
 
 
 def logp_gap(sampler_logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> dict:
-    """rollout/logp_gap_*: |sampler - trainer| log-prob of the same tokens at the same weights, over valid tokens."""
+    """rollout/logp_gap_*: |sampler - trainer| log-prob of the same tokens at the same weights, over
+    valid tokens."""
     gap = (sampler_logp - old_logp).abs() * mask  # (B, T)
     return {"rollout/logp_gap_mean": (gap.sum() / mask.sum().clamp(min=1)).item(),
             "rollout/logp_gap_max": gap.max().item()}
 
 
 def check_weight_sync(logp_gap_mean: float, max_gap: float, step: int) -> None:
-    """Stop the run when the sampler's log-probs of its own tokens stray from the trainer's: the rollout engine is
-    not running the weights the trainer just updated (a push that failed silently or reached only some layers, as
-    TRL #5312 shipped), and every later step would train on a policy's samples it does not know."""
-    if max_gap > 0 and logp_gap_mean > max_gap:  # a NaN gap is no failed push: stop_if_nonfinite names it
-        raise SystemExit(
-            f"error: step {step}: rollout/logp_gap_mean = {logp_gap_mean:.4g} > --max_logp_gap {max_gap}: the rollout "
-            f"engine's log-probs are not the trainer's, so its weights are not the trainer's (a weight push that did "
-            f"not take effect?). Checkpoints written before this step are intact. If the gap is expected (e.g. an "
-            f"fp8 sampler), raise --max_logp_gap, or set it to 0 to turn the check off.")
+    """Stop the run when the sampler's log-probs of its own tokens stray from the trainer's: the
+    rollout engine is not running the weights the trainer just updated (a push that failed silently
+    or reached only some layers, as TRL #5312 shipped), and every later step would train on a
+    policy's samples it does not know."""
+    # A NaN gap is no failed push: stop_if_nonfinite names it.
+    if max_gap > 0 and logp_gap_mean > max_gap:
+        raise SystemExit(f"error: step {step}: rollout/logp_gap_mean = {logp_gap_mean:.4g} > "
+                         f"--max_logp_gap {max_gap}: the rollout engine's log-probs are not the "
+                         f"trainer's, so its weights are not the trainer's (a weight push that did "
+                         f"not take effect?). Checkpoints written before this step are intact. If "
+                         f"the gap is expected (e.g. an fp8 sampler), raise --max_logp_gap, or set "
+                         f"it to 0 to turn the check off.")
 
 
 def batch_metrics(batch, G: int, accelerator) -> dict:
@@ -71,13 +77,14 @@ def batch_metrics(batch, G: int, accelerator) -> dict:
 
 
 def mean_grad_norm(grad_norms: list) -> float:
-    """Mean of what accelerator.clip_grad_norm_ returned: tensors, but under DeepSpeed the engine's global norm, a
-    float (None until the engine has computed one: NaN then)."""
+    """Mean of what accelerator.clip_grad_norm_ returned: tensors, but under DeepSpeed the engine's
+    global norm, a float (None until the engine has computed one: NaN then)."""
     return torch.tensor([float("nan") if g is None else float(g) for g in grad_norms]).mean().item()
 
 
 def peak_memory_gib(device: torch.device) -> float:
-    """Peak memory of this process so far: allocated GPU memory on CUDA, else the resident set size."""
+    """Peak memory of this process so far: allocated GPU memory on CUDA, else the resident set
+    size."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     import resource

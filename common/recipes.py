@@ -1,4 +1,5 @@
-"""--config FILE.yaml: a recipe, read, matched to its script and type-checked (imported only when a recipe is given)."""
+"""--config FILE.yaml: a recipe, read, matched to its script and type-checked (imported only when a
+recipe is given)."""
 
 import os
 import re
@@ -9,7 +10,8 @@ import yaml
 
 
 def read_recipe(path: str) -> dict:
-    """A --config YAML file: a mapping of field names to values, or a one-line error naming the file."""
+    """A --config YAML file: a mapping of field names to values, or a one-line error naming the
+    file."""
     try:
         with open(path) as f:
             recipe = yaml.safe_load(f)
@@ -18,37 +20,43 @@ def read_recipe(path: str) -> dict:
     except yaml.YAMLError as e:
         where = getattr(e, "problem_mark", None)
         line = f" at line {where.line + 1}" if where is not None else ""
-        raise SystemExit(f"error: --config {path!r} is not valid YAML{line}: {getattr(e, 'problem', e)}") from None
+        raise SystemExit(f"error: --config {path!r} is not valid YAML{line}: "
+                         f"{getattr(e, 'problem', e)}") from None
     if recipe is not None and not isinstance(recipe, dict):
-        raise SystemExit(f"error: --config {path!r} must be a mapping of Args fields (name: value), "
-                         f"not a {type(recipe).__name__}")
+        raise SystemExit(f"error: --config {path!r} must be a mapping of Args fields (name: "
+                         f"value), not a {type(recipe).__name__}")
     return recipe or {}
 
 
 def script_of(path: str) -> str | None:
-    """The estimator a recipe is for: a `# script: NAME` line, else the file name's prefix when it names a script of
-    the repository (configs/recipes/snib_qwen3_4b.yaml -> snib); None for a recipe of no script (my_run.yaml)."""
+    """The estimator a recipe is for: a `# script: NAME` line, else the file name's prefix when it
+    names a script of the repository (configs/recipes/snib_qwen3_4b.yaml -> snib); None for a recipe
+    of no script (my_run.yaml)."""
     with open(path) as f:
         named = re.search(r"^# script: (\w+)", f.read(), re.MULTILINE)
     prefix = os.path.basename(path).split("_")[0]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return named.group(1) if named else prefix if os.path.isfile(os.path.join(root, f"{prefix}.py")) else None
+    if named:
+        return named.group(1)
+    return prefix if os.path.isfile(os.path.join(root, f"{prefix}.py")) else None
 
 
 def script_problem(path: str, script: str | None) -> str | None:
-    """A recipe of another estimator would run this one with another paper's settings: refused, naming the fix.
-    `script`: the running script's name (its Args' exp_name; None for Args of no estimator, such as evals.run's)."""
+    """A recipe of another estimator would run this one with another paper's settings: refused,
+    naming the fix. `script`: the running script's name (its Args' exp_name; None for Args of no
+    estimator, such as evals.run's)."""
     owner = script_of(path)
     if script is None or owner is None or owner == script:
         return None
-    return (f"error: --config {path} is a recipe of {owner}.py, not {script}.py: run python {owner}.py --config "
-            f"{path}; to use its settings with {script}.py, copy it under a name that does not start with "
-            f"'{owner}_' (or add a line '# script: {script}')")
+    return (f"error: --config {path} is a recipe of {owner}.py, not {script}.py: run python "
+            f"{owner}.py --config {path}; to use its settings with {script}.py, copy it under a "
+            f"name that does not start with '{owner}_' (or add a line '# script: {script}')")
 
 
 def type_problems(args, recipe: dict, config: str | None) -> list[str]:
-    """Values whose type is not the field's: argparse converts only strings, so a YAML list, float or mapping
-    reaches the dataclass as it is (and a Literal's choices are not checked on defaults)."""
+    """Values whose type is not the field's: argparse converts only strings, so a YAML list, float
+    or mapping reaches the dataclass as it is (and a Literal's choices are not checked on
+    defaults)."""
     problems = []
     for name, kind in typing.get_type_hints(type(args)).items():
         value = getattr(args, name)
@@ -56,13 +64,14 @@ def type_problems(args, recipe: dict, config: str | None) -> list[str]:
             source = f" (from {config})" if config and name in recipe else ""
             hint = (f"; write it as one comma-separated string, e.g. {','.join(map(str, value))}"
                     if isinstance(value, list) else "")
-            problems.append(f"--{name} must be {_describe_type(kind)}, got {type(value).__name__} {value!r}"
-                            f"{source}{hint}")
+            problems.append(f"--{name} must be {_describe_type(kind)}, got {type(value).__name__} "
+                            f"{value!r}{source}{hint}")
     return problems
 
 
 def _is_instance(value, kind) -> bool:
-    origin, options = typing.get_origin(kind), typing.get_args(kind)
+    origin = typing.get_origin(kind)
+    options = typing.get_args(kind)
     if origin is typing.Literal:
         return value in options
     if origin in (typing.Union, types.UnionType):
@@ -77,7 +86,8 @@ def _is_instance(value, kind) -> bool:
 
 
 def _describe_type(kind) -> str:
-    origin, options = typing.get_origin(kind), typing.get_args(kind)
+    origin = typing.get_origin(kind)
+    options = typing.get_args(kind)
     if origin is typing.Literal:
         return "one of " + ", ".join(map(str, options))
     if origin in (typing.Union, types.UnionType):

@@ -1,18 +1,20 @@
-"""Reward functions for RL post-training, and the code that calls them safely (docs/usage.md, "Rewards").
+"""Reward functions for RL post-training, and the code that calls them safely (docs/usage.md,
+"Rewards").
 
-The contract: a reward function is any plain callable
-``fn(prompts: list[str], completions: list[str], **dataset_columns) -> list[float]``. It gets a batch of B prompts,
-the B sampled completions (decoded text, without the prompt) and every other dataset column as a keyword list of
-length B (e.g. ``answer=[...]``), and returns B finite floats. Take ``**_`` so that columns you do not use are
-ignored. Keep it pure and deterministic: the trainer may call it again on single samples to find a bad one (see
-``compute_rewards``). To log per-sample diagnostics next to the reward, return a ``Rewards`` (a list with a
-``metrics`` dict of B values per key): each key appears in ``compute_rewards``' per-function values as
-``"<name>/<key>"``.
+The contract: a reward function is any plain callable ``fn(prompts: list[str], completions:
+list[str], **dataset_columns) -> list[float]``. It gets a batch of B prompts, the B sampled
+completions (decoded text, without the prompt) and every other dataset column as a keyword list of
+length B (e.g. ``answer=[...]``), and returns B finite floats. Take ``**_`` so that columns you do
+not use are ignored. Keep it pure and deterministic: the trainer may call it again on single samples
+to find a bad one (see ``compute_rewards``). To log per-sample diagnostics next to the reward,
+return a ``Rewards`` (a list with a ``metrics`` dict of B values per key): each key appears in
+``compute_rewards``' per-function values as ``"<name>/<key>"``.
 
-Adding one: decorate it with ``@register_reward("my_name")`` in any module that gets imported and select it by that
-name, or select it by its import path, ``"my_package.my_module:my_function"`` (``get_reward_function``). The
-built-in graders (``math_accuracy``, ``choice_accuracy``, ``format``) are common/math_grader.py's, imported the
-first time one of them is asked for by name: a run with other rewards does not load it.
+Adding one: decorate it with ``@register_reward("my_name")`` in any module that gets imported and
+select it by that name, or select it by its import path, ``"my_package.my_module:my_function"``
+(``get_reward_function``). The built-in graders (``math_accuracy``, ``choice_accuracy``, ``format``)
+are common/math_grader.py's, imported the first time one of them is asked for by name: a run with
+other rewards does not load it.
 """
 
 import importlib
@@ -27,7 +29,8 @@ if TYPE_CHECKING:
 
 RewardFn = Callable[..., Sequence[float]]
 MAX_REWARD = 1e15  # larger rewards make a group's std overflow in float32 (inf, then NaN losses)
-# Registered names whose module is imported when they are first asked for (common/math_grader.py is 800 lines).
+# Registered names whose module is imported when they are first asked for
+# (common/math_grader.py is 800 lines).
 BUILT_IN_MODULES = {**{name: "common.math_grader" for name in ("math_accuracy", "format")},
                     "choice_accuracy": "common.choice_grader",
                     **{name: "common.toy" for name in ("toy_addition", "toy_closeness")},
@@ -35,7 +38,8 @@ BUILT_IN_MODULES = {**{name: "common.math_grader" for name in ("math_accuracy", 
 
 
 class Rewards(list):
-    """A reward function's B rewards, plus per-sample diagnostics to log: ``metrics = {key: B floats}``."""
+    """A reward function's B rewards, plus per-sample diagnostics to log: ``metrics = {key: B
+    floats}``."""
 
     def __init__(self, values, metrics: dict[str, list[float]] | None = None):
         super().__init__(values)
@@ -50,8 +54,9 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {}
 
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
-    """Decorator that makes a reward function selectable by ``name``. Registering a name again replaces the old
-    entry: a script that is both run as ``__main__`` and imported registers its functions twice, and that is fine."""
+    """Decorator that makes a reward function selectable by ``name``. Registering a name again
+    replaces the old entry: a script that is both run as ``__main__`` and imported registers its
+    functions twice, and that is fine."""
 
     def decorator(fn: RewardFn) -> RewardFn:
         REWARD_FUNCTIONS[name] = fn
@@ -61,7 +66,8 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
 
 
 def get_reward_function(name: str) -> RewardFn:
-    """A registered reward function, or one given by its import path ``"package.module:function"``."""
+    """A registered reward function, or one given by its import path
+    ``"package.module:function"``."""
     if name not in REWARD_FUNCTIONS and name in BUILT_IN_MODULES:
         importlib.import_module(BUILT_IN_MODULES[name])  # registers it
     if name in REWARD_FUNCTIONS:
@@ -91,7 +97,8 @@ class RewardError(RuntimeError):
 
 
 def _reward_name(fn: RewardFn) -> str:
-    """The registry name when the function is registered (it is what configs use), else ``__name__``."""
+    """The registry name when the function is registered (it is what configs use), else
+    ``__name__``."""
     for name, registered in REWARD_FUNCTIONS.items():
         if registered is fn:
             return name
@@ -109,7 +116,8 @@ def _describe(name: str, problem: str, i: int, prompts: list[str], completions: 
     )
 
 
-def _first_failing_sample(fn: RewardFn, prompts: list[str], completions: list[str], columns: dict) -> int | None:
+def _first_failing_sample(fn: RewardFn, prompts: list[str], completions: list[str],
+                          columns: dict) -> int | None:
     """Index of the first sample on which ``fn`` raises when called alone, or None if none does."""
     for i in range(len(completions)):
         try:
@@ -119,7 +127,8 @@ def _first_failing_sample(fn: RewardFn, prompts: list[str], completions: list[st
     return None
 
 
-_CALLS: "queue.Queue | None" = None  # reward calls under a time limit, run in turn on one long-lived daemon thread
+# reward calls under a time limit, run in turn on one long-lived daemon thread
+_CALLS: "queue.Queue | None" = None
 
 
 def _serve_calls() -> None:
@@ -133,22 +142,24 @@ def _serve_calls() -> None:
 
 
 def within(seconds: float | None, name: str, call: Callable):
-    """`call()`, waited for at most `seconds` (None: no limit): a call that never returns (a grading service that
-    hangs) raises RewardError here instead of hanging the run. Calls run on one daemon thread that lives as long as
-    the process: a hung call cannot be stopped and ends with the process, and the math grader's worker processes,
-    which die with the thread that started them (PR_SET_PDEATHSIG), keep running between calls (with a thread per
-    call they died after each, and the next call's correct answers scored 0)."""
+    """`call()`, waited for at most `seconds` (None: no limit): a call that never returns (a grading
+    service that hangs) raises RewardError here instead of hanging the run. Calls run on one daemon
+    thread that lives as long as the process: a hung call cannot be stopped and ends with the
+    process, and the math grader's worker processes, which die with the thread that started them
+    (PR_SET_PDEATHSIG), keep running between calls (with a thread per call they died after each, and
+    the next call's correct answers scored 0)."""
     global _CALLS
     if seconds is None:
         return call()
     if _CALLS is None:
         _CALLS = queue.Queue()
         threading.Thread(target=_serve_calls, name="reward calls", daemon=True).start()
-    box, done = {}, threading.Event()
+    box = {}
+    done = threading.Event()
     _CALLS.put((call, box, done))
     if not done.wait(seconds):
-        raise RewardError(f"reward function {name!r} did not return within {seconds:g} s (--reward_timeout): it hangs, "
-                          f"or it needs a higher --reward_timeout")
+        raise RewardError(f"reward function {name!r} did not return within {seconds:g} s "
+                          f"(--reward_timeout): it hangs, or it needs a higher --reward_timeout")
     if "error" in box:
         raise box["error"]
     return box["out"]
@@ -169,33 +180,39 @@ def _call_reward(
         raise
     except Exception as e:
         i = _first_failing_sample(fn, prompts, completions, columns)
-        where = (
-            _describe(name, f"raised {type(e).__name__}: {e}", i, prompts, completions)
-            if i is not None
-            else f"reward function {name!r} raised {type(e).__name__}: {e} (no single sample fails alone)"
-        )
+        if i is not None:
+            where = _describe(name, f"raised {type(e).__name__}: {e}", i, prompts, completions)
+        else:
+            where = (f"reward function {name!r} raised {type(e).__name__}: {e} "
+                     f"(no single sample fails alone)")
         raise RewardError(where) from e
     if isinstance(out, (str, bytes)) or not hasattr(out, "__len__"):
-        raise RewardError(f"reward function {name!r} returned {type(out).__name__}, expected a list of floats")
+        raise RewardError(f"reward function {name!r} returned "
+                          f"{type(out).__name__}, expected a list of floats")
     if len(out) != len(completions):
-        raise RewardError(f"reward function {name!r} returned {len(out)} rewards for {len(completions)} completions")
+        raise RewardError(f"reward function {name!r} returned {len(out)} rewards for "
+                          f"{len(completions)} completions")
     values = []
     for i, v in enumerate(out):
         try:
             v = float(v)
         except (TypeError, ValueError):
-            raise RewardError(_describe(name, f"returned non-number {v!r}", i, prompts, completions)) from None
-        if not math.isfinite(v) or abs(v) > MAX_REWARD:  # beyond it, float32 statistics (a group's std) overflow
+            raise RewardError(
+                _describe(name, f"returned non-number {v!r}", i, prompts, completions)) from None
+        # beyond it, float32 statistics (a group's std) overflow
+        if not math.isfinite(v) or abs(v) > MAX_REWARD:
             bound = f" (rewards must stay within +-{MAX_REWARD:g})" if math.isfinite(v) else ""
             raise RewardError(_describe(name, f"returned {v}{bound}", i, prompts, completions))
         values.append(v)
     metrics = getattr(out, "metrics", {})
     for key, diagnostics in metrics.items():
         if len(diagnostics) != len(completions):
-            raise RewardError(f"reward function {name!r} returned {len(diagnostics)} values of metric {key!r} "
-                              f"for {len(completions)} completions")
-    return torch.tensor(values, dtype=torch.float32), {
-        key: torch.tensor([float(d) for d in diagnostics], dtype=torch.float32) for key, diagnostics in metrics.items()}
+            raise RewardError(f"reward function {name!r} returned {len(diagnostics)} values of "
+                              f"metric {key!r} for {len(completions)} completions")
+    rewards = torch.tensor(values, dtype=torch.float32)
+    metric_values = {key: torch.tensor([float(d) for d in diagnostics], dtype=torch.float32)
+                     for key, diagnostics in metrics.items()}
+    return rewards, metric_values
 
 
 def compute_rewards(
@@ -206,26 +223,30 @@ def compute_rewards(
     columns: dict[str, list],
     timeout: float | None = None,
 ) -> "tuple[torch.Tensor, dict[str, torch.Tensor]]":
-    """Total reward per completion and each function's unweighted rewards (for logging); each function's call may
-    take `timeout` seconds at most (None: no limit), or a RewardError says which one hung.
+    """Total reward per completion and each function's unweighted rewards (for logging); each
+    function's call may take `timeout` seconds at most (None: no limit), or a RewardError says which
+    one hung.
 
-    Returns ``(sum_k weights[k] * funcs[k](...), {name: (B,) tensor})``; a function that returns ``Rewards`` adds
-    ``{f"{name}/{key}": (B,) tensor}`` for each of its metrics (math_accuracy: ``"math_accuracy/timeouts"``, 1.0 where
-    grading ran over its time limit). A broken reward would silently poison the advantages, so any exception, wrong
-    length or non-finite value stops training with a RewardError naming the function and sample."""
+    Returns ``(sum_k weights[k] * funcs[k](...), {name: (B,) tensor})``; a function that returns
+    ``Rewards`` adds ``{f"{name}/{key}": (B,) tensor}`` for each of its metrics (math_accuracy:
+    ``"math_accuracy/timeouts"``, 1.0 where grading ran over its time limit). A broken reward would
+    silently poison the advantages, so any exception, wrong length or non-finite value stops
+    training with a RewardError naming the function and sample."""
     weights = [1.0] * len(funcs) if weights is None else list(weights)
     if len(weights) != len(funcs):
         raise ValueError(f"got {len(funcs)} reward functions but {len(weights)} weights")
     for key, values in {"prompts": prompts, **columns}.items():
         if len(values) != len(completions):
-            raise ValueError(f"{key!r} has {len(values)} entries for {len(completions)} completions")
+            raise ValueError(
+                f"{key!r} has {len(values)} entries for {len(completions)} completions")
     import torch  # see _call_reward
 
     total = torch.zeros(len(completions), dtype=torch.float32)
     per_function: dict[str, torch.Tensor] = {}
     for k, (fn, weight) in enumerate(zip(funcs, weights)):
         name = _reward_name(fn)
-        if name in per_function:  # the same function twice (e.g. two weights): keep both in the logs
+        # the same function twice (e.g. two weights): keep both in the logs
+        if name in per_function:
             name = f"{name}_{k}"
         rewards, metrics = _call_reward(fn, name, prompts, completions, columns, timeout)
         per_function[name] = rewards

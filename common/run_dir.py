@@ -1,7 +1,9 @@
-"""The run folder: claimed by one run at a time and never overwritten; a resume continues its own run's folder.
+"""The run folder: claimed by one run at a time and never overwritten; a resume continues its own
+run's folder.
 
-`claim_run_dir` (all processes; the main one decides) returns the folder and the checkpoint to resume from; the
-folder's `.lock` is held by the main process until it exits; `record_args` keeps the settings of every start.
+`claim_run_dir` (all processes; the main one decides) returns the folder and the checkpoint to
+resume from; the folder's `.lock` is held by the main process until it exits; `record_args` keeps
+the settings of every start.
 """
 
 import fcntl
@@ -16,13 +18,15 @@ from accelerate.utils import broadcast_object_list
 from common.checkpoints import latest_checkpoint
 
 LOCK = ".lock"
-_held_locks: dict[str, int] = {}  # run folder -> the open lock file of this process (released when it exits)
+# run folder -> the open lock file of this process (released when it exits)
+_held_locks: dict[str, int] = {}
 
 
 def claim_run_dir(args, run_name: str) -> tuple[str, str | None]:
-    """The run's folder, locked for this run by the main process, and the checkpoint to resume from (or None): a new
-    folder (refused if another run's files are in it) or, with --resume_from, the resumed run's (refused if its
-    settings changed without --resume_overrides). The verdict is broadcast, so all processes stop together."""
+    """The run's folder, locked for this run by the main process, and the checkpoint to resume from
+    (or None): a new folder (refused if another run's files are in it) or, with --resume_from, the
+    resumed run's (refused if its settings changed without --resume_overrides). The verdict is
+    broadcast, so all processes stop together."""
     outcome = [None, None, None]  # run folder, checkpoint, error
     if PartialState().is_main_process:
         try:
@@ -36,7 +40,8 @@ def claim_run_dir(args, run_name: str) -> tuple[str, str | None]:
 
 
 def _claim(args, run_name: str) -> tuple[str, str | None]:
-    if args.resume_from:  # its latest intact checkpoint, its folder locked, its settings kept: common/resume.py
+    # its latest intact checkpoint, its folder locked, its settings kept: common/resume.py
+    if args.resume_from:
         from common.resume import check_resume, find_checkpoint
 
         resume = find_checkpoint(args.resume_from)
@@ -52,21 +57,23 @@ def _claim(args, run_name: str) -> tuple[str, str | None]:
     try:
         os.makedirs(run_dir, exist_ok=True)
     except OSError as e:
-        raise SystemExit(f"error: cannot make the run folder {run_dir!r} ({e.strerror}); pass another --output_dir "
-                         f"or --run_name") from None
+        raise SystemExit(f"error: cannot make the run folder {run_dir!r} ({e.strerror}); pass "
+                         f"another --output_dir or --run_name") from None
     lock_run_dir(run_dir)
     used = sorted(set(os.listdir(run_dir)) - {LOCK})
     if used:
         release_run_dir(run_dir)
         again = f", continue it with --resume_from {run_dir}" if latest_checkpoint(run_dir) else ""
-        raise SystemExit(f"error: the run folder {run_dir} is in use ({', '.join(used[:4])}"
-                         f"{', ...' if len(used) > 4 else ''}); pass another --run_name{again}, or delete the folder")
+        raise SystemExit(f"error: the run folder {run_dir} is in use "
+                         f"({', '.join(used[:4])}{', ...' if len(used) > 4 else ''}); pass another "
+                         f"--run_name{again}, or delete the folder")
     return run_dir, None
 
 
 def lock_run_dir(run_dir: str) -> None:
-    """An exclusive flock on run_dir/.lock, held until this process exits (the kernel drops it then, so a crashed
-    run leaves no stale lock) or claims another folder (one run at a time per process: tests run several)."""
+    """An exclusive flock on run_dir/.lock, held until this process exits (the kernel drops it then,
+    so a crashed run leaves no stale lock) or claims another folder (one run at a time per process:
+    tests run several)."""
     for held in list(_held_locks):
         release_run_dir(held)
     fd = os.open(os.path.join(run_dir, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
@@ -75,8 +82,8 @@ def lock_run_dir(run_dir: str) -> None:
     except BlockingIOError:
         owner = os.read(fd, 200).decode(errors="replace").strip() or "another process"
         os.close(fd)
-        raise SystemExit(f"error: the run folder {run_dir} is locked by a run in progress ({owner}); wait for it to "
-                         f"end, or pass another --run_name") from None
+        raise SystemExit(f"error: the run folder {run_dir} is locked by a run in progress "
+                         f"({owner}); wait for it to end, or pass another --run_name") from None
     os.ftruncate(fd, 0)
     os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
     _held_locks[run_dir] = fd
@@ -89,10 +96,12 @@ def release_run_dir(run_dir: str) -> None:
 
 
 def record_args(run_dir: str, args: dict, step: int) -> None:
-    """args.json holds the settings the run started with (never rewritten); args_history.jsonl gets one line per
-    start, {"time", "step", "args"}, so a resume with --resume_overrides leaves a trace."""
+    """args.json holds the settings the run started with (never rewritten); args_history.jsonl gets
+    one line per start, {"time", "step", "args"}, so a resume with --resume_overrides leaves a
+    trace."""
     if not os.path.exists(os.path.join(run_dir, "args.json")):
         with open(os.path.join(run_dir, "args.json"), "w") as f:
             json.dump(args, f, indent=1)
     with open(os.path.join(run_dir, "args_history.jsonl"), "a") as f:
-        f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "step": step, "args": args}) + "\n")
+        f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "step": step, "args": args})
+                + "\n")

@@ -9,9 +9,9 @@ scripts load it through the same `from_pretrained` / `load_dataset` code as a re
     path/train.jsonl     {"prompt": "12+34=", "answer": "46"}   (all pairs not held out)
     path/test.jsonl      held-out pairs
 
-The supervised warm start matters: RL from a random policy would almost never see a reward. The result is cached
-and reused (same seed -> same files), so every algorithm starts from the same weights. `--preset toy_tir`, the
-multi-turn variant with a calculator tool, is common/toy_tir.py.
+The supervised warm start matters: RL from a random policy would almost never see a reward. The
+result is cached and reused (same seed -> same files), so every algorithm starts from the same
+weights. `--preset toy_tir`, the multi-turn variant with a calculator tool, is common/toy_tir.py.
 """
 
 import contextlib
@@ -32,7 +32,8 @@ TOY_DIR = "runs/toy"
 CHARS = list("0123456789+=")
 SPECIAL = ["<pad>", "<eos>"]
 NUM_TEST = 500
-TOY_VERSION = 2  # bumped when the model or data change, so an older runs/toy is rebuilt, not reused (2: head_dim 32)
+# bumped when the model or data change, so an older runs/toy is rebuilt, not reused (2: head_dim 32)
+TOY_VERSION = 2
 
 
 
@@ -52,8 +53,10 @@ TOY_PRESET = dict(
     batch_size=256,
     num_generations=8,
     micro_batch_size=64,
-    logprob_batch_size=256,  # no-grad passes over the whole batch: fewer, larger forwards (and shared prompts)
-    learning_rate=5e-4,  # a constant schedule, without warmup (the warmup_steps=10 once set here did nothing)
+    # no-grad passes over the whole batch: fewer, larger forwards (and shared prompts)
+    logprob_batch_size=256,
+    # a constant schedule, without warmup (the warmup_steps=10 once set here did nothing)
+    learning_rate=5e-4,
     eval_steps=50,
     eval_num_prompts=500,
     save_steps=0,
@@ -110,29 +113,37 @@ def toy_addition(prompts: list[str], completions: list[str], answer: list[str], 
 
 
 @register_reward("toy_closeness")
-def toy_closeness(prompts: list[str], completions: list[str], answer: list[str], **_) -> list[float]:
-    """A dense toy reward: 1.0 for the exact sum, 0.5 / (1 + |n - sum|) for another number n, 0.0 for anything else.
-    Numbers at different distances from the sum get different rewards, so a group of distinct completions rarely has
-    equal rewards (the tests use it where their meaning needs a nonzero gradient, whatever toy this machine built)."""
-    return [1.0 if c.strip() == a.strip() else 0.5 / (1 + abs(int(c.strip()) - int(a))) if c.strip().isdigit()
-            else 0.0 for c, a in zip(completions, answer)]
+def toy_closeness(prompts: list[str], completions: list[str], answer: list[str],
+                  **_) -> list[float]:
+    """A dense toy reward: 1.0 for the exact sum, 0.5 / (1 + |n - sum|) for another number n, 0.0
+    for anything else. Numbers at different distances from the sum get different rewards, so a group
+    of distinct completions rarely has equal rewards (the tests use it where their meaning needs a
+    nonzero gradient, whatever toy this machine built)."""
+    return [1.0 if c.strip() == a.strip()
+            else 0.5 / (1 + abs(int(c.strip()) - int(a))) if c.strip().isdigit()
+            else 0.0
+            for c, a in zip(completions, answer)]
 
 
 def default_seed() -> int:
-    """The toy's seed: 0, or TOY_SEED=N. CI runs the fast tests on a second toy (TOY_SEED=1) as well, so that no
-    test passes only with the floats of one build."""
+    """The toy's seed: 0, or TOY_SEED=N. CI runs the fast tests on a second toy (TOY_SEED=1) as
+    well, so that no test passes only with the floats of one build."""
     return int(os.environ.get("TOY_SEED", "0"))
 
 
 @torch.no_grad()
-def greedy_completions(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int = 500) -> list[str]:
-    """Greedy completions of `prompts`, decoded without EOS (one engine-free model turn: no tool runs)."""
+def greedy_completions(model, tokenizer, prompts: list[str], max_new_tokens: int,
+                       batch_size: int = 500) -> list[str]:
+    """Greedy completions of `prompts`, decoded without EOS (one engine-free model turn: no tool
+    runs)."""
     model.eval()
     texts = []
     for i in range(0, len(prompts), batch_size):
         enc = tokenizer(prompts[i : i + batch_size], return_tensors="pt", padding=True)
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-        texts += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id)
+        texts += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :],
+                                        skip_special_tokens=True)
     return texts
 
 
@@ -142,21 +153,25 @@ def greedy_accuracy(model, tokenizer, rows: list[dict]) -> float:
     return sum(toy_addition([], texts, [r["answer"] for r in rows])) / len(rows)
 
 
-def warm_start(model, tokenizer, examples: list[list[tuple[str, bool]]], seed: int, done: Callable[[], bool],
-               max_steps: int = 2000, batch_size: int = 64, lr: float = 5e-3, check_every: int = 10) -> int:
-    """Supervised next-token training on `examples`, each a list of (text, trained) segments whose concatenation is
-    one sequence; the loss covers the tokens of trained segments only (the answer and EOS, not the prompt nor tool
-    output). Stops when `done()` (checked every `check_every` steps) or after `max_steps`. Addition is learned
-    abruptly (the carry), so a fixed step count lands anywhere between 10% and 90% depending on float rounding;
-    stopping at a measured accuracy makes the warm start the same kind of policy on every machine."""
-    ids = iter(tokenizer([text for ex in examples for text, _ in ex], add_special_tokens=False)["input_ids"])
+def warm_start(model, tokenizer, examples: list[list[tuple[str, bool]]], seed: int,
+               done: Callable[[], bool], max_steps: int = 2000, batch_size: int = 64,
+               lr: float = 5e-3, check_every: int = 10) -> int:
+    """Supervised next-token training on `examples`, each a list of (text, trained) segments whose
+    concatenation is one sequence; the loss covers the tokens of trained segments only (the answer
+    and EOS, not the prompt nor tool output). Stops when `done()` (checked every `check_every`
+    steps) or after `max_steps`. Addition is learned abruptly (the carry), so a fixed step count
+    lands anywhere between 10% and 90% depending on float rounding; stopping at a measured accuracy
+    makes the warm start the same kind of policy on every machine."""
+    texts = [text for ex in examples for text, _ in ex]
+    ids = iter(tokenizer(texts, add_special_tokens=False)["input_ids"])
     lengths = [[len(next(ids)) for _ in ex] for ex in examples]  # tokens per segment
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     for step in range(1, max_steps + 1):
         model.train()
         idx = torch.randint(len(examples), (batch_size,), generator=gen).tolist()
-        enc = tokenizer(["".join(text for text, _ in examples[i]) for i in idx], return_tensors="pt", padding=True)
+        enc = tokenizer(["".join(text for text, _ in examples[i]) for i in idx],
+                        return_tensors="pt", padding=True)
         labels = enc["input_ids"].clone()
         labels[enc["attention_mask"] == 0] = -100
         for row, i in enumerate(idx):  # left-padded: the first segment sits right after the padding
@@ -177,7 +192,8 @@ def warm_start(model, tokenizer, examples: list[list[tuple[str, bool]]], seed: i
 
 
 def cached_info(info_file: str, expected: dict) -> dict | None:
-    """The info of a complete earlier build with the same `expected` settings (version, seed, ...), else None."""
+    """The info of a complete earlier build with the same `expected` settings (version, seed, ...),
+    else None."""
     if not os.path.exists(info_file):
         return None
     with open(info_file) as f:
@@ -193,9 +209,11 @@ def write_splits(path: str, train: list[dict], test: list[dict]) -> None:
 
 
 def save_toy(path: str, model, tokenizer, info: dict) -> dict:
-    """Save the model and tokenizer, then `info` (written last: its presence means the build is complete)."""
+    """Save the model and tokenizer, then `info` (written last: its presence means the build is
+    complete)."""
     info = {**info, "num_parameters": sum(p.numel() for p in model.parameters()),
-            **{k: os.path.join(path, k if k == "model" else f"{k}.jsonl") for k in ("model", "train", "test")}}
+            **{k: os.path.join(path, k if k == "model" else f"{k}.jsonl")
+               for k in ("model", "train", "test")}}
     model.save_pretrained(info["model"])
     tokenizer.save_pretrained(info["model"])
     with open(os.path.join(path, "toy.json"), "w") as f:
@@ -205,8 +223,9 @@ def save_toy(path: str, model, tokenizer, info: dict) -> dict:
 
 @contextlib.contextmanager
 def one_builder(path: str):
-    """Build under `path`.lock (a second process waits, then finds the first one's build), on one thread: a model
-    this small gains nothing from more, and on busy cores more threads made it ten times slower."""
+    """Build under `path`.lock (a second process waits, then finds the first one's build), on one
+    thread: a model this small gains nothing from more, and on busy cores more threads made it ten
+    times slower."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(os.path.abspath(path) + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -219,18 +238,22 @@ def one_builder(path: str):
 
 
 def announce(path: str, what: str) -> None:
-    print(f"toy: building {path} once ({what}; under a minute on an idle core, later runs reuse it)", flush=True)
+    print(f"toy: building {path} once ({what}; under a minute on an idle core, later runs reuse "
+          f"it)", flush=True)
 
 
 def prepare_toy(path: str, seed: int | None = None, target_accuracy: float = 0.35) -> dict:
-    """Build (or reuse) the toy model and data under `path`; returns the paths and warm-start accuracy.
-    `seed`: ``default_seed()`` when None (TOY_SEED); a toy built from another seed is rebuilt, not reused."""
+    """Build (or reuse) the toy model and data under `path`; returns the paths and warm-start
+    accuracy. `seed`: ``default_seed()`` when None (TOY_SEED); a toy built from another seed is
+    rebuilt, not reused."""
     seed = default_seed() if seed is None else seed
     settings = {"version": TOY_VERSION, "seed": seed, "target_accuracy": target_accuracy}
-    if (info := cached_info(os.path.join(path, "toy.json"), settings)) is not None:
+    info = cached_info(os.path.join(path, "toy.json"), settings)
+    if info is not None:
         return info
     with one_builder(path):
-        if (info := cached_info(os.path.join(path, "toy.json"), settings)) is not None:
+        info = cached_info(os.path.join(path, "toy.json"), settings)
+        if info is not None:
             return info  # another process built it while this one waited
         announce(path, "a 300k-parameter Qwen3, warm-started on two-digit addition")
         return build_toy(path, seed, settings, target_accuracy)
@@ -244,7 +267,8 @@ def build_toy(path: str, seed: int, settings: dict, target_accuracy: float) -> d
     start = time.time()
     examples = [[(r["prompt"], False), (r["answer"] + tokenizer.eos_token, True)] for r in train]
     steps = warm_start(model, tokenizer, examples, seed,
-                       done=lambda: greedy_accuracy(model, tokenizer, train[:NUM_TEST]) >= target_accuracy)
+                       done=lambda: (greedy_accuracy(model, tokenizer, train[:NUM_TEST])
+                                     >= target_accuracy))
     return save_toy(path, model, tokenizer, {
         **settings,
         "warm_start_steps": steps,
@@ -254,7 +278,9 @@ def build_toy(path: str, seed: int, settings: dict, target_accuracy: float) -> d
 
 
 def prepare_preset(preset: str | None) -> None:
-    """Build what --preset toy reads from disk (the toy's model and data), once (common/args.py PRESET_MODULES)."""
+    """Build what --preset toy reads from disk (the toy's model and data), once (common/args.py
+    PRESET_MODULES)."""
     if preset == "toy":
         prepare_toy(TOY_DIR)
-        torch.set_num_threads(1)  # for the run too: a model this small gains nothing from more, busy cores lose much
+        # for the run too: a model this small gains nothing from more, busy cores lose much
+        torch.set_num_threads(1)

@@ -1,13 +1,15 @@
-"""Runs inside `vllm serve`'s workers: a weight-transfer engine that loads the trainer's weights from disk.
+"""Runs inside `vllm serve`'s workers: a weight-transfer engine that loads the trainer's weights
+from disk.
 
     vllm serve MODEL --worker-extension-cls common.vllm_worker.WorkerExtension \
-        --weight-transfer-config '{"backend": "disk"}' ...          (docs/rollouts.md, "Server mode")
+        --weight-transfer-config '{"backend": "disk"}' ...    (docs/rollouts.md, "Server mode")
 
-vLLM imports this module in every worker when it resolves --worker-extension-cls; importing it registers the "disk"
-backend with vLLM's WeightTransferEngineFactory. A sync is then vLLM's own handshake over HTTP (the trainer's side
-is common/server_engine.py): /pause, /start_weight_update, /update_weights with {"path": a folder of safetensors
-files}, /finish_weight_update with the version, /reset_prefix_cache, /resume; every answer of /inference/v1/generate
-names the weight version that produced it. vLLM 0.32's own backends (nccl, ipc, ...) need CUDA; this one works on
+vLLM imports this module in every worker when it resolves --worker-extension-cls; importing it
+registers the "disk" backend with vLLM's WeightTransferEngineFactory. A sync is then vLLM's own
+handshake over HTTP (the trainer's side is common/server_engine.py): /pause, /start_weight_update,
+/update_weights with {"path": a folder of safetensors files}, /finish_weight_update with the
+version, /reset_prefix_cache, /resume; every answer of /inference/v1/generate names the weight
+version that produced it. vLLM 0.32's own backends (nccl, ipc, ...) need CUDA; this one works on
 every build, the CPU's included, wherever the server can read the folder the trainer writes.
 """
 
@@ -32,8 +34,9 @@ class DiskUpdateInfo:
 
 
 def weight_files(path: str, expected: dict[str, torch.Size]) -> list[str]:
-    """The *.safetensors files of `path`, after checking their tensors' names and shapes against the model's
-    checkpoint (`expected`): a weight missing or of another shape is refused before any is loaded."""
+    """The *.safetensors files of `path`, after checking their tensors' names and shapes against the
+    model's checkpoint (`expected`): a weight missing or of another shape is refused before any is
+    loaded."""
     from safetensors import safe_open
 
     files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors")) \
@@ -47,14 +50,15 @@ def weight_files(path: str, expected: dict[str, torch.Size]) -> list[str]:
     missing = sorted(set(expected) - set(shapes))
     wrong = sorted(k for k in set(expected) & set(shapes) if expected[k] != shapes[k])
     if missing or wrong:
-        raise ValueError(f"disk weight transfer from {path}: missing {missing[:5]}, of another shape "
-                         f"{[(k, tuple(shapes[k]), tuple(expected[k])) for k in wrong[:5]]}")
+        raise ValueError(f"disk weight transfer from {path}: missing {missing[:5]}, of another "
+                         f"shape {[(k, tuple(shapes[k]), tuple(expected[k])) for k in wrong[:5]]}")
     return files
 
 
 class DiskWeightTransferEngine(WeightTransferEngine[DiskInitInfo, DiskUpdateInfo]):
-    """Loads a folder of safetensors files in place with vLLM's reload (each layer put back in checkpoint form,
-    loaded, processed again), then reprocesses a tied head. One update is one whole set of weights."""
+    """Loads a folder of safetensors files in place with vLLM's reload (each layer put back in
+    checkpoint form, loaded, processed again), then reprocesses a tied head. One update is one whole
+    set of weights."""
 
     init_info_cls = DiskInitInfo
     update_info_cls = DiskUpdateInfo
@@ -62,7 +66,8 @@ class DiskWeightTransferEngine(WeightTransferEngine[DiskInitInfo, DiskUpdateInfo
 
     def __init__(self, config, vllm_config, device, model):
         super().__init__(config, vllm_config, device, model)
-        self.expected: dict[str, torch.Size] | None = None  # the served checkpoint's names and shapes
+        # the served checkpoint's names and shapes
+        self.expected: dict[str, torch.Size] | None = None
 
     def init_transfer_engine(self, init_info: DiskInitInfo) -> None:
         pass
@@ -84,9 +89,12 @@ class DiskWeightTransferEngine(WeightTransferEngine[DiskInitInfo, DiskUpdateInfo
 
         if self.expected is None:  # the first update: what the served checkpoint holds
             self.expected = dict(checkpoint_shapes(self.model_config.model))
-        files = weight_files(update_info.path, self.expected)  # checked whole before the reload touches a layer
-        reload_weights(self.vllm_config, self.model, weights_iterator=safetensors_weights_iterator(files, False),
-                       weights_path=None, is_checkpoint_format=True)  # one tensor at a time: no second copy
+        # checked whole before the reload touches a layer
+        files = weight_files(update_info.path, self.expected)
+        # The iterator reads one tensor at a time: no second copy of the weights.
+        reload_weights(self.vllm_config, self.model,
+                       weights_iterator=safetensors_weights_iterator(files, False),
+                       weights_path=None, is_checkpoint_format=True)
         reprocess_tied_layers(self.model)
 
     def shutdown(self) -> None:
@@ -94,7 +102,8 @@ class DiskWeightTransferEngine(WeightTransferEngine[DiskInitInfo, DiskUpdateInfo
 
 
 def checkpoint_shapes(model: str):
-    """(name, shape) of every tensor in the served model's safetensors files (a local folder or the hub cache)."""
+    """(name, shape) of every tensor in the served model's safetensors files (a local folder or the
+    hub cache)."""
     from safetensors import safe_open
 
     folder = model if os.path.isdir(model) else _hub_folder(model)
@@ -111,8 +120,8 @@ def _hub_folder(model: str) -> str:
 
 
 class WorkerExtension:
-    """--worker-extension-cls: vLLM mixes it into every worker. Importing this module registered the "disk"
-    backend; the workers need no method of ours beyond vLLM's own."""
+    """--worker-extension-cls: vLLM mixes it into every worker. Importing this module registered the
+    "disk" backend; the workers need no method of ours beyond vLLM's own."""
 
 
 if "disk" not in WeightTransferEngineFactory._registry:  # a module imported twice registers once
