@@ -74,8 +74,8 @@ def batch_stats(advantages, mask, args: Args, total=this_process) -> Stats:
     return Stats(num_tokens=total(mask.sum().float()))
 
 
-# CTPO Figure 1 by position p_t: std of c_t, clip rate, and the rate a fixed ratio window has on the
-# same rho_t
+# CTPO Figure 1, by position p_t: the std of c_t, the clip rate, and the rate a fixed ratio window
+# has on the same rho_t.
 POSITION_BUCKETS = {"pos_1-16": (1, 16), "pos_17-64": (17, 64), "pos_65-256": (65, 256),
                     "pos_257-1024": (257, 1024), "pos_1025+": (1025, torch.inf)}
 # "Fixed clip: ratio in [0.5, 5]", the authors' plot_clip_rate_vs_position.py
@@ -137,9 +137,9 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
             "policy/dual_clip_frac": masked_mean(is_dual.float(), mask),
             "policy/cum_logratio_std": masked_std(cum_logratio, mask > 0),
         }
-        # buckets the padded width T reaches (in the loop: the longest completion of this process),
-        # so that
-        # every micro-batch logs the same keys; one with no token in a bucket logs 0 for it
+        # The buckets the padded width T reaches (in the loop: the longest completion of this
+        # process), so that every micro-batch logs the same keys; one with no token in a bucket
+        # logs 0 for it.
         for name, (lo, hi) in POSITION_BUCKETS.items():
             if lo <= mask.shape[1]:
                 in_bucket = (mask > 0) & (position >= lo) & (position <= hi)  # (B, T)
@@ -152,8 +152,8 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
 
 
 def main(args: Args):
-    # common/run.py: the processes, the run folder, the policy (+ LoRA), the reference, the data,
-    # the optimizer and the rollout engine
+    # The processes, the run folder, the policy (+ LoRA), the reference, the data, the optimizer
+    # and the rollout engine (common/run.py).
     run = setup(args)
     model = run.model
     optimizer = run.optimizer
@@ -176,8 +176,7 @@ def main(args: Args):
         mask = batch.mask  # (B, T)
         T = mask.shape[1]
 
-        # 2. Advantages (and, for a sampler/trainer mismatch, truncated or masked importance
-        # weights)
+        # 2. Advantages, and for a sampler/trainer mismatch, truncated or masked importance weights
         advantages = compute_advantages(batch.rewards, args)  # (B,)
         tis_weights = None
         if args.tis_cap > 0:

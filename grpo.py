@@ -73,7 +73,7 @@ class Stats(BatchStats):
 
 def kept_rows(advantages, mask, args: Args) -> torch.Tensor:
     """(B,) the rows in the loss: a valid token (a removed row has none) and --train_on's sign."""
-    # (B,) or all
+    # (B,) the sign --train_on keeps (True: every row)
     sign = {"positive": advantages > 0, "negative": advantages < 0}.get(args.train_on, True)
     return (mask.sum(-1) > 0) & sign  # (B,)
 
@@ -107,8 +107,8 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
     if args.beta > 0:
         kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1  # (B, T)  k3
         per_token = per_token - args.beta * kl  # (B, T)
-    # Each row's token sum over L_i, its length (the default); over the longest a completion may be
-    # (token-sum-norm); or over 1, with the batch's valid tokens as the denominator (token-mean:
+    # Each row's token sum over L_i, its length (the default); over the longest a completion may
+    # be (token-sum-norm); or over 1, with the batch's valid tokens as the denominator (token-mean,
     # verl's).
     lengths = {"token-sum-norm": args.max_completion_length, "token-mean": 1}
     lengths = lengths.get(args.loss_agg, mask.sum(-1).clamp(min=1))  # (B,) L_i, or a number
@@ -132,8 +132,8 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
 
 
 def main(args: Args):
-    # common/run.py: the processes, the run folder, the policy (+ LoRA), the reference, the data,
-    # the optimizer and the rollout engine
+    # The processes, the run folder, the policy (+ LoRA), the reference, the data, the optimizer
+    # and the rollout engine (common/run.py).
     run = setup(args)
     model = run.model
     optimizer = run.optimizer
@@ -156,8 +156,7 @@ def main(args: Args):
         mask = batch.mask  # (B, T)
         T = mask.shape[1]
 
-        # 2. Advantages (and, for a sampler/trainer mismatch, truncated or masked importance
-        # weights)
+        # 2. Advantages, and for a sampler/trainer mismatch, truncated or masked importance weights
         advantages = compute_advantages(batch.rewards, args)  # (B,)
         tis_weights = None
         if args.tis_cap > 0:

@@ -75,9 +75,8 @@ def batch_stats(log_ratio, advantages, mask, args: Args, total=this_process) -> 
     `log_ratio` (B, T): logp - old_logp at the current weights; `total` sums a tensor over the
     processes."""
     # P3O: ESS needs sum r, sum r^2 and n over every valid token of the optimizer batch, at the
-    # current weights;
-    # --ess_scope micro_batch leaves them to each micro-batch's own forward and keeps the batch's
-    # token count
+    # current weights; --ess_scope micro_batch leaves them to each micro-batch's own forward and
+    # keeps the batch's token count.
     if args.ess_scope == "micro_batch":
         return Stats(num_tokens=total(mask.double().sum()))
     return ess_sums(log_ratio, mask, total)
@@ -139,8 +138,8 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
 
 
 def main(args: Args):
-    # common/run.py: the processes, the run folder, the policy (+ LoRA), the reference, the data,
-    # the optimizer and the rollout engine
+    # The processes, the run folder, the policy (+ LoRA), the reference, the data, the optimizer
+    # and the rollout engine (common/run.py).
     run = setup(args)
     model = run.model
     optimizer = run.optimizer
@@ -163,8 +162,7 @@ def main(args: Args):
         mask = batch.mask  # (B, T)
         T = mask.shape[1]
 
-        # 2. Advantages (and, for a sampler/trainer mismatch, truncated or masked importance
-        # weights)
+        # 2. Advantages, and for a sampler/trainer mismatch, truncated or masked importance weights
         advantages = compute_advantages(batch.rewards, args)  # (B,)
         tis_weights = None
         if args.tis_cap > 0:

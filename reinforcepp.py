@@ -149,8 +149,8 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
 
 
 def main(args: Args):
-    # common/run.py: the processes, the run folder, the policy (+ LoRA), the reference, the data,
-    # the optimizer and the rollout engine
+    # The processes, the run folder, the policy (+ LoRA), the reference, the data, the optimizer
+    # and the rollout engine (common/run.py).
     run = setup(args)
     model = run.model
     optimizer = run.optimizer
@@ -173,8 +173,7 @@ def main(args: Args):
         mask = batch.mask  # (B, T)
         T = mask.shape[1]
 
-        # 2. Advantages (and, for a sampler/trainer mismatch, truncated or masked importance
-        # weights)
+        # 2. Advantages, and for a sampler/trainer mismatch, truncated or masked importance weights
         advantages = compute_advantages(batch.rewards, args, token_kl(batch))  # REINFORCEPP: returns
         advantages = whiten(advantages, mask, total)  # REINFORCEPP: (B, T), over the whole batch
         tis_weights = None

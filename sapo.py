@@ -110,8 +110,8 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
 
 
 def main(args: Args):
-    # common/run.py: the processes, the run folder, the policy (+ LoRA), the reference, the data,
-    # the optimizer and the rollout engine
+    # The processes, the run folder, the policy (+ LoRA), the reference, the data, the optimizer
+    # and the rollout engine (common/run.py).
     run = setup(args)
     model = run.model
     optimizer = run.optimizer
@@ -134,8 +134,7 @@ def main(args: Args):
         mask = batch.mask  # (B, T)
         T = mask.shape[1]
 
-        # 2. Advantages (and, for a sampler/trainer mismatch, truncated or masked importance
-        # weights)
+        # 2. Advantages, and for a sampler/trainer mismatch, truncated or masked importance weights
         advantages = compute_advantages(batch.rewards, args)  # (B,)
         tis_weights = None
         if args.tis_cap > 0:

@@ -100,8 +100,8 @@ def batch_stats(log_ratio, advantages, mask, args: Args, total=this_process) -> 
     w = torch.exp(u - log_wbar) * kept.flatten()  # (B,)  w_i, 0 on removed rows
     # (B,)  the min picks w_i A_i
     unclipped = w * A <= torch.clamp(w, 1 - args.epsilon, 1 + args.epsilon) * A
-    # C_g = sum_k w_k d(-min(w_k A_k, clip(w_k) A_k)) / dw_k, over n_g: SNIB-fg's gradient through
-    # wbar_g
+    # SNIB-fg's gradient through wbar_g: C_g / n_g, where
+    # C_g = sum_k w_k d(-min(w_k A_k, clip(w_k) A_k)) / dw_k
     fg_coeff = group_mean(-A * unclipped * w, n_g, G)  # (B,)
     group_ess = group_mean(w, n_g, G) ** 2 / group_mean(w**2, n_g, G).clamp(min=1e-30)  # (B,)
     num_rows = total(kept.sum().float())  # ()
@@ -166,8 +166,8 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
 
 
 def main(args: Args):
-    # common/run.py: the processes, the run folder, the policy (+ LoRA), the reference, the data,
-    # the optimizer and the rollout engine
+    # The processes, the run folder, the policy (+ LoRA), the reference, the data, the optimizer
+    # and the rollout engine (common/run.py).
     run = setup(args)
     model = run.model
     optimizer = run.optimizer
@@ -190,8 +190,7 @@ def main(args: Args):
         mask = batch.mask  # (B, T)
         T = mask.shape[1]
 
-        # 2. Advantages (and, for a sampler/trainer mismatch, truncated or masked importance
-        # weights)
+        # 2. Advantages, and for a sampler/trainer mismatch, truncated or masked importance weights
         advantages = compute_advantages(batch.rewards, args)  # (B,)
         tis_weights = None
         if args.tis_cap > 0:

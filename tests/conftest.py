@@ -126,6 +126,18 @@ def run_script(module, argv: list[str]) -> str:
     return module.main(parse_args(module.Args, argv))
 
 
+LEARNING_BARS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "learning_bars.json")
+
+
+def learning_bar(name: str) -> float:
+    """The gain in held-out accuracy an estimator's 50-step toy run must reach (its test_toy_learns): the mean gain
+    less 3 standard deviations over seeds 1-3 on both of CI's toys, as benchmarks/learning_bars.py measured them
+    (tests/data/learning_bars.json), and at least 0.04, two standard errors of a 500-prompt evaluation."""
+    with open(LEARNING_BARS) as f:
+        summary = json.load(f)["summary"][name]
+    return max(summary["mean"] - 3 * summary["std"], 0.04)
+
+
 def read_metrics(run_dir: str) -> list[dict]:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]

@@ -20,7 +20,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import read_metrics, run_script
+from conftest import learning_bar, read_metrics, run_script
 from test_snib import STALE, assert_stale_updates_agree
 from test_train import SMALL, assert_same_gradient, sgd_gradient
 
@@ -344,4 +344,4 @@ def test_toy_learns(in_toy_workdir):
                                    "--run_name", "reinforcepp_learns"])
     evals = [m["eval/accuracy"] for m in read_metrics(run) if "eval/accuracy" in m]
     assert len(evals) == 3
-    assert evals[-1] >= evals[0] + 0.04, evals
+    assert evals[-1] >= evals[0] + learning_bar("reinforcepp"), evals

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, launch, read_metrics, run_script, subprocess_env
+from conftest import REPO, launch, learning_bar, read_metrics, run_script, subprocess_env
 from safetensors.torch import load_file
 
 import grpo
@@ -295,7 +295,7 @@ def test_toy_learns(in_toy_workdir):
     run = run_script(grpo, ["--preset", "toy", "--total_steps", "50", "--eval_steps", "25", "--run_name", "learns"])
     evals = [m["eval/accuracy"] for m in read_metrics(run) if "eval/accuracy" in m]
     assert len(evals) == 3
-    assert evals[-1] >= evals[0] + 0.04, evals
+    assert evals[-1] >= evals[0] + learning_bar("grpo"), evals
 
 
 def test_a_reward_function_that_never_returns_stops_the_run_naming_it(toy_workdir, tmp_path):
