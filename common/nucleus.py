@@ -14,17 +14,35 @@ is needed. The entropy is that distribution's too, -sum over the set of p log p,
 
 import torch
 
+# The kept set is looked for among the NUCLEUS_TOPK most probable tokens first (a partial sort): a
+# model's nucleus at top_p 0.9 is mostly far smaller; a position whose set is larger is sorted
+# whole.
+NUCLEUS_TOPK = 1024
+
 
 def nucleus_floor(log_p: torch.Tensor, top_p: float) -> torch.Tensor:
     """(...,) the least log-prob kept by sampling at `top_p`, of log_p (..., V) = log softmax(z).
 
     The kept set is the smallest set of tokens, by descending probability, whose probability reaches
     top_p, tested as SeededSampler (common/rollout.py) tests it. {v : log_p_v >= floor} is that set
-    (with any token tied with its least, where the sampler's sort would pick one of them)."""
-    sorted_log_p = log_p.sort(dim=-1, descending=True).values  # (..., V)
-    sorted_p = sorted_log_p.exp()  # (..., V)
-    drop = sorted_p.cumsum(-1) - sorted_p >= top_p  # (..., V) the mass before it reaches top_p
-    return sorted_log_p.masked_fill(drop, float("inf")).amin(-1)  # (...,)
+    (with any token tied with its least, where the sampler's sort would pick one of them). Looked
+    for among each position's NUCLEUS_TOPK most probable tokens (a sort of those alone); the
+    positions whose set is larger are sorted whole."""
+    k = min(NUCLEUS_TOPK, log_p.shape[-1])
+    floor, complete = sorted_floor(log_p.topk(k, dim=-1).values, top_p)  # (...,) each
+    if k < log_p.shape[-1] and not complete.all():
+        rest = ~complete  # (...,) positions whose kept set may hold more than k tokens
+        floor[rest] = sorted_floor(log_p[rest].sort(dim=-1, descending=True).values, top_p)[0]
+    return floor
+
+
+def sorted_floor(sorted_log_p: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(floor, complete), (...,) each, from the most probable tokens' log-probs in descending order
+    (..., k): the least kept log-prob among them, and whether the kept set ends before the k-th
+    (the k-th is dropped: so is every token after it)."""
+    sorted_p = sorted_log_p.exp()  # (..., k)
+    drop = sorted_p.cumsum(-1) - sorted_p >= top_p  # (..., k) the mass before it reaches top_p
+    return sorted_log_p.masked_fill(drop, float("inf")).amin(-1), drop[..., -1]
 
 
 def nucleus_forward(log_p, targets, top_p: float, nucleus: torch.Tensor):

@@ -511,13 +511,14 @@ def toy_tokenizer(toy_workdir):
     return AutoTokenizer.from_pretrained(os.path.join(toy_workdir, TOY_DIR, "model"))
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("temperature, topk", [(1.0, None), (0.7, None), (1.0, 3)])
 def test_top_p_log_probs_of_sampled_tokens_are_the_sampled_distributions(
-        toy_model, toy_tokenizer, path, temperature):
+        monkeypatch, toy_model, toy_tokenizer, path, temperature, topk):
     """Issue 55: the toy's completions at top_p 0.9, as the HF engine samples them. At every
     sampled token the trainer's log-prob (and entropy, and their gradients) are those of
     softmax(logits / T) renormalised over the kept set, computed independently
-    (naive_nucleus_logprobs), and the sampler reports the same log-prob."""
+    (naive_nucleus_logprobs), and the sampler reports the same log-prob. With `topk` 3 the kept
+    sets are looked for among the 3 most probable tokens first, and some are larger."""
     from accelerate import Accelerator
 
     from common.rollout import HFEngine
@@ -533,7 +534,11 @@ def test_top_p_log_probs_of_sampled_tokens_are_the_sampled_distributions(
     attention = torch.cat([prompt_tokens, mask], dim=1)
     T, m = mask.shape[1], mask.bool()
     batch = (input_ids, attention, mask)
+    if topk:
+        monkeypatch.setattr(common.nucleus, "NUCLEUS_TOPK", topk)
     want, _, in_nucleus, kept = assert_nucleus_same_as_naive(toy_model, batch, T, temperature)
+    if topk:
+        assert (kept[m] < topk).any() and (kept[m] >= topk).any()  # both ways to find the floor
     assert in_nucleus[m].all()  # every sampled token lies in the kept set the naive form finds
     assert (kept[m] > 1).any()  # the kept sets are not all one token
     assert (kept[m] < toy_model.config.vocab_size).all()  # nor the whole vocabulary
@@ -547,19 +552,25 @@ def test_top_p_log_probs_of_sampled_tokens_are_the_sampled_distributions(
     assert (full[m] - want[m]).abs().max() > 0.05
 
 
-@pytest.mark.parametrize("chunk", ["default", "positions"])
+@pytest.mark.parametrize("chunk", ["default", "positions", "partial"])
 def test_top_p_matches_naive_on_a_large_vocabulary(monkeypatch, chunk, path):
     """A random model in fp64 (V = 32,000, near-uniform: the kept sets hold about 90% of the
     vocabulary), random completion tokens, some outside their position's kept set (the trainer
     keeps them; naive_nucleus_logprobs adds them too), chunks that line up with neither rows nor
-    the last position."""
+    the last position ("positions"); "partial": the kept sets are looked for among as many of the
+    most probable tokens as the median set holds first, so some are found there, some not."""
     V, T = 32_000, 9
     if chunk == "positions":
         monkeypatch.setattr(common.logprobs, "LOGPROB_CHUNK_ELEMENTS", 4 * V + 7)
     model = tiny_model(V, torch.float64)
     batch = make_batch(V, 5, 4, T)
-    _, _, in_nucleus, kept = assert_nucleus_same_as_naive(model, batch, T, 0.8)
     m = batch[2].bool()
+    if chunk == "partial":
+        with torch.no_grad():
+            sizes = naive_nucleus_logprobs(model, *batch[:2], T, 0.8, TOP_P)[3][m]
+        monkeypatch.setattr(common.nucleus, "NUCLEUS_TOPK", int(sizes.median()))
+        assert (sizes < int(sizes.median())).any()
+    _, _, in_nucleus, kept = assert_nucleus_same_as_naive(model, batch, T, 0.8)
     assert not in_nucleus[m].all() and in_nucleus[m].any()
     assert (kept[m] < V).all()
 
