@@ -184,7 +184,9 @@ def main(args: Args):
                     attention = batch.attention_mask[rows]  # (b, P+T)
                     with accelerator.accumulate(model):
                         logp, entropy = completion_logprobs(
-                            model, input_ids, attention, T, args.temperature, args.entropy_coeff > 0  # P3O:
+                            model, input_ids, attention, T, args.temperature,
+                            args.entropy_coeff > 0,  # P3O: the bonus needs the entropy's gradient
+                            top_p=args.top_p,
                         )
                         if run.on_policy:  # these weights sampled the batch: old is current
                             batch.old_logp[rows] = logp.detach()

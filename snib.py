@@ -212,7 +212,8 @@ def main(args: Args):
                     attention = batch.attention_mask[rows]  # (b, P+T)
                     with accelerator.accumulate(model):
                         logp, entropy = completion_logprobs(
-                            model, input_ids, attention, T, args.temperature
+                            model, input_ids, attention, T, args.temperature,
+                            top_p=args.top_p,
                         )
                         if run.on_policy:  # these weights sampled the batch: old is current
                             batch.old_logp[rows] = logp.detach()

@@ -7,6 +7,11 @@ and, where the model's head allows it, no (B, T, V) logits at all.
     TokenLogprobs  from logits the model made, for heads HeadLogprobs cannot stand in for (fused_head says which).
     completion_logprobs   a batch's completion tokens: picks between them, runs the forward on the columns the rows
                           use, and (no-grad passes) shares each prompt's forward among its G completions
+
+With top_p < 1 the policy is the distribution the sampler draws from: softmax(logits / T)
+renormalised over each position's kept set (common.nucleus). The log-prob is z_y - logsumexp(z over
+the kept set), the entropy that distribution's, both recomputed from the trainer's own logits. At
+top_p = 1 none of this runs.
 """
 
 import contextlib
@@ -68,7 +73,8 @@ def head_pairs(head, x: torch.Tensor) -> list[torch.Tensor]:
 
 
 @contextlib.contextmanager
-def head_logprobs(head, targets: torch.Tensor, mask: torch.Tensor, temperature: float, entropy_grad: bool):
+def head_logprobs(head, targets: torch.Tensor, mask: torch.Tensor, temperature: float,
+                  entropy_grad: bool, top_p: float = 1.0):
     """For one forward of the model: its head, given the hidden states of the last T + 1 positions (logits_to_keep),
     returns (B, T, 2) [logp, entropy] of `targets` (B, T) where `mask` (B, T) is set, and 0 elsewhere, in place of
     the (B, T + 1, V) logits. The result is the head's output, so hooks on the head's outputs (ZeRO-3's gather
@@ -78,7 +84,9 @@ def head_logprobs(head, targets: torch.Tensor, mask: torch.Tensor, temperature: 
     def forward(hidden):  # (B, T + 1, D)
         keep = mask.bool()  # (B, T)
         x = hidden[:, :T][keep]  # (N, D) only completion tokens: padding costs nothing in the head
-        logp, entropy = HeadLogprobs.apply(targets[keep], temperature, entropy_grad, *head_pairs(head, x))  # (N,)
+        pairs = head_pairs(head, x)
+        logp, entropy = HeadLogprobs.apply(targets[keep], temperature, entropy_grad, top_p,
+                                           *pairs)  # (N,) each
         out = logp.new_zeros(*targets.shape, 2)  # (B, T, 2)
         return out.index_put((keep,), torch.stack([logp, entropy], dim=-1))  # (B, T, 2)
 
@@ -99,24 +107,34 @@ class HeadLogprobs(torch.autograd.Function):
         dh_k = g W_k,   dW_k = sum over chunks of g^T h_k   (accumulated in fp32 at least, cast once at the end)
 
     g is cast to each weight's dtype before its matmuls, as nn.Linear's backward receives the logits' gradient in
-    the logits' dtype. Inputs: targets (N,), temperature, entropy_grad, then h_1 (N, D_1), W_1 (V, D_1), h_2, W_2, ...
+    the logits' dtype. Inputs: targets (N,), temperature, entropy_grad, top_p, then h_1 (N, D_1),
+    W_1 (V, D_1), h_2, W_2, ... With top_p < 1, p is renormalised over each position's kept set
+    (common.nucleus) and is 0 outside it, in the log-prob, the entropy and both derivatives; the
+    kept set's floor and log-mass are saved, (N,) each.
     """
 
     @staticmethod
-    def forward(ctx, targets, temperature, entropy_grad, *pairs):
+    def forward(ctx, targets, temperature, entropy_grad, top_p, *pairs):
         hiddens, weights = pairs[0::2], pairs[1::2]
         N, V = targets.shape[0], weights[0].shape[0]
         ctx.dtype = torch.promote_types(weights[0].dtype, torch.float32)
         logp = torch.empty(N, device=targets.device, dtype=ctx.dtype)  # (N,)
         entropy, lse = torch.empty_like(logp), torch.empty_like(logp)  # (N,)
+        width = N if top_p < 1 else 0
+        nucleus = logp.new_empty(2, width)  # the kept sets' floor and log-mass
         for c in _chunks(N, V):
             log_p = _chunk_logits(hiddens, weights, c, ctx.dtype).div_(temperature)  # (n, V) z
             lse[c] = torch.logsumexp(log_p, dim=-1)  # (n,)
             log_p.sub_(lse[c, None])  # (n, V) log p
-            logp[c] = log_p.gather(-1, targets[c, None])[:, 0]
-            entropy[c] = -(log_p.exp().mul_(log_p)).sum(-1)
-        ctx.save_for_backward(targets, lse, entropy, *pairs)
-        ctx.temperature = temperature
+            if top_p < 1:
+                from common.nucleus import nucleus_forward
+
+                logp[c], entropy[c] = nucleus_forward(log_p, targets[c], top_p, nucleus[:, c])
+            else:
+                logp[c] = log_p.gather(-1, targets[c, None])[:, 0]
+                entropy[c] = -(log_p.exp().mul_(log_p)).sum(-1)
+        ctx.save_for_backward(targets, lse, entropy, nucleus, *pairs)
+        ctx.temperature, ctx.top_p = temperature, top_p
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None: skip its term
         if not entropy_grad:
             ctx.mark_non_differentiable(entropy)
@@ -124,16 +142,21 @@ class HeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        targets, lse, entropy, *pairs = ctx.saved_tensors
+        targets, lse, entropy, nucleus, *pairs = ctx.saved_tensors
         hiddens, weights = pairs[0::2], pairs[1::2]
-        needs = ctx.needs_input_grad[3:]  # per entry of pairs
+        needs = ctx.needs_input_grad[4:]  # per entry of pairs
         N, V = targets.shape[0], weights[0].shape[0]
         grad_h = [torch.empty_like(h) if needs[2 * k] else None for k, h in enumerate(hiddens)]  # (N, D_k)
         grad_w = [torch.zeros(w.shape, device=w.device, dtype=torch.promote_types(w.dtype, torch.float32))
                   if needs[2 * k + 1] else None for k, w in enumerate(weights)]  # (V, D_k)
         for c in _chunks(N, V):
             log_p = _chunk_logits(hiddens, weights, c, ctx.dtype).div_(ctx.temperature).sub_(lse[c, None])  # (n, V)
-            p = log_p.exp()  # (n, V)
+            if ctx.top_p < 1:  # log p and p of the kept set's distribution (0 outside it)
+                from common.nucleus import nucleus_backward
+
+                p = nucleus_backward(log_p, targets[c], nucleus[:, c])  # (n, V)
+            else:
+                p = log_p.exp()  # (n, V)
             if grad_logp is not None:
                 g = p.mul(grad_logp[c, None]).neg_()  # (n, V) d/dz
                 g.scatter_add_(-1, targets[c, None], grad_logp[c, None])
@@ -150,7 +173,7 @@ class HeadLogprobs(torch.autograd.Function):
                     grad_w[k].addmm_(g_k.t().to(grad_w[k].dtype), h[c].to(grad_w[k].dtype))  # (V, D_k)
         grads = [x for k in range(len(hiddens)) for x in (grad_h[k], None if grad_w[k] is None
                                                           else grad_w[k].to(weights[k].dtype))]
-        return None, None, None, *grads
+        return None, None, None, None, *grads
 
 
 def _chunk_logits(hiddens, weights, c: slice, dtype: torch.dtype) -> torch.Tensor:
@@ -176,25 +199,34 @@ class TokenLogprobs(torch.autograd.Function):
 
         d logp_t / dz = onehot(y) - p,    d H_t / dz = -p * (log p + H_t),    d/dlogits = d/dz / T
 
+    With top_p < 1, p is each position's kept set's, renormalised, 0 outside it (as HeadLogprobs).
     Against log_softmax over (B, T, V) in fp32 (the naive form), this keeps no fp32 copy of the logits for the
     backward and no full-size fp32 gradient. The logits themselves are made by the model's forward: the path for
     heads that HeadLogprobs cannot replace (fused_head).
     """
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature, entropy_grad, overwrite_logits=False):
+    def forward(ctx, logits, targets, temperature, entropy_grad, overwrite_logits=False, top_p=1.0):
         B, T = targets.shape  # logits (B, >= T, V): position t < T predicts targets[:, t]
         ctx.dtype = torch.promote_types(logits.dtype, torch.float32)  # fp32 (fp64 stays fp64: gradcheck)
         logp = torch.empty(B, T, device=logits.device, dtype=ctx.dtype)  # (B, T)
         entropy, lse = torch.empty_like(logp), torch.empty_like(logp)  # (B, T)
+        shape = (2, B, T) if top_p < 1 else (2, 0, 0)
+        nucleus = logp.new_empty(shape)  # the kept sets' floor and log-mass
         for rows, pos in _position_chunks(B, T, logits.shape[-1]):
             log_p = logits[rows, pos].to(ctx.dtype, copy=True).div_(temperature)  # (b, t, V) z
             lse[rows, pos] = torch.logsumexp(log_p, dim=-1)  # (b, t)
             log_p.sub_(lse[rows, pos, None])  # (b, t, V) log p = z - logsumexp(z)
-            logp[rows, pos] = log_p.gather(-1, targets[rows, pos, None])[..., 0]
-            entropy[rows, pos] = -(log_p.exp().mul_(log_p)).sum(-1)
-        ctx.save_for_backward(logits, targets, lse, entropy)
-        ctx.temperature, ctx.overwrite_logits = temperature, overwrite_logits
+            if top_p < 1:
+                from common.nucleus import nucleus_forward
+
+                kept = nucleus_forward(log_p, targets[rows, pos], top_p, nucleus[:, rows, pos])
+                logp[rows, pos], entropy[rows, pos] = kept
+            else:
+                logp[rows, pos] = log_p.gather(-1, targets[rows, pos, None])[..., 0]
+                entropy[rows, pos] = -(log_p.exp().mul_(log_p)).sum(-1)
+        ctx.save_for_backward(logits, targets, lse, entropy, nucleus)
+        ctx.temperature, ctx.overwrite_logits, ctx.top_p = temperature, overwrite_logits, top_p
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None: skip its term
         if not entropy_grad:
             ctx.mark_non_differentiable(entropy)
@@ -202,14 +234,19 @@ class TokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        logits, targets, lse, entropy = ctx.saved_tensors
+        logits, targets, lse, entropy, nucleus = ctx.saved_tensors
         B, T = targets.shape
         grad = logits if ctx.overwrite_logits else torch.empty_like(logits)  # (B, T + 1, V) model dtype
         grad[:, T:] = 0  # the unused last position; a chunk's logits are read before its gradient is written
         for rows, pos in _position_chunks(B, T, logits.shape[-1]):
             log_p = logits[rows, pos].to(ctx.dtype, copy=True).div_(ctx.temperature)  # (b, t, V) z
             log_p.sub_(lse[rows, pos, None])  # (b, t, V) log p
-            p = log_p.exp()  # (b, t, V)
+            if ctx.top_p < 1:  # log p and p of the kept set's distribution (0 outside it)
+                from common.nucleus import nucleus_backward
+
+                p = nucleus_backward(log_p, targets[rows, pos], nucleus[:, rows, pos])  # (b, t, V)
+            else:
+                p = log_p.exp()  # (b, t, V)
             if grad_logp is not None:
                 g = p.mul(grad_logp[rows, pos, None]).neg_()  # (b, t, V) d/dz
                 g.scatter_add_(-1, targets[rows, pos, None], grad_logp[rows, pos, None])
@@ -218,7 +255,7 @@ class TokenLogprobs(torch.autograd.Function):
             if grad_entropy is not None:
                 g.sub_(log_p.add_(entropy[rows, pos, None]).mul_(p).mul_(grad_entropy[rows, pos, None]))
             grad[rows, pos] = g.div_(ctx.temperature)
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 def _position_chunks(B: int, T: int, V: int):
@@ -232,10 +269,13 @@ def _position_chunks(B: int, T: int, V: int):
 
 
 def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int,
-                        temperature: float, entropy_grad: bool = False,
-                        share_prompts: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                        temperature: float, entropy_grad: bool = False, share_prompts: bool = False,
+                        top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of each completion token under softmax(logits / T), and the entropy there (with its
-    gradient only if `entropy_grad`: an entropy bonus needs it, logging does not).
+    gradient only if `entropy_grad`: an entropy bonus needs it, logging does not). With `top_p` < 1,
+    under the distribution the sampler draws from: softmax(logits / T) renormalised over each
+    position's kept set (common.nucleus), recomputed from these logits, so that their gradients are
+    exact (docs/rollouts.md).
 
     input_ids = [left-padded prompt | right-padded completion], (B, P + T). Returns two (B, T) in fp32, 0 at padding.
     The forward runs on the columns these rows use (the longest prompt and completion among them: rows of similar
@@ -262,7 +302,10 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     start = 0 if cache is None else P_b - 1  # with the prompts' cache, run from each prompt's last token on
     targets, head = input_ids[:, -T_b:], fused_head(model)  # (B, T_b)
     entropy_grad = entropy_grad and torch.is_grad_enabled()
-    with contextlib.nullcontext() if head is None else head_logprobs(head, targets, mask, temperature, entropy_grad):
+    fused = None
+    if head is not None:
+        fused = head_logprobs(head, targets, mask, temperature, entropy_grad, top_p)
+    with contextlib.nullcontext() if fused is None else fused:
         out = model(input_ids=input_ids[:, start:], attention_mask=attention_mask, position_ids=position_ids[:, start:],
                     past_key_values=cache, use_cache=cache is not None,
                     logits_to_keep=T_b + 1).logits  # head: (B, T_b, 2); else (B, T_b + 1, V), t < T_b predicts token t
@@ -271,7 +314,7 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
         entropy = entropy if entropy_grad else entropy.detach()  # its gradient is 0 anyway (HeadLogprobs)
     else:  # nothing else holds these logits: the backward may overwrite them with their gradient (a second
         # backward through a retained graph then fails with autograd's in-place error instead of a wrong gradient)
-        logp, entropy = TokenLogprobs.apply(out, targets, temperature, entropy_grad, True)
+        logp, entropy = TokenLogprobs.apply(out, targets, temperature, entropy_grad, True, top_p)
         logp, entropy = logp * mask, entropy * mask  # (B, T_b) 0 at padding, as the head's path gives
     if T_b >= T:  # back to the batch's T columns
         return logp[:, :T], entropy[:, :T]

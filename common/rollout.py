@@ -35,7 +35,8 @@ class SeededSampler(LogitsProcessor):
 
     argmax(log p + Gumbel) is an exact sample from p, so `generate` runs greedy on our scores and
     each row's draws come from its own seed: batching cannot change them. Also records the
-    log-prob under softmax(logits / T) of each chosen token (the trainer's definition of logp).
+    log-prob of each chosen token under the distribution it was drawn from, the trainer's definition
+    of logp: softmax(logits / T), renormalised over the kept set when top_p < 1.
     """
 
     def __init__(self, seeds: list[int], temperature: float, top_p: float, device: torch.device | str = "cpu"):
@@ -58,6 +59,7 @@ class SeededSampler(LogitsProcessor):
             sorted_logp, order = logp.sort(dim=-1, descending=True)
             drop = sorted_logp.exp().cumsum(-1) - sorted_logp.exp() >= self.top_p  # (B, V)
             logp = logp.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+            self.last_logp = torch.log_softmax(logp, dim=-1)  # (B, V) the kept set's distribution
         uniform = torch.stack([torch.rand(logp.shape[-1], generator=g, device=logp.device) for g in self.generators])
         gumbel = -torch.log(-torch.log(uniform.clamp(min=1e-20)))  # (B, V)
         return logp + gumbel

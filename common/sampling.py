@@ -115,9 +115,9 @@ def old_and_reference_logprobs(run, batch: Batch, metrics: dict) -> tuple[torch.
         if args.beta == 0:
             return old_logp, None
         if run.ref_model is not None:
-            return old_logp, logprobs_of(run, run.ref_model, batch)  # (B, T)
+            return old_logp, logprobs_of(run, run.ref_model, batch, top_p=1.0)  # (B, T)
         with run.accelerator.unwrap_model(run.model).disable_adapter():  # LoRA: the base model is the reference
-            return old_logp, logprobs_of(run, run.model, batch)  # (B, T)
+            return old_logp, logprobs_of(run, run.model, batch, top_p=1.0)  # (B, T)
 
 
 def log_ratio_now(run, batch: Batch, rows: slice) -> torch.Tensor:
@@ -137,16 +137,22 @@ def current_and_old_logprobs(run, batch: Batch, rows: slice) -> tuple[torch.Tens
     return logp_now, batch.old_logp[rows]
 
 
-def logprobs_of(run, net, batch: Batch, rows: slice | None = None) -> torch.Tensor:
-    """(rows, T) log-probs of the completions under `net`, without gradient: --logprob_batch_size rows per forward,
-    of similar lengths; the rows of a prompt share one forward of it (unless the weights are sharded)."""
+def logprobs_of(run, net, batch: Batch, rows: slice | None = None,
+                top_p: float | None = None) -> torch.Tensor:
+    """(rows, T) log-probs of the completions under `net`, without gradient: --logprob_batch_size
+    rows per forward, of similar lengths; the rows of a prompt share one forward of it (unless the
+    weights are sharded). `top_p` (default --top_p): the policy's log-probs are those of the
+    distribution sampled, renormalised over each position's kept set when top_p < 1; the
+    reference's are its full softmax's (top_p=1.0: docs/rollouts.md says why)."""
     rows = slice(0, run.local_rows) if rows is None else rows
+    top_p = run.args.top_p if top_p is None else top_p
     share = not sharded_parameters(run.accelerator)
     size = run.args.logprob_batch_size or run.args.micro_batch_size
     with torch.no_grad():
         buckets = length_buckets(batch.completion_tokens[rows], size, offset=rows.start)  # similar lengths
-        logp = torch.cat([completion_logprobs(net, batch.input_ids[s], batch.attention_mask[s],
-                                              batch.mask.shape[1], run.args.temperature, share_prompts=share)[0]
+        T, temperature = batch.mask.shape[1], run.args.temperature
+        logp = torch.cat([completion_logprobs(net, batch.input_ids[s], batch.attention_mask[s], T,
+                                              temperature, share_prompts=share, top_p=top_p)[0]
                           for s in buckets])  # (rows, T) by bucket
         return logp[torch.cat(buckets).argsort()]  # (rows, T) in row order
 

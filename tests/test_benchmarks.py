@@ -187,6 +187,31 @@ def test_learning_bars_runs_and_resumes(toy_workdir, tmp_path, monkeypatch):
     assert learning_bars.main(argv) == first and metrics.stat().st_mtime_ns == stamp  # read, not run again
 
 
+def test_the_learning_bars_are_the_studys_figures():
+    """tests/data/learning_bars.json, whose bars the learning tests read (conftest.learning_bar), is what
+    benchmarks/learning_bars.py wrote: each estimator's mean and std are its runs' (3 seeds on each of CI's two
+    toys), and every estimator the learning tests name has one."""
+    import statistics
+
+    from conftest import LEARNING_BARS, learning_bar
+
+    from evals import ALGORITHMS
+
+    with open(LEARNING_BARS) as f:
+        data = json.load(f)
+    names = {"covpo_clip", "covpo_kl", *(a for a in ALGORITHMS if a != "covpo")}
+    assert set(data["summary"]) == names
+    for name, summary in data["summary"].items():
+        runs = [r for r in data["runs"] if r["name"] == name]
+        assert sorted((r["toy"], r["seed"]) for r in runs) == sorted((t, s) for t in ("toy", "toy_seed1")
+                                                                       for s in (1, 2, 3)), name
+        gains = [r["gain"] for r in runs]
+        assert summary["gains"] == gains
+        assert summary["mean"] == pytest.approx(statistics.mean(gains), abs=1e-12)
+        assert summary["std"] == pytest.approx(statistics.stdev(gains), abs=1e-12)
+        assert learning_bar(name) == max(summary["mean"] - 3 * summary["std"], 0.04)
+
+
 def test_server_overlap_runs_small():
     from benchmarks import server_overlap
 

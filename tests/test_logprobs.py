@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import common.logprobs
+import common.nucleus
 from benchmarks.logprobs_memory import make_batch, naive_completion_logprobs, tiny_model
 from common.batch import pad_rows
 from common.logprobs import HeadLogprobs, TokenLogprobs, completion_logprobs, fused_head, length_buckets
@@ -199,7 +200,7 @@ def test_head_gradcheck_in_double_precision(monkeypatch, which, pairs):
     inputs = [t.requires_grad_() for t in inputs[:2 * pairs]]
 
     def f(*tensors):
-        logp, entropy = HeadLogprobs.apply(targets, 0.7, which != "logp", *tensors)
+        logp, entropy = HeadLogprobs.apply(targets, 0.7, which != "logp", 1.0, *tensors)
         return {"logp": (logp,), "entropy": (entropy,), "both": (logp, entropy)}[which]
 
     assert torch.autograd.gradcheck(f, tuple(inputs))
@@ -438,3 +439,193 @@ def test_no_buffer_is_read_before_it_is_written(monkeypatch, path, entropy_grad)
     for want, got in [(clean[0], logp), (clean[1], entropy)] + [(clean[2][n], grads[n]) for n in clean[2]]:
         assert torch.isfinite(got).all()
         assert torch.equal(got, want)
+
+
+
+# -------------------------------------------------- top_p < 1: the distribution that was sampled
+
+TOP_P = 0.9
+
+
+def naive_nucleus_logprobs(model, input_ids, attention_mask, T, temperature, top_p):
+    """The sampled distribution's log-probs, entropies and kept sets the plain way.
+
+    The full logits, a log-softmax over (B, T, V), a sort and a cumsum for each position's kept
+    set (the sampler's rule), the target added to it (completion_logprobs always keeps it), then a
+    log-softmax over the kept set. Autograd differentiates it: the kept set is a boolean, so its
+    gradient is that of the log-sum-exp over the set."""
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   logits_to_keep=T + 1).logits[:, :-1]  # (B, T, V)
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature  # (B, T, V)
+    all_logp = torch.log_softmax(z, dim=-1)  # (B, T, V)
+    sorted_logp, order = all_logp.sort(dim=-1, descending=True)
+    sorted_p = sorted_logp.exp()
+    drop = sorted_p.cumsum(-1) - sorted_p >= top_p  # (B, T, V) in sorted order
+    nucleus = ~drop.scatter(-1, order, drop)  # (B, T, V) in vocabulary order
+    targets = input_ids[:, -T:, None]  # (B, T, 1)
+    kept = nucleus.scatter(-1, targets, True)  # (B, T, V)
+    kept_logp = torch.log_softmax(z.masked_fill(~kept, float("-inf")), dim=-1)  # (B, T, V)
+    logp = kept_logp.gather(-1, targets)[..., 0]  # (B, T)
+    entropy = -(kept_logp.exp() * kept_logp.masked_fill(~kept, 0)).sum(-1)  # (B, T)
+    in_nucleus = nucleus.gather(-1, targets)[..., 0]  # (B, T)
+    return logp, entropy, in_nucleus, nucleus.sum(-1)
+
+
+def assert_nucleus_same_as_naive(model, batch, T, temperature, tol=TOL):
+    """Values at completion tokens, with and without gradient, and every parameter's gradient of
+    an arbitrary weighted sum of logp and entropy, against naive_nucleus_logprobs."""
+    input_ids, attention_mask, mask = batch
+    weights = torch.randn(2, *mask.shape, generator=torch.Generator().manual_seed(1))  # (2, B, T)
+    weights = weights.to(torch.promote_types(model.dtype, torch.float32))
+
+    def grads(logp, entropy):
+        model.zero_grad()
+        ((weights[0] * logp + weights[1] * entropy) * mask).sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want = naive_nucleus_logprobs(model, input_ids, attention_mask, T, temperature, TOP_P)
+    want_grads = grads(*want[:2])
+    got = completion_logprobs(model, input_ids, attention_mask, T, temperature,
+                              entropy_grad=True, top_p=TOP_P)
+    got_grads = grads(*got)
+    m = mask.bool()
+    torch.testing.assert_close(got[0][m], want[0][m].detach(), **tol)
+    torch.testing.assert_close(got[1][m], want[1][m].detach(), **tol)
+    assert got_grads.keys() == want_grads.keys() and len(got_grads) > 0
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], **tol,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+    with torch.no_grad():  # the old-policy passes, prompts shared
+        lp, ent = completion_logprobs(model, input_ids, attention_mask, T, temperature,
+                                      share_prompts=True, top_p=TOP_P)
+    torch.testing.assert_close(lp[m], want[0][m].detach(), **tol)
+    torch.testing.assert_close(ent[m], want[1][m].detach(), **tol)
+    return want
+
+
+@pytest.fixture(scope="module")
+def toy_tokenizer(toy_workdir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(os.path.join(toy_workdir, TOY_DIR, "model"))
+
+
+@pytest.mark.parametrize("temperature, topk", [(1.0, None), (0.7, None), (1.0, 3)])
+def test_top_p_log_probs_of_sampled_tokens_are_the_sampled_distributions(
+        monkeypatch, toy_model, toy_tokenizer, path, temperature, topk):
+    """Issue 55: the toy's completions at top_p 0.9, as the HF engine samples them. At every
+    sampled token the trainer's log-prob (and entropy, and their gradients) are those of
+    softmax(logits / T) renormalised over the kept set, computed independently
+    (naive_nucleus_logprobs), and the sampler reports the same log-prob. With `topk` 3 the kept
+    sets are looked for among the 3 most probable tokens first, and some are larger."""
+    from accelerate import Accelerator
+
+    from common.rollout import HFEngine
+
+    engine = HFEngine(toy_tokenizer, Accelerator(cpu=True))
+    prompts = [toy_tokenizer(p)["input_ids"] for p in ["1+2=", "45+67=", "9+9=", "12+88="]] * 4
+    ids, sampler = engine.generate(toy_model, prompts, list(range(len(prompts))), max_tokens=8,
+                                   temperature=temperature, top_p=TOP_P)
+    pad = toy_tokenizer.pad_token_id
+    mask = pad_rows([[1] * len(c) for c in ids], 0)  # (B, T)
+    input_ids = torch.cat([pad_rows(prompts, pad, left=True), pad_rows(ids, pad)], dim=1)
+    prompt_tokens = pad_rows([[1] * len(p) for p in prompts], 0, left=True)
+    attention = torch.cat([prompt_tokens, mask], dim=1)
+    T, m = mask.shape[1], mask.bool()
+    batch = (input_ids, attention, mask)
+    if topk:
+        monkeypatch.setattr(common.nucleus, "NUCLEUS_TOPK", topk)
+    want, _, in_nucleus, kept = assert_nucleus_same_as_naive(toy_model, batch, T, temperature)
+    if topk:
+        assert (kept[m] < topk).any() and (kept[m] >= topk).any()  # both ways to find the floor
+    assert in_nucleus[m].all()  # every sampled token lies in the kept set the naive form finds
+    assert (kept[m] > 1).any()  # the kept sets are not all one token
+    assert (kept[m] < toy_model.config.vocab_size).all()  # nor the whole vocabulary
+    with torch.no_grad():
+        full, _ = completion_logprobs(toy_model, input_ids, attention, T, temperature)
+        trainer, _ = completion_logprobs(toy_model, input_ids, attention, T, temperature,
+                                         top_p=TOP_P)
+    sampler = pad_rows(sampler, 0.0)  # (B, T)
+    # the tolerance of the top_p = 1 test (tests/test_common.py), which the full softmax fails
+    torch.testing.assert_close(sampler[m], trainer[m], atol=1e-4, rtol=1e-4)
+    assert (full[m] - want[m]).abs().max() > 0.05
+
+
+@pytest.mark.parametrize("chunk", ["default", "positions", "partial"])
+def test_top_p_matches_naive_on_a_large_vocabulary(monkeypatch, chunk, path):
+    """A random model in fp64 (V = 32,000, near-uniform: the kept sets hold about 90% of the
+    vocabulary), random completion tokens, some outside their position's kept set (the trainer
+    keeps them; naive_nucleus_logprobs adds them too), chunks that line up with neither rows nor
+    the last position ("positions"); "partial": the kept sets are looked for among as many of the
+    most probable tokens as the median set holds first, so some are found there, some not."""
+    V, T = 32_000, 9
+    if chunk == "positions":
+        monkeypatch.setattr(common.logprobs, "LOGPROB_CHUNK_ELEMENTS", 4 * V + 7)
+    model = tiny_model(V, torch.float64)
+    batch = make_batch(V, 5, 4, T)
+    m = batch[2].bool()
+    if chunk == "partial":
+        with torch.no_grad():
+            sizes = naive_nucleus_logprobs(model, *batch[:2], T, 0.8, TOP_P)[3][m]
+        monkeypatch.setattr(common.nucleus, "NUCLEUS_TOPK", int(sizes.median()))
+        assert (sizes < int(sizes.median())).any()
+    _, _, in_nucleus, kept = assert_nucleus_same_as_naive(model, batch, T, 0.8)
+    assert not in_nucleus[m].all() and in_nucleus[m].any()
+    assert (kept[m] < V).all()
+
+
+@pytest.mark.parametrize("which", ["logp", "entropy", "both"])
+def test_top_p_gradcheck_in_double_precision(monkeypatch, which):
+    """Both functions' backward at top_p 0.9 against finite differences (the kept sets do not move
+    within the step), chunks of 3 positions; some targets lie outside their kept set."""
+    monkeypatch.setattr(common.logprobs, "LOGPROB_CHUNK_ELEMENTS", 3 * 11)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 11, dtype=torch.float64, generator=g).mul_(2)  # (B, T + 1, V)
+    logits.requires_grad_()
+    targets = torch.randint(0, 11, (2, 4), generator=g)
+    N, D = 8, 5
+    head = [torch.randn(N, D, dtype=torch.float64, generator=g).requires_grad_(),
+            torch.randn(11, D, dtype=torch.float64, generator=g).requires_grad_()]
+
+    def pick(logp, entropy):
+        return {"logp": (logp,), "entropy": (entropy,), "both": (logp, entropy)}[which]
+
+    def token(x):
+        return pick(*TokenLogprobs.apply(x, targets, 0.7, which != "logp", False, TOP_P))
+
+    def fused(h, w):
+        return pick(*HeadLogprobs.apply(targets.flatten(), 0.7, which != "logp", TOP_P, h, w))
+
+    assert torch.autograd.gradcheck(token, (logits,))
+    assert torch.autograd.gradcheck(fused, tuple(head))
+    with torch.no_grad():
+        full, _ = TokenLogprobs.apply(logits, targets, 0.7, False)
+        kept, _ = TokenLogprobs.apply(logits, targets, 0.7, False, False, TOP_P)
+    assert (kept > full).all()  # each kept set is a proper subset: every log-prob rises
+
+
+def test_top_p_1_runs_none_of_the_nucleus_code(monkeypatch, path):
+    """top_p = 1 (the default) takes the code path of before top_p existed: the kept-set functions
+    never run, and the values and gradients are bit for bit the default's (at 0.9 they do run, so
+    the test can fail)."""
+    model = tiny_model(3_000, torch.float32)
+    batch = make_batch(3_000, 3, 4, 6)
+    weights = torch.randn(2, *batch[2].shape, generator=torch.Generator().manual_seed(1))
+    want = run(completion_logprobs, model, batch, 6, 0.8, True, weights)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a kept-set function ran at top_p = 1")
+
+    for name in ["nucleus_floor", "nucleus_forward", "nucleus_backward"]:
+        monkeypatch.setattr(common.nucleus, name, forbidden)
+
+    def at_one(*args, **kwargs):
+        return completion_logprobs(*args, **kwargs, top_p=1.0)
+
+    got = run(at_one, model, batch, 6, 0.8, True, weights)
+    for a, b in zip(got[:2], want[:2]):
+        assert torch.equal(a, b)
+    assert all(torch.equal(got[2][n], want[2][n]) for n in want[2])
+    with pytest.raises(AssertionError, match="top_p = 1"):
+        completion_logprobs(model, *batch[:2], 6, 0.8, top_p=TOP_P)

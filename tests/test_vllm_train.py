@@ -93,6 +93,17 @@ def test_sharded_weights_push_into_vllm(toy_workdir, config, kind):
     assert len(gaps) == 3 and max(gaps) < 1e-4, gaps  # steps 2 and 3 sample with weights pushed from shards
 
 
+def test_at_top_p_below_1_the_sampler_and_the_trainer_agree(toy_workdir):
+    """Issue 55: at --top_p 0.9 vLLM's processed log-probs and the trainer's (renormalised over each
+    position's kept set, the old ones from a pass of their own with --num_iterations 2) stay as
+    close as at top_p = 1 at every step, through the weight pushes."""
+    argv = SMALL + VLLM + ["--top_p", "0.9", "--num_iterations", "2", "--total_steps", "3",
+                           "--run_name", "vllm_top_p"]
+    run(toy_workdir, os.path.join(REPO, "grpo.py"), *argv)
+    metrics = read_metrics(os.path.join(toy_workdir, "runs", "vllm_top_p"))
+    gaps = [m["rollout/logp_gap_mean"] for m in metrics]
+    assert len(gaps) == 3 and max(gaps) < 1e-4, gaps
+
 def test_a_vllm_server_loads_every_synced_version_and_the_toy_learns_with_lag_2(toy_workdir, tmp_path):
     """`python -m common.serve --engine vllm` and a trainer, each a process (the filesystem transport). At lag 0
     the sampler's log-probs equal the trainer's at every step (fp32 both sides): each synced version reached vLLM.
