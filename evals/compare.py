@@ -3,18 +3,25 @@
     python -m evals.compare --preset toy --seeds 3                # every estimator
     python -m evals.compare --algos grpo,snib --preset toy --seeds 3 --extra "--num_iterations 4" --tag mu4
     python -m evals.compare --preset toy --seeds 3 --vary rollout_lag=0,1,2,4 --tag lag
+    python -m evals.compare --preset toy --seeds 3 --vary rollout_lag=0,1,2,4 --tag lag --resume   # go on with it
 
 Each run is `python <algo>.py --preset ... --seed S` in its own process (`--jobs` at a time, `--threads`
 torch threads each, default 1), written to runs/compare[-TAG]/<algo>__s<S> (with --vary: <algo>__<FLAG><V>__s<S>).
 Writes summary.md (mean +- std over seeds of the warm-start and final held-out accuracy and of wall time),
 summary.json and accuracy.png; with --vary, the final accuracy by algorithm and value, each seed's, and
 accuracy_vs_<FLAG>.png.
+
+A study survives interruptions: each finished run writes its result beside its folder (<run>.result.json), and
+--resume (with the study's own flags) reads those instead of running them again, resumes an interrupted run from its last checkpoint
+(--resume_from; one with no checkpoint yet starts anew), and runs the rest. A finished run keeps its metrics.jsonl
+and drops its checkpoints (the disk; --keep_checkpoints keeps them).
 """
 
 import importlib
 import json
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -39,6 +46,10 @@ class CompareArgs:
     jobs: int = field(default=2, metadata={"help": "runs at a time"})
     threads: int = field(default=1, metadata={"help": "torch threads of each run (jobs x threads: the cores it takes)"})
     vary: str = field(default="", metadata={"help": "FLAG=V1,V2,...: each run once per value, e.g. rollout_lag=0,1,2"})
+    resume: bool = field(default=False, metadata={
+        "help": "go on with a study: finished runs are read, interrupted ones resume from their last checkpoint"})
+    keep_checkpoints: bool = field(default=False, metadata={
+        "help": "keep a finished run's checkpoints (default: deleted, its metrics.jsonl kept)"})
 
 
 ALGOS = ALGORITHMS  # every estimator script at the project root (evals/__init__.py)
@@ -104,9 +115,9 @@ def check_compare_args(args: CompareArgs, out_dir: str) -> list[str]:
     runs = [os.path.join(out_dir, run_label(algo, seed, args, v)) for algo in algos for v in values
             for seed in range(1, args.seeds + 1)]
     used = [run for run in runs if os.path.isdir(run) and set(os.listdir(run)) - {".lock"}]
-    if used:
+    if used and not args.resume:
         problems.append(f"{used[0]} holds a run already{f' (and {len(used) - 1} more)' if len(used) > 1 else ''}; "
-                        f"pass another --tag, or delete {out_dir}")
+                        f"pass another --tag, --resume to go on with it, or delete {out_dir}")
     if problems:
         raise SystemExit("\n".join(f"error: {p}" for p in problems))
     return algos
@@ -115,6 +126,18 @@ def check_compare_args(args: CompareArgs, out_dir: str) -> list[str]:
 def run_one(algo: str, seed: int, args: CompareArgs, out_dir: str, value: str | None = None) -> dict:
     cmd = [sys.executable, os.path.join(REPO, f"{algo}.py"), *run_argv(algo, seed, args, out_dir, value)]
     run_name = os.path.join(os.path.basename(out_dir), run_label(algo, seed, args, value))
+    run_dir = os.path.join("runs", run_name)
+    result_path = run_dir + ".result.json"
+    if args.resume:
+        from common.checkpoints import latest_checkpoint
+
+        if os.path.exists(result_path):  # finished: read, not run again
+            with open(result_path) as f:
+                return json.load(f)
+        if os.path.isdir(run_dir) and latest_checkpoint(run_dir):  # interrupted: from its last checkpoint
+            cmd += ["--resume_from", run_dir]
+        elif os.path.isdir(run_dir):  # interrupted before its first checkpoint: anew
+            shutil.rmtree(run_dir)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     start = time.time()
     log_path = os.path.join("runs", run_name + ".log")
@@ -128,9 +151,14 @@ def run_one(algo: str, seed: int, args: CompareArgs, out_dir: str, value: str | 
             lines = [line.strip() for line in f if line.strip()]
         cause = next((line for line in reversed(lines) if line.startswith("error:")), lines[-1] if lines else "")
         raise SystemExit(f"error: {algo} seed {seed} failed (exit {code}): {cause[:300]} (log: {log_path})")
-    with open(os.path.join("runs", run_name, "metrics.jsonl")) as f:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         evals = [(m["step"], m["eval/accuracy"]) for m in map(json.loads, f) if "eval/accuracy" in m]
-    return {"algo": algo, "seed": seed, "value": value, "seconds": time.time() - start, "evals": evals}
+    result = {"algo": algo, "seed": seed, "value": value, "seconds": time.time() - start, "evals": evals}
+    if not args.keep_checkpoints:  # the disk: a real model's checkpoint with its optimizer is about 1 GB
+        shutil.rmtree(os.path.join(run_dir, "checkpoints"), ignore_errors=True)
+    with open(result_path, "w") as f:  # last: a run with a result file is finished
+        json.dump(result, f)
+    return result
 
 
 def mean_std(values: list[float]) -> str:

@@ -391,3 +391,30 @@ def test_evaluate_toy_model_from_the_command_line(toy_workdir, tmp_path):
     assert len(samples) == 100 and samples[0]["prompt"] == read_jsonl(toy_workdir / TOY_DIR / "test.jsonl")[0]["prompt"]
     assert [s["scores"] for s in samples] == [q["scores"] for q in toy["questions"]]
     assert "| toy | 100 |" in (out / "results.md").read_text()
+
+
+def test_a_compare_study_resumes_where_it_stopped(in_toy_workdir):
+    """evals.compare --resume: a finished run (its result file written) is read, not run again; an interrupted one
+    (a checkpoint, no result file) goes on from its checkpoint; a finished run's checkpoints are deleted, its
+    metrics.jsonl kept."""
+    from evals import compare
+
+    def study(total_steps: int, **flags):
+        extra = (f"--total_steps {total_steps} --eval_steps 1 --eval_num_prompts 8 --save_steps 1 --batch_size 16 "
+                 "--micro_batch_size 16 --logprob_batch_size 16")
+        return compare.main(compare.CompareArgs(algos="grpo", seeds=1, jobs=1, tag="resume", extra=extra, **flags))
+
+    run = os.path.join("runs", "compare-resume", "grpo__s1")
+    study(1, keep_checkpoints=True)
+    assert os.path.isdir(os.path.join(run, "checkpoints", "step_1"))
+    os.remove(run + ".result.json")  # as if the study had been stopped before the run's end was recorded
+    with pytest.raises(SystemExit, match="holds a run already; pass another --tag, --resume to go on with it"):
+        study(2)
+    study(2, resume=True)  # step 2 from the checkpoint of step 1
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        steps = [json.loads(line)["step"] for line in f]
+    assert steps == [0, 1, 2], steps  # the evaluation before training, step 1 as it was, step 2 resumed
+    assert not os.path.exists(os.path.join(run, "checkpoints")) and os.path.exists(run + ".result.json")
+    stamp = os.stat(os.path.join(run, "metrics.jsonl")).st_mtime_ns
+    study(2, resume=True)  # finished: read, not run again
+    assert os.stat(os.path.join(run, "metrics.jsonl")).st_mtime_ns == stamp
