@@ -11,10 +11,11 @@ Writes summary.md (mean +- std over seeds of the warm-start and final held-out a
 summary.json and accuracy.png; with --vary, the final accuracy by algorithm and value, each seed's, and
 accuracy_vs_<FLAG>.png.
 
-A study survives interruptions: each finished run writes its result beside its folder (<run>.result.json), and
---resume (with the study's own flags) reads those instead of running them again, resumes an interrupted run from its last checkpoint
-(--resume_from; one with no checkpoint yet starts anew), and runs the rest. A finished run keeps its metrics.jsonl
-and drops its checkpoints (the disk; --keep_checkpoints keeps them).
+A study survives interruptions: each finished run writes its result beside its folder (<run>.result.json),
+and --resume (with the study's own flags) reads those instead of running them again, resumes an
+interrupted run from its last checkpoint (--resume_from; one with no checkpoint yet starts anew), and
+runs the rest. A finished run keeps its metrics.jsonl and drops its checkpoints (the disk;
+--keep_checkpoints keeps them). A resumed run's wall time is its last process's.
 """
 
 import importlib
