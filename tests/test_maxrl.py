@@ -232,3 +232,11 @@ def test_mean_epsilon_is_1e_6_added_to_the_mean():
     rewards = torch.tensor([2e-6, 0.0, 0.0, 0.0], dtype=torch.float64)
     A = maxrl.compute_advantages(rewards, replace(ARGS, num_generations=2))
     torch.testing.assert_close(A, torch.tensor([0.5, -0.5, 0.0, 0.0], dtype=torch.float64), rtol=1e-9, atol=0)
+
+
+def test_a_group_whose_mean_reward_is_not_positive_gets_no_signal():
+    """MaxRL's zero rule, 0 where mean_g R <= 0 (prime-rl's): a group of mean exactly 0 with a spread (rewards 1 and
+    -1) would otherwise get A = +-1 / 1e-6, and a group of negative mean a sign-flipped advantage."""
+    rewards = torch.tensor([1.0, -1.0, -1.0, -3.0, 2.0, 0.0])
+    A = maxrl.compute_advantages(rewards, replace(ARGS, num_generations=2))
+    torch.testing.assert_close(A, torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, -1.0]), rtol=1e-5, atol=0)
