@@ -94,3 +94,15 @@ def test_wrapped_files_stay_under_100_columns():
             if long > MAX_LONG_SHARE * total}
     assert not over, (f"files of common/ wrapped to {MAX_COLUMNS} columns have more than "
                       f"{MAX_LONG_SHARE:.0%} of their lines past it again:\n{worst_files(over)}")
+
+
+def test_every_mutant_is_still_a_line_of_its_script():
+    """scripts/mutants.py names lines of the estimator scripts; a line rewritten since would make its mutant
+    silently inapplicable (the script refuses it): each must occur exactly once in its script."""
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    from mutants import MUTANTS
+
+    for name, line, wrong, what in MUTANTS:
+        with open(os.path.join(REPO, f"{name}.py")) as f:
+            assert f.read().count(line) == 1, (name, what, line)
+        assert wrong != line
