@@ -28,7 +28,7 @@ from common.args import preset_defaults, warn
 from common.checkpoints import latest_checkpoint
 from common.data import LOCAL_FORMATS, format_prompt, load_rows, looks_local, resolve_dataset
 from common.devices import vllm_installed
-from common.rewards import get_reward_function
+from common.rewards import call_style, get_reward_function
 
 # (field, holds, what it must be and why). Fields a script does not have are skipped, so one table
 # serves all five. An estimator's own fields declare their bounds in its Args instead:
@@ -156,7 +156,7 @@ def reward_problems(args) -> list[str]:
     problems = []
     for name in names:
         try:
-            get_reward_function(name)
+            call_style(get_reward_function(name), name)  # TRL's style or this project's
         except ValueError as e:
             problems.append(f"--reward_funcs: {str(e).splitlines()[0]}")
     if args.reward_weights is not None:
@@ -425,11 +425,14 @@ def dry_call_problems(args, funcs: list, data: dict, rows, num_rows: int = 2) ->
     if args.reward_weights:
         weights = [float(w) for w in str(args.reward_weights).split(",")]
     try:
+        # TRL-style functions: no token ids yet (empty lists), trainer_state.global_step 0
         compute_rewards(funcs, weights, rows[data["prompt_column"]], completions, columns,
-                        args.reward_timeout)
+                        args.reward_timeout, completion_ids=[[] for _ in completions], step=0)
     except (RewardError, TypeError, ValueError) as e:
+        # the sample shown on the same line: "at sample 0: prompt: '...' completion: '...'"
+        said = " ".join(line.strip() for line in str(e).splitlines())
         return [f"--reward_funcs: a trial call on the first {len(rows)} rows of {data['path']} "
-                f"failed: {str(e).splitlines()[0]}"]
+                f"failed: {said}"]
     return []
 
 

@@ -34,6 +34,8 @@ SMALL = ["--preset", "toy", "--batch_size", "16", "--num_generations", "4", "--m
 # Files a careful user might pass by mistake (written under the toy working directory, in bad/).
 BAD_FILES = {
     "empty.jsonl": "",
+    "rewards.py": "def needs_solution(completions, *, solution, **kwargs):\n    return [0.0] * len(completions)\n\n\n"
+                  "def breaks(prompts, completions, **_):\n    return [1 / 0 for _ in completions]\n",
     "notes.txt": "12+34=\n",
     "ints.jsonl": '{"prompt": 12, "answer": 46}\n{"prompt": 3, "answer": 7}\n',
     "questions.jsonl": '{"question": "1+1=", "solution": "2"}\n',
@@ -142,7 +144,19 @@ TRAIN_CASES = [
     ("grpo", ["--model", "bad/weightless"], "cannot load --model 'bad/weightless': the folder has a config.json but no "
                                             "weights"),
     ("grpo", ["--reward_funcs", "os:getcwd"],
-     "--reward_funcs: a trial call on the first 2 rows of runs/toy/train.jsonl failed: reward function 'getcwd'"),
+     "--reward_funcs: reward function 'os:getcwd' takes (); write it as TRL's def f(completions, **kwargs)"),
+    ("grpo", ["--reward_funcs", "no_such_module:fn"],
+     "No module named 'no_such_module' (Python looks in the script's folder and on PYTHONPATH); give its file "
+     "instead, e.g. path/to/no_such_module.py:fn"),
+    ("grpo", ["--reward_funcs", "bad/no_such_file.py:fn"], "cannot import reward function 'bad/no_such_file.py:fn': "
+                                                           "no such file: bad/no_such_file.py"),
+    ("grpo", ["--reward_funcs", "bad/rewards.py"], "names a file but no function in it; give both, e.g. "
+                                                   "bad/rewards.py:my_function"),
+    ("grpo", ["--reward_funcs", "bad/rewards.py:needs_solution"], "failed: reward function 'needs_solution' raised "
+                                                                  "TypeError: needs_solution() missing 1 required "
+                                                                  "keyword-only argument: 'solution'"),
+    ("grpo", ["--reward_funcs", "bad/rewards.py:breaks"], "failed: reward function 'breaks' raised ZeroDivisionError: "
+                                                          "division by zero at sample 0: prompt: "),
     ("grpo", ["--prompt_column", "question"], "has no column 'question' (its columns: prompt, answer); name the "
                                               "right one with --prompt_column"),
     ("grpo", ["--answer_column", "solution"], "name the right one with --answer_column"),
