@@ -214,7 +214,8 @@ def _reward_name(fn: RewardFn) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
 
 
-def _clip(text: str, limit: int = 200) -> str:
+def _clip(text, limit: int = 200) -> str:
+    text = text if isinstance(text, str) else str(text)  # a conversation: its messages
     return repr(text if len(text) <= limit else text[:limit] + f"... [{len(text)} chars]")
 
 

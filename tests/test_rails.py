@@ -499,7 +499,7 @@ def test_every_row_is_read_and_rows_without_answers_are_counted(workdir, capsys)
     (workdir / "bad" / "big.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     problems, _ = data_problems("--dataset", "bad/big.jsonl", None, "train", "prompt", "answer")
     assert problems == ["--dataset 'bad/big.jsonl': 1 of 25001 rows of --prompt_column 'prompt' are not text (the "
-                        "first, row 25000, is empty); prompts must be text"]
+                        "first, row 25000, is empty); prompts must be text, or lists of {'role', 'content'} messages"]
     assert data_problems("--dataset", "bad/big.jsonl", None, "train", "prompt", "answer", answers_needed=False)[0]
 
 
