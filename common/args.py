@@ -210,6 +210,7 @@ def parse_args(args_cls, argv: list[str] | None = None):
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config")
     pre.add_argument("--preset")
+    pre.add_argument("--resume_from")
     known, _ = pre.parse_known_args(argv)
     recipe = {}
     if known.config is not None:
@@ -224,13 +225,18 @@ def parse_args(args_cls, argv: list[str] | None = None):
         if unknown:
             raise SystemExit(f"error: {known.config} sets {unknown}, which are not fields of "
                              f"{args_cls.__name__}")
+    # --resume_from RUN alone: the run's own settings for every flag not given
+    resumed = resumed_args(known.resume_from, args_cls) if known.resume_from else {}
     # a recipe's preset: its defaults too
     preset = recipe.get("preset") if known.preset is None else known.preset
+    if preset is None and known.config is None:
+        preset = resumed.get("preset")
     if preset is not None and preset not in PRESET_NAMES:
         raise SystemExit(
             f"error: unknown --preset {preset!r}; choose one of {sorted(PRESET_NAMES)}")
-    # the command line wins over --config, which wins over --preset
-    defaults = {**preset_defaults(preset), **recipe}
+    # the command line wins over --config, which wins over the resumed run's settings, which win
+    # over --preset
+    defaults = {**preset_defaults(preset), **resumed, **recipe}
     script = sys.modules.get(args_cls.__module__)
     parser = ArgParser(args_cls,
                        description=((script.__doc__ or "").strip().splitlines() or [None])[0],
@@ -256,6 +262,27 @@ def parse_args(args_cls, argv: list[str] | None = None):
         if problems:
             raise SystemExit("\n".join(f"error: {p}" for p in problems))
     return args
+
+
+# settings a resume does not take from the run: the command line's own (resume_overrides: each
+# resume names its own), and the script's (exp_name: another script's run is refused, not joined)
+NOT_RESUMED = {"resume_from", "resume_overrides", "exp_name"}
+
+
+def resumed_args(path: str, args_cls) -> dict:
+    """The settings the run at `path` (a run folder, or one of its checkpoints/step_N) last started
+    with (args_history.jsonl, else args.json), for this script's fields; {} where there are none
+    (common/resume.py then says what is wrong with the path)."""
+    from common.resume import recorded_args
+
+    run_dir = path.rstrip("/")
+    if os.path.isdir(os.path.join(run_dir, "state")):  # a checkpoint: runs/X/checkpoints/step_N
+        run_dir = os.path.dirname(os.path.dirname(run_dir))
+    if not os.path.isdir(run_dir):
+        return {}
+    recorded = recorded_args(run_dir) or {}
+    fields = {f.name for f in dataclasses.fields(args_cls)}
+    return {k: v for k, v in recorded.items() if k in fields and k not in NOT_RESUMED}
 
 
 def did_you_mean(unknown: list[str], args_cls) -> str:

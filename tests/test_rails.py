@@ -657,8 +657,10 @@ def test_resume_refuses_changed_settings_unless_overridden(workdir, capsys, monk
         history = [json.loads(line) for line in f]
     assert [(h["step"], h["args"]["total_steps"], h["args"]["clip_power"]) for h in history] == [
         (0, 2, 0.5), (2, 3, 0.5), (3, 4, 0.0)]
-    # the next resume compares with the latest start: clip_power 0 is now the run's value
-    message = refusal(lambda: run_script(ctpo, SMALL + ["--total_steps", "5", "--resume_from", run]), capsys)
+    # the next resume compares with the latest start: clip_power 0 is now the run's value (a flag not given takes
+    # it: issue 52, item 3), and the script's default, given, is a change
+    message = refusal(lambda: run_script(ctpo, SMALL + ["--total_steps", "5", "--resume_from", run, "--clip_power",
+                                                        "0.5"]), capsys)
     assert "--clip_power 0.0 -> 0.5 changed" in message
 
 
@@ -766,3 +768,21 @@ def test_a_non_finite_log_prob_is_named_by_the_metrics_it_breaks(workdir, monkey
     assert exit_info.value.code == (f"error: step 1: {names}; training broke and stopped without saving these "
                                     f"weights; no checkpoint was saved before it (see --save_steps)")
     assert not os.path.exists(f"runs/nan_{where}/checkpoints")
+
+
+def test_a_run_folder_alone_resumes_with_the_run_s_settings(workdir):
+    """Issue 52, item 3: `--resume_from runs/X --total_steps 3` and nothing else takes every other setting from the
+    run (its args_history.jsonl, else args.json): not the defaults (Qwen3-4B, gsm8k)."""
+    grpo = importlib.import_module("grpo")
+    run = run_script(grpo, SMALL + ["--total_steps", "2", "--save_steps", "1", "--run_name", "alone", "--seed", "3",
+                                    "--reward_funcs", "toy_closeness"])
+    for path in (run, os.path.join(run, "checkpoints", "step_1")):  # a run folder, or one of its checkpoints
+        args = parse_args(grpo.Args, ["--resume_from", path, "--total_steps", "3"])
+        assert (args.model, args.seed, args.reward_funcs, args.batch_size) == ("runs/toy/model", 3, "toy_closeness",
+                                                                             16), args
+    assert run_script(grpo, ["--resume_from", run, "--total_steps", "3"]) == run
+    assert [m["step"] for m in read_metrics(run) if "reward/mean" in m] == [1, 2, 3]
+    with open(os.path.join(run, "args_history.jsonl")) as f:
+        first, resumed = [json.loads(line) for line in f]
+    assert resumed["step"] == 2
+    assert {k for k in first["args"] if first["args"][k] != resumed["args"][k]} == {"total_steps", "resume_from"}
