@@ -204,8 +204,11 @@ class ArgParser(HfArgumentParser):
 
 
 def parse_args(args_cls, argv: list[str] | None = None):
-    """HfArgumentParser with two layers of defaults under the command line: --preset NAME, then
-    --config FILE.yaml."""
+    """HfArgumentParser with layers of defaults under the command line: --preset NAME, then the
+    run's own settings with --resume_from, then --config FILE.yaml. Read from the command line
+    (`argv` None) on a machine without CUDA, the default model is refused unless asked for
+    (`cpu_guard`)."""
+    command_line = argv is None
     argv = sys.argv[1:] if argv is None else list(argv)
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config")
@@ -261,7 +264,26 @@ def parse_args(args_cls, argv: list[str] | None = None):
         problems = type_problems(args, recipe, known.config)
         if problems:
             raise SystemExit("\n".join(f"error: {p}" for p in problems))
+    if command_line:  # after the flags' own errors
+        cpu_guard(argv, preset, recipe, resumed, getattr(args_cls, "model", TrainArgs.model))
     return args
+
+
+def cpu_guard(argv: list[str], preset: str | None, recipe: dict, resumed: dict,
+              model: str) -> None:
+    """`python grpo.py` on a machine without CUDA would load the default model, Qwen3-4B, onto the
+    CPU: stopped in one line naming the presets that run there, unless a preset or a model is asked
+    for (--model on the command line, in --config, or the resumed run's) or --help."""
+    if (preset is not None or "model" in recipe or "model" in resumed
+            or any(a in ("-h", "--help") or a.split("=")[0] == "--model" for a in argv)):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        names = ", ".join(PRESET_NAMES)
+        raise SystemExit(f"error: no GPU here (CUDA is not available) for the default --model "
+                         f"{model}: pass --preset with one that runs on a CPU ({names}), "
+                         f"or --model to run a model of your choice anyway")
 
 
 # settings a resume does not take from the run: the command line's own (resume_overrides: each

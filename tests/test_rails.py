@@ -379,10 +379,11 @@ def test_every_problem_gets_its_own_line(workdir, no_weights, capsys):
 
 def test_the_command_line_prints_one_line_and_no_traceback(workdir):
     """Real processes (the table runs in this one; each process takes ~10 s to import torch here): a script with
-    a --config file and a bad flag, and evals.run."""
-    env = subprocess_env()
+    a --config file and a bad flag, `python grpo.py` on a machine without a GPU (CUDA hidden), and evals.run."""
+    env = {**subprocess_env(), "CUDA_VISIBLE_DEVICES": ""}
     commands = {
         "ctpo.py --config (a list)": [os.path.join(REPO, "ctpo.py"), *SMALL, "--config", "bad/list_target.yaml"],
+        "grpo.py": [os.path.join(REPO, "grpo.py")],
         "evals.run --n 0": ["-m", "evals.run", "--model", "runs/toy/model", "--benchmarks", "toy", "--n", "0"],
     }
     running = {name: subprocess.Popen([sys.executable, *cmd], cwd=workdir, env=env, stdout=subprocess.PIPE,
@@ -393,6 +394,8 @@ def test_the_command_line_prints_one_line_and_no_traceback(workdir):
         assert "Traceback" not in out + err, (name, err[-2000:])
         errors = [line for line in err.splitlines() if line.startswith("error: ")]
         assert len(errors) == 1, (name, err[-2000:])
+        if name == "grpo.py":
+            assert "pass --preset with one that runs on a CPU (toy, toy_tir, smollm2)" in errors[0], errors
     assert "--n 0 must be at least 1" in errors[0]
 
 
@@ -786,3 +789,36 @@ def test_a_run_folder_alone_resumes_with_the_run_s_settings(workdir):
         first, resumed = [json.loads(line) for line in f]
     assert resumed["step"] == 2
     assert {k for k in first["args"] if first["args"][k] != resumed["args"][k]} == {"total_steps", "resume_from"}
+
+
+@pytest.mark.parametrize("argv, stops", [
+    ([], True),
+    (["--total_steps", "3", "--dataset", "gsm8k"], True),
+    (["--model", "Qwen/Qwen3-4B"], False),  # the default, asked for
+    (["--model=runs/toy/model"], False),
+    (["--preset", "smollm2"], False),
+    (["--config", os.path.join(REPO, "configs", "recipes", "grpo_qwen3_4b_numina.yaml")], False),  # names its model
+    (["--help"], None),
+])
+def test_the_default_model_on_a_machine_without_a_gpu_names_the_cpu_presets(monkeypatch, argv, stops):
+    """Issue 52, item 4: `python grpo.py` (the command line, no --preset, no --model) on a machine without CUDA stops
+    in one line naming the presets that run on a CPU, before anything loads; with a GPU it goes on."""
+    import torch
+
+    grpo = importlib.import_module("grpo")
+    monkeypatch.setattr(sys, "argv", ["grpo.py", *argv])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    if stops is None:  # --help prints the flags and exits 0
+        with pytest.raises(SystemExit) as info:
+            parse_args(grpo.Args)
+        assert info.value.code == 0
+        return
+    if stops:
+        with pytest.raises(SystemExit) as info:
+            parse_args(grpo.Args)
+        assert info.value.code == ("error: no GPU here (CUDA is not available) for the default --model "
+                                   "Qwen/Qwen3-4B: pass --preset with one that runs on a CPU (toy, toy_tir, smollm2), "
+                                   "or --model to run a model of your choice anyway")
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert parse_args(grpo.Args).exp_name == "grpo"  # with a GPU, or asked for: no stop
+    assert parse_args(grpo.Args, argv).exp_name == "grpo"  # argv given (a test, a program): no guard
