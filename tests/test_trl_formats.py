@@ -141,3 +141,72 @@ def test_a_dataset_under_a_preset_says_which_held_out_set_stays(in_toy_workdir, 
     for quiet in (["--eval_dataset", "mine.jsonl"], ["--eval_steps", "0"], []):
         argv = ["--preset", "toy", *quiet] + (["--dataset", "mine.jsonl"] if quiet else [])
         assert not any("held-out evaluation stays" in n for n in checks.ignored_settings(parse_args(grpo.Args, argv)))
+
+
+# Issue 52, item 5: wandb's project and run name. wandb is not installed here (nor in requirements-test.txt): a
+# stand-in package records what wandb.init gets, as the real one would be called by accelerate's WandBTracker.
+FAKE_WANDB = '''import json
+import os
+
+
+class _Config:
+    def update(self, values, allow_val_change=False):
+        pass
+
+
+config = _Config()
+
+
+class _Run:
+    def log(self, values, step=None, **kwargs):
+        pass
+
+    def finish(self):
+        pass
+
+
+def init(**kwargs):
+    with open(os.environ["FAKE_WANDB_LOG"], "a") as f:
+        f.write(json.dumps({k: kwargs.get(k) for k in ("project", "name")}) + "\\n")
+    return _Run()
+'''
+
+
+@pytest.fixture
+def fake_wandb(tmp_path, monkeypatch):
+    import sys
+
+    site = tmp_path / "site"
+    (site / "wandb").mkdir(parents=True)
+    (site / "wandb" / "__init__.py").write_text(FAKE_WANDB)
+    (site / "wandb-0.0.0.dist-info").mkdir()
+    (site / "wandb-0.0.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: wandb\nVersion: 0.0.0\n")
+    monkeypatch.syspath_prepend(str(site))
+    import accelerate.tracking
+    from accelerate.utils import LoggerType
+
+    # accelerate lists the installed trackers when it is imported
+    monkeypatch.setattr(accelerate.tracking, "_available_trackers",
+                        [*accelerate.tracking._available_trackers, LoggerType.WANDB])
+    log = tmp_path / "wandb_init.jsonl"
+    monkeypatch.setenv("FAKE_WANDB_LOG", str(log))
+    for name in ("WANDB_PROJECT", "WANDB_NAME"):
+        monkeypatch.delenv(name, raising=False)
+    yield log
+    sys.modules.pop("wandb", None)
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({}, {"project": "grpo", "name": "tracked"}),
+    ({"WANDB_PROJECT": "my-project", "WANDB_NAME": "first try"}, {"project": "my-project", "name": "first try"}),
+])
+def test_run_name_and_project_reach_wandb_init(in_toy_workdir, fake_wandb, monkeypatch, env, expected):
+    """--run_name is wandb's run name and the script's name its project, unless WANDB_NAME / WANDB_PROJECT say
+    otherwise (accelerate alone would pass the run's name as the project, over WANDB_PROJECT)."""
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    grpo = importlib.import_module("grpo")
+    run_name = f"tracked{len(env)}"
+    run_script(grpo, ["--preset", "toy", "--report_to", "wandb", "--run_name", run_name, *SMALL[:-1], "1"])
+    calls = [json.loads(line) for line in fake_wandb.read_text().splitlines()]
+    assert calls == [{**expected, "name": expected["name"].replace("tracked", run_name)}]
