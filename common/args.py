@@ -264,8 +264,9 @@ def parse_args(args_cls, argv: list[str] | None = None):
         problems = type_problems(args, recipe, known.config)
         if problems:
             raise SystemExit("\n".join(f"error: {p}" for p in problems))
-    if command_line:  # after the flags' own errors
-        cpu_guard(argv, preset, recipe, resumed, getattr(args_cls, "model", TrainArgs.model))
+    # after the flags' own errors; an Args without a model (a test's) has none to guard
+    if command_line and "model" in {f.name for f in dataclasses.fields(args_cls)}:
+        cpu_guard(argv, preset, recipe, resumed, args.model)
     return args
 
 
