@@ -229,7 +229,10 @@ def parse_args(args_cls, argv: list[str] | None = None):
             raise SystemExit(f"error: {known.config} sets {unknown}, which are not fields of "
                              f"{args_cls.__name__}")
     # --resume_from RUN alone: the run's own settings for every flag not given
-    resumed = resumed_args(known.resume_from, args_cls) if known.resume_from else {}
+    resumed = {}
+    if known.resume_from:
+        resumed = importlib.import_module("common.command_line").resumed_args(known.resume_from,
+                                                                              args_cls)
     # a recipe's preset: its defaults too
     preset = recipe.get("preset") if known.preset is None else known.preset
     if preset is None and known.config is None:
@@ -265,47 +268,11 @@ def parse_args(args_cls, argv: list[str] | None = None):
         if problems:
             raise SystemExit("\n".join(f"error: {p}" for p in problems))
     # after the flags' own errors; an Args without a model (a test's) has none to guard
-    if command_line and "model" in {f.name for f in dataclasses.fields(args_cls)}:
-        cpu_guard(argv, preset, recipe, resumed, args.model)
+    if (command_line and preset is None and "model" not in {**recipe, **resumed}
+            and "model" in {f.name for f in dataclasses.fields(args_cls)}
+            and not any(a.split("=")[0] in ("--model", "-h", "--help") for a in argv)):
+        importlib.import_module("common.command_line").cpu_guard(args.model, PRESET_NAMES)
     return args
-
-
-def cpu_guard(argv: list[str], preset: str | None, recipe: dict, resumed: dict,
-              model: str) -> None:
-    """`python grpo.py` on a machine without CUDA would load the default model, Qwen3-4B, onto the
-    CPU: stopped in one line naming the presets that run there, unless a preset or a model is asked
-    for (--model on the command line, in --config, or the resumed run's) or --help."""
-    if (preset is not None or "model" in recipe or "model" in resumed
-            or any(a in ("-h", "--help") or a.split("=")[0] == "--model" for a in argv)):
-        return
-    import torch
-
-    if not torch.cuda.is_available():
-        names = ", ".join(PRESET_NAMES)
-        raise SystemExit(f"error: no GPU here (CUDA is not available) for the default --model "
-                         f"{model}: pass --preset with one that runs on a CPU ({names}), "
-                         f"or --model to run a model of your choice anyway")
-
-
-# settings a resume does not take from the run: the command line's own (resume_overrides: each
-# resume names its own), and the script's (exp_name: another script's run is refused, not joined)
-NOT_RESUMED = {"resume_from", "resume_overrides", "exp_name"}
-
-
-def resumed_args(path: str, args_cls) -> dict:
-    """The settings the run at `path` (a run folder, or one of its checkpoints/step_N) last started
-    with (args_history.jsonl, else args.json), for this script's fields; {} where there are none
-    (common/resume.py then says what is wrong with the path)."""
-    from common.resume import recorded_args
-
-    run_dir = path.rstrip("/")
-    if os.path.isdir(os.path.join(run_dir, "state")):  # a checkpoint: runs/X/checkpoints/step_N
-        run_dir = os.path.dirname(os.path.dirname(run_dir))
-    if not os.path.isdir(run_dir):
-        return {}
-    recorded = recorded_args(run_dir) or {}
-    fields = {f.name for f in dataclasses.fields(args_cls)}
-    return {k: v for k, v in recorded.items() if k in fields and k not in NOT_RESUMED}
 
 
 def did_you_mean(unknown: list[str], args_cls) -> str:

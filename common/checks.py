@@ -30,7 +30,6 @@ from common.data import (
     LOCAL_FORMATS,
     answer_column_of,
     format_prompt,
-    is_conversation,
     load_rows,
     looks_local,
     resolve_dataset,
@@ -315,9 +314,12 @@ def data_problems(flag: str, path: str, name: str | None, split: str, prompt_col
             # pyarrow reads a byte that is not UTF-8 inside a string, then cannot decode it
             return [f"{flag} {path!r}: rows {start} to {start + 9_999} are not UTF-8 text "
                     f"({_first_line(e)}); convert the file to UTF-8"], None
-        # text, or TRL's conversational format (a list of messages)
-        bad_prompts += [i for i, v in enumerate(batch[prompt_column], start)
-                        if not (isinstance(v, str) and v.strip()) and not is_conversation(v)]
+        bad = [i for i, v in enumerate(batch[prompt_column], start)
+               if not (isinstance(v, str) and v.strip())]
+        if bad:  # TRL's conversational format (lists of messages) is no bad prompt
+            is_conversation = importlib.import_module("common.conversations").is_conversation
+            bad = [i for i in bad if not is_conversation(batch[prompt_column][i - start])]
+        bad_prompts += bad
         if check_answers:
             no_answers += [i for i, a in enumerate(batch[answer_column], start)
                            if a is None or (isinstance(a, str) and not a.strip())]

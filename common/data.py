@@ -11,6 +11,7 @@ as keyword arguments) plus:
     prompt_ids   its token ids
 """
 
+import importlib
 import os
 
 import datasets
@@ -97,30 +98,14 @@ def answer_column_of(column_names: list[str], answer_column: str | None) -> str 
     return answer_column
 
 
-def is_conversation(prompt) -> bool:
-    """TRL's conversational format: a non-empty list of {"role": ..., "content": ...} messages with
-    text content (a system turn included)."""
-    return (isinstance(prompt, list) and len(prompt) > 0
-            and all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                    and isinstance(m.get("content"), str) for m in prompt)
-            and any(m["content"].strip() for m in prompt))
-
-
 def format_prompt(tokenizer, prompt, template: str, system_prompt: str,
                   use_chat_template: bool, enable_thinking: bool) -> str:
     """`template` with {prompt} filled in, wrapped in the tokenizer's chat template when it has
     one. A conversational prompt (a list of messages) is rendered as it is by the chat template,
     as TRL renders it: no `template`, and `system_prompt` only where it has no system turn."""
-    if is_conversation(prompt):
-        if not (use_chat_template and tokenizer.chat_template):
-            raise ValueError("the prompts are conversations (lists of messages), which need the "
-                             "tokenizer's chat template: use a model whose tokenizer has one, and "
-                             "keep --use_chat_template on")
-        messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
-        if system_prompt and messages[0]["role"] != "system":
-            messages = [{"role": "system", "content": system_prompt}] + messages
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                             enable_thinking=enable_thinking)
+    if not isinstance(prompt, str):  # TRL's conversational format: common/conversations.py
+        return importlib.import_module("common.conversations").render(
+            tokenizer, prompt, system_prompt, use_chat_template, enable_thinking)
     text = template.replace("{prompt}", prompt)
     if not (use_chat_template and tokenizer.chat_template):
         return text

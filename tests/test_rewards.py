@@ -767,7 +767,7 @@ def trl_rewards(tmp_path):
 
 
 def test_a_trl_reward_is_called_by_keyword_with_ids_and_state(trl_rewards):
-    from common.rewards import load_file
+    from common.reward_files import load_file
 
     funcs = [get_reward_function(f"{trl_rewards}:{n}") for n in ("reward_len", "exact_answer", "recorder")]
     total, per = compute_rewards(funcs, None, PROMPTS, ["2", "it is 5"], COLUMNS, completion_ids=[[5], [7, 8]],
@@ -820,7 +820,7 @@ def test_the_toy_trains_with_trl_rewards_from_a_file(in_toy_workdir, trl_rewards
     from conftest import read_metrics, run_script
 
     import grpo
-    from common.rewards import load_file
+    from common.reward_files import load_file
 
     module = load_file(trl_rewards)
     module.CALLS.clear()

@@ -145,7 +145,7 @@ def test_copying_grpo_for_the_toy_takes_what_its_run_imports(in_toy_workdir):
     optional = {"common/vllm_engine.py", "common/multiturn.py", "common/sandbox.py", "common/math_grader.py",
                 "common/evaluation.py", "common/benchmarks.py", "common/lora.py", "common/resume.py",
                 "common/recipes.py", "common/sharding.py", "common/dapo.py", "common/toy_tir.py", "common/models.py",
-                "common/nucleus.py"}
+                "common/nucleus.py", "common/reward_files.py", "common/conversations.py", "common/command_line.py"}
     assert "common/toy.py" in files and not optional & set(files), optional & set(files)
 
 

@@ -16,7 +16,8 @@ from transformers import AutoTokenizer
 
 from common import checks
 from common.args import parse_args
-from common.data import is_conversation, load_prompts
+from common.conversations import is_conversation
+from common.data import load_prompts
 from common.toy import TOY_DIR
 
 CHAT = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
