@@ -204,12 +204,16 @@ class ArgParser(HfArgumentParser):
 
 
 def parse_args(args_cls, argv: list[str] | None = None):
-    """HfArgumentParser with two layers of defaults under the command line: --preset NAME, then
-    --config FILE.yaml."""
+    """HfArgumentParser with layers of defaults under the command line: --preset NAME, then the
+    run's own settings with --resume_from, then --config FILE.yaml. Read from the command line
+    (`argv` None) on a machine without CUDA, the default model is refused unless asked for
+    (`cpu_guard`)."""
+    command_line = argv is None
     argv = sys.argv[1:] if argv is None else list(argv)
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config")
     pre.add_argument("--preset")
+    pre.add_argument("--resume_from")
     known, _ = pre.parse_known_args(argv)
     recipe = {}
     if known.config is not None:
@@ -224,13 +228,21 @@ def parse_args(args_cls, argv: list[str] | None = None):
         if unknown:
             raise SystemExit(f"error: {known.config} sets {unknown}, which are not fields of "
                              f"{args_cls.__name__}")
+    # --resume_from RUN alone: the run's own settings for every flag not given
+    resumed = {}
+    if known.resume_from:
+        resumed = importlib.import_module("common.command_line").resumed_args(known.resume_from,
+                                                                              args_cls)
     # a recipe's preset: its defaults too
     preset = recipe.get("preset") if known.preset is None else known.preset
+    if preset is None and known.config is None:
+        preset = resumed.get("preset")
     if preset is not None and preset not in PRESET_NAMES:
         raise SystemExit(
             f"error: unknown --preset {preset!r}; choose one of {sorted(PRESET_NAMES)}")
-    # the command line wins over --config, which wins over --preset
-    defaults = {**preset_defaults(preset), **recipe}
+    # the command line wins over --config, which wins over the resumed run's settings, which win
+    # over --preset
+    defaults = {**preset_defaults(preset), **resumed, **recipe}
     script = sys.modules.get(args_cls.__module__)
     parser = ArgParser(args_cls,
                        description=((script.__doc__ or "").strip().splitlines() or [None])[0],
@@ -255,6 +267,11 @@ def parse_args(args_cls, argv: list[str] | None = None):
         problems = type_problems(args, recipe, known.config)
         if problems:
             raise SystemExit("\n".join(f"error: {p}" for p in problems))
+    # after the flags' own errors; an Args without a model (a test's) has none to guard
+    if (command_line and preset is None and "model" not in {**recipe, **resumed}
+            and "model" in {f.name for f in dataclasses.fields(args_cls)}
+            and not any(a.split("=")[0] in ("--model", "-h", "--help") for a in argv)):
+        importlib.import_module("common.command_line").cpu_guard(args.model, PRESET_NAMES)
     return args
 
 

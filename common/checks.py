@@ -26,9 +26,16 @@ from transformers import AutoConfig, AutoTokenizer, SchedulerType, get_scheduler
 
 from common.args import preset_defaults, warn
 from common.checkpoints import latest_checkpoint
-from common.data import LOCAL_FORMATS, format_prompt, load_rows, looks_local, resolve_dataset
+from common.data import (
+    LOCAL_FORMATS,
+    answer_column_of,
+    format_prompt,
+    load_rows,
+    looks_local,
+    resolve_dataset,
+)
 from common.devices import vllm_installed
-from common.rewards import get_reward_function
+from common.rewards import call_style, get_reward_function
 
 # (field, holds, what it must be and why). Fields a script does not have are skipped, so one table
 # serves all five. An estimator's own fields declare their bounds in its Args instead:
@@ -156,7 +163,7 @@ def reward_problems(args) -> list[str]:
     problems = []
     for name in names:
         try:
-            get_reward_function(name)
+            call_style(get_reward_function(name), name)  # TRL's style or this project's
         except ValueError as e:
             problems.append(f"--reward_funcs: {str(e).splitlines()[0]}")
     if args.reward_weights is not None:
@@ -288,6 +295,7 @@ def data_problems(flag: str, path: str, name: str | None, split: str, prompt_col
         return [f"{flag} {path!r} does not load: {_first_line(e)}"], None
     if len(rows) == 0:
         return [f"{flag} {path!r} has no rows"], None
+    answer_column = answer_column_of(rows.column_names, answer_column)  # TRL's "solution" too
     for column_flag, column in [("--prompt_column", prompt_column),
                                 ("--answer_column", answer_column)]:
         if column is not None and column not in rows.column_names:
@@ -306,8 +314,12 @@ def data_problems(flag: str, path: str, name: str | None, split: str, prompt_col
             # pyarrow reads a byte that is not UTF-8 inside a string, then cannot decode it
             return [f"{flag} {path!r}: rows {start} to {start + 9_999} are not UTF-8 text "
                     f"({_first_line(e)}); convert the file to UTF-8"], None
-        bad_prompts += [i for i, v in enumerate(batch[prompt_column], start)
-                        if not isinstance(v, str) or not v.strip()]
+        bad = [i for i, v in enumerate(batch[prompt_column], start)
+               if not (isinstance(v, str) and v.strip())]
+        if bad:  # TRL's conversational format (lists of messages) is no bad prompt
+            is_conversation = importlib.import_module("common.conversations").is_conversation
+            bad = [i for i in bad if not is_conversation(batch[prompt_column][i - start])]
+        bad_prompts += bad
         if check_answers:
             no_answers += [i for i, a in enumerate(batch[answer_column], start)
                            if a is None or (isinstance(a, str) and not a.strip())]
@@ -316,7 +328,7 @@ def data_problems(flag: str, path: str, name: str | None, split: str, prompt_col
         what = "empty" if isinstance(value, str) else f"{type(value).__name__} {value!r}"
         return [f"{flag} {path!r}: {len(bad_prompts)} of {len(rows)} rows of --prompt_column "
                 f"{prompt_column!r} are not text (the first, row {bad_prompts[0]}, is {what}); "
-                f"prompts must be text"], rows
+                f"prompts must be text, or lists of {{'role', 'content'}} messages"], rows
     if len(no_answers) == len(rows):
         return [f"{flag} {path!r}: --answer_column {answer_column!r} is empty in every row, so "
                 f"every reward would be 0; name the column that holds the reference answers"], rows
@@ -418,18 +430,22 @@ def dry_call_problems(args, funcs: list, data: dict, rows, num_rows: int = 2) ->
     # as the loop
     columns = {c: rows[c] for c in rows.column_names
                if c not in ("prompt", "prompt_text", "prompt_ids")}
-    if data["answer_column"] is not None:
-        columns["answer"] = rows[data["answer_column"]]
+    answer_column = answer_column_of(rows.column_names, data["answer_column"])
+    if answer_column is not None:
+        columns["answer"] = rows[answer_column]
     completions = [str(a) if a is not None else "" for a in columns.get("answer", [""] * len(rows))]
     weights = None
     if args.reward_weights:
         weights = [float(w) for w in str(args.reward_weights).split(",")]
     try:
+        # TRL-style functions: no token ids yet (empty lists), trainer_state.global_step 0
         compute_rewards(funcs, weights, rows[data["prompt_column"]], completions, columns,
-                        args.reward_timeout)
+                        args.reward_timeout, completion_ids=[[] for _ in completions], step=0)
     except (RewardError, TypeError, ValueError) as e:
+        # the sample shown on the same line: "at sample 0: prompt: '...' completion: '...'"
+        said = " ".join(line.strip() for line in str(e).splitlines())
         return [f"--reward_funcs: a trial call on the first {len(rows)} rows of {data['path']} "
-                f"failed: {str(e).splitlines()[0]}"]
+                f"failed: {said}"]
     return []
 
 
@@ -442,6 +458,12 @@ def ignored_settings(args) -> list[str]:
     if not args.use_chat_template:
         notes += [f"--{name} is ignored without the chat template (--use_chat_template false)"
                   for name in ("system_prompt", "enable_thinking") if _changed(args, name)]
+    preset = preset_defaults(args.preset)
+    if (args.eval_steps > 0 and preset.get("eval_dataset") and _changed(args, "dataset")
+            and not _changed(args, "eval_dataset")):
+        notes.append(f"--dataset {args.dataset} under --preset {args.preset}: the held-out "
+                     f"evaluation stays on the preset's {args.eval_dataset}; pass --eval_dataset "
+                     f"FILE to evaluate on your own, or --eval_steps 0")
     if args.eval_steps == 0:
         notes += [f"--{name} is ignored with --eval_steps 0 (no evaluation)"
                   for name in ("eval_dataset", "eval_benchmarks", "eval_num_samples",

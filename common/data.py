@@ -3,12 +3,15 @@ tokenize.
 
 Every row of the returned dataset keeps all of its original columns (reward functions receive them
 as keyword arguments) plus:
-    prompt       the question as the user wrote it (column `prompt_column`)
-    answer       the reference answer (column `answer_column`), where the dataset has one
+    prompt       the question as the user wrote it (column `prompt_column`): text, or TRL's
+                 conversational format, a list of {"role", "content"} messages
+    answer       the reference answer (column `answer_column`, or TRL's `solution` where the data
+                 has no `answer` column: `answer_column_of`), where the dataset has one
     prompt_text  what the model sees: the template, then the tokenizer's chat template if it has one
     prompt_ids   its token ids
 """
 
+import importlib
 import os
 
 import datasets
@@ -87,10 +90,22 @@ def load_rows(path: str, name: str | None, split: str) -> datasets.Dataset:
                          f"{OFFLINE.format(path, name)}") from e
 
 
-def format_prompt(tokenizer, prompt: str, template: str, system_prompt: str,
+def answer_column_of(column_names: list[str], answer_column: str | None) -> str | None:
+    """The column that holds the reference answers: `answer_column`, or `solution` (TRL's standard
+    prompt/solution data) where the data has no `answer` column but has that one."""
+    if answer_column == "answer" and "answer" not in column_names and "solution" in column_names:
+        return "solution"
+    return answer_column
+
+
+def format_prompt(tokenizer, prompt, template: str, system_prompt: str,
                   use_chat_template: bool, enable_thinking: bool) -> str:
     """`template` with {prompt} filled in, wrapped in the tokenizer's chat template when it has
-    one."""
+    one. A conversational prompt (a list of messages) is rendered as it is by the chat template,
+    as TRL renders it: no `template`, and `system_prompt` only where it has no system turn."""
+    if not isinstance(prompt, str):  # TRL's conversational format: common/conversations.py
+        return importlib.import_module("common.conversations").render(
+            tokenizer, prompt, system_prompt, use_chat_template, enable_thinking)
     text = template.replace("{prompt}", prompt)
     if not (use_chat_template and tokenizer.chat_template):
         return text
@@ -109,6 +124,10 @@ def load_prompts(tokenizer, path: str, name: str | None, split: str, prompt_colu
     """Load, check the columns, format and tokenize; prompts longer than max_prompt_length are
     dropped."""
     ds = load_rows(path, name, split)
+    if answer_column_of(ds.column_names, answer_column) != answer_column:
+        warn(f"{path} has no column {answer_column!r}: its column 'solution' holds the reference "
+             f"answers (TRL's prompt/solution format); pass --answer_column to name another")
+        answer_column = answer_column_of(ds.column_names, answer_column)
     for flag, column in [("--prompt_column", prompt_column), ("--answer_column", answer_column)]:
         if column is not None and column not in ds.column_names:
             raise ValueError(

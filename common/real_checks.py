@@ -123,7 +123,9 @@ def tokenizer_problems(args, config) -> list[str]:
 
 def duplicate_note(path: str, prompts: list) -> None:
     first = {}
-    repeats = [i for i, prompt in enumerate(prompts) if first.setdefault(prompt, i) != i]
+    # a conversation (TRL's list of messages) by its text
+    keys = (p if isinstance(p, str) else repr(p) for p in prompts)
+    repeats = [i for i, key in enumerate(keys) if first.setdefault(key, i) != i]
     if repeats:
         warn(f"--dataset {path!r}: {len(repeats):,} of {len(prompts):,} prompts repeat an earlier "
              f"row (the first: row {repeats[0]}); they are trained on that much more often; "

@@ -1,23 +1,29 @@
 """Reward functions for RL post-training, and the code that calls them safely (docs/usage.md,
 "Rewards").
 
-The contract: a reward function is any plain callable ``fn(prompts: list[str], completions:
-list[str], **dataset_columns) -> list[float]``. It gets a batch of B prompts, the B sampled
+The contract: a reward function is any plain callable that takes a batch of B prompts, the B sampled
 completions (decoded text, without the prompt) and every other dataset column as a keyword list of
-length B (e.g. ``answer=[...]``), and returns B finite floats. Take ``**_`` so that columns you do
-not use are ignored. Keep it pure and deterministic: the trainer may call it again on single samples
-to find a bad one (see ``compute_rewards``). To log per-sample diagnostics next to the reward,
-return a ``Rewards`` (a list with a ``metrics`` dict of B values per key): each key appears in
-``compute_rewards``' per-function values as ``"<name>/<key>"``.
+length B (e.g. ``answer=[...]``), and returns B finite floats. Two ways of writing one work
+(``call_style``): TRL's, ``def f(completions, **kwargs)``, called by keyword as TRL's GRPOTrainer
+calls it (``prompts=``, ``completions=``, ``completion_ids=`` the completions' token ids,
+``trainer_state=`` an object whose ``global_step`` is the number of RL steps done before this
+batch's, and the columns); and this project's, ``def f(prompts, completions, **columns)``, called
+positionally where its parameters are not named so. Take ``**_`` (or ``**kwargs``) so that columns
+you do not use are ignored; a function without it gets only the keywords it names. Keep it pure and
+deterministic: the trainer may call it again on single samples to find a bad one (see
+``compute_rewards``). To log per-sample diagnostics next to the reward, return a ``Rewards`` (a list
+with a ``metrics`` dict of B values per key): each key appears in ``compute_rewards``' per-function
+values as ``"<name>/<key>"``.
 
 Adding one: decorate it with ``@register_reward("my_name")`` in any module that gets imported and
-select it by that name, or select it by its import path, ``"my_package.my_module:my_function"``
-(``get_reward_function``). The built-in graders (``math_accuracy``, ``choice_accuracy``, ``format``)
-are common/math_grader.py's, imported the first time one of them is asked for by name: a run with
-other rewards does not load it.
+select it by that name, or select it by its import path, ``"my_package.my_module:my_function"``, or
+by its file, ``"path/to/my_rewards.py:my_function"`` (``get_reward_function``). The built-in graders
+(``math_accuracy``, ``choice_accuracy``, ``format``) are common/math_grader.py's, imported the first
+time one of them is asked for by name: a run with other rewards does not load it.
 """
 
 import importlib
+import inspect
 import math
 import queue
 import threading
@@ -66,25 +72,74 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
 
 
 def get_reward_function(name: str) -> RewardFn:
-    """A registered reward function, or one given by its import path
-    ``"package.module:function"``."""
+    """A registered reward function, or one given by its import path ``"package.module:function"``
+    or by its file ``"path/to/file.py:function"``."""
     if name not in REWARD_FUNCTIONS and name in BUILT_IN_MODULES:
         importlib.import_module(BUILT_IN_MODULES[name])  # registers it
     if name in REWARD_FUNCTIONS:
         return REWARD_FUNCTIONS[name]
-    if ":" in name:
-        module_name, _, attr = name.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"cannot import reward function {name!r}: {e}") from e
-        if not callable(fn):
-            raise ValueError(f"{name!r} is not callable")
-        return fn
+    if ":" in name:  # common/reward_files.py, imported only then
+        return importlib.import_module("common.reward_files").import_reward(name)
+    if name.endswith(".py") or "/" in name:
+        raise ValueError(f"reward function {name!r} names a file but no function in it; "
+                         f"give both, e.g. {name}:my_function")
     raise ValueError(
         f"unknown reward function {name!r}; registered: {sorted(REWARD_FUNCTIONS)}, "
-        "or give an import path 'package.module:function'"
+        "or give an import path 'package.module:function' or a file 'path/to/file.py:function'"
     )
+
+
+class TrainerState:
+    """What a reward function that takes ``trainer_state`` gets (TRL passes its TrainerState):
+    ``global_step``, the number of RL steps done before the step this batch trains."""
+
+    def __init__(self, global_step: int):
+        self.global_step = global_step
+
+    def __repr__(self) -> str:
+        return f"TrainerState(global_step={self.global_step})"
+
+
+EXPECTED_SIGNATURES = ("TRL's def f(completions, **kwargs) (called with prompts=, completions=, "
+                       "completion_ids=, trainer_state= and the data set's columns by name) or "
+                       "def f(prompts, completions, **columns)")
+
+
+def call_style(fn: RewardFn, name: str | None = None) -> str:
+    """How `fn` is called: "keyword" where it has a parameter ``completions`` (TRL's functions, and
+    this project's built-ins): everything by name; "positional" where it takes two positional
+    arguments under other names, or has no signature to read: ``fn(prompts, completions,
+    **columns)``. Any other signature raises ValueError naming the two that work."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # some built-in callables: called as they always were
+        return "positional"
+    kinds = inspect.Parameter
+    completions = params.get("completions")
+    if completions is not None and completions.kind in (kinds.POSITIONAL_OR_KEYWORD,
+                                                        kinds.KEYWORD_ONLY):
+        return "keyword"
+    positional = [p for p in params.values()
+                  if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)]
+    if len(positional) >= 2 or any(p.kind == kinds.VAR_POSITIONAL for p in params.values()):
+        return "positional"
+    name = name or _reward_name(fn)
+    raise ValueError(f"reward function {name!r} takes {inspect.signature(fn)}; write it as "
+                     f"{EXPECTED_SIGNATURES}")
+
+
+def call_reward_function(fn: RewardFn, prompts: list, completions: list, columns: dict,
+                         extras: dict | None = None):
+    """`fn` called in its style (``call_style``): by keyword with `extras` (``completion_ids``,
+    ``trainer_state``) too, only the names it takes where it has no ``**kwargs``; or
+    positionally."""
+    if call_style(fn) == "positional":
+        return fn(prompts, completions, **columns)
+    kwargs = {**columns, **(extras or {}), "prompts": prompts, "completions": completions}
+    params = inspect.signature(fn).parameters
+    if not any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        kwargs = {k: v for k, v in kwargs.items() if k in params}
+    return fn(**kwargs)
 
 
 # ---------------------------------------------------------------------------
@@ -105,7 +160,8 @@ def _reward_name(fn: RewardFn) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
 
 
-def _clip(text: str, limit: int = 200) -> str:
+def _clip(text, limit: int = 200) -> str:
+    text = text if isinstance(text, str) else str(text)  # a conversation: its messages
     return repr(text if len(text) <= limit else text[:limit] + f"... [{len(text)} chars]")
 
 
@@ -117,11 +173,14 @@ def _describe(name: str, problem: str, i: int, prompts: list[str], completions: 
 
 
 def _first_failing_sample(fn: RewardFn, prompts: list[str], completions: list[str],
-                          columns: dict) -> int | None:
+                          columns: dict, extras: dict | None = None) -> int | None:
     """Index of the first sample on which ``fn`` raises when called alone, or None if none does."""
+    extras = extras or {}
     for i in range(len(completions)):
+        alone = {k: [v[i]] if k == "completion_ids" else v for k, v in extras.items()}
         try:
-            fn([prompts[i]], [completions[i]], **{k: [v[i]] for k, v in columns.items()})
+            call_reward_function(fn, [prompts[i]], [completions[i]],
+                                 {k: [v[i]] for k, v in columns.items()}, alone)
         except Exception:
             return i
     return None
@@ -167,7 +226,7 @@ def within(seconds: float | None, name: str, call: Callable):
 
 def _call_reward(
     fn: RewardFn, name: str, prompts: list[str], completions: list[str], columns: dict[str, list],
-    timeout: float | None = None,
+    timeout: float | None = None, extras: dict | None = None,
 ) -> "tuple[torch.Tensor, dict[str, torch.Tensor]]":
     """Call one reward function and check its output, raising RewardError with the culprit sample.
 
@@ -175,11 +234,16 @@ def _call_reward(
     """
     import torch  # here, not at the top: grading workers import this module and must start fast
     try:
-        out = within(timeout, name, lambda: fn(prompts, completions, **columns))
+        call_style(fn, name)
+    except ValueError as e:
+        raise RewardError(str(e)) from None
+    try:
+        out = within(timeout, name,
+                     lambda: call_reward_function(fn, prompts, completions, columns, extras))
     except RewardError:
         raise
     except Exception as e:
-        i = _first_failing_sample(fn, prompts, completions, columns)
+        i = _first_failing_sample(fn, prompts, completions, columns, extras)
         if i is not None:
             where = _describe(name, f"raised {type(e).__name__}: {e}", i, prompts, completions)
         else:
@@ -222,10 +286,13 @@ def compute_rewards(
     completions: list[str],
     columns: dict[str, list],
     timeout: float | None = None,
+    completion_ids: list[list[int]] | None = None,
+    step: int | None = None,
 ) -> "tuple[torch.Tensor, dict[str, torch.Tensor]]":
     """Total reward per completion and each function's unweighted rewards (for logging); each
     function's call may take `timeout` seconds at most (None: no limit), or a RewardError says which
-    one hung.
+    one hung. TRL-style functions also get `completion_ids` and ``trainer_state`` (its
+    ``global_step``: `step`, the RL steps done before this batch's), where given.
 
     Returns ``(sum_k weights[k] * funcs[k](...), {name: (B,) tensor})``; a function that returns
     ``Rewards`` adds ``{f"{name}/{key}": (B,) tensor}`` for each of its metrics (math_accuracy:
@@ -241,6 +308,12 @@ def compute_rewards(
                 f"{key!r} has {len(values)} entries for {len(completions)} completions")
     import torch  # see _call_reward
 
+    extras = {}
+    if completion_ids is not None:
+        extras["completion_ids"] = [ids.tolist() if hasattr(ids, "tolist") else list(ids)
+                                    for ids in completion_ids]
+    if step is not None:
+        extras["trainer_state"] = TrainerState(step)
     total = torch.zeros(len(completions), dtype=torch.float32)
     per_function: dict[str, torch.Tensor] = {}
     for k, (fn, weight) in enumerate(zip(funcs, weights)):
@@ -248,7 +321,7 @@ def compute_rewards(
         # the same function twice (e.g. two weights): keep both in the logs
         if name in per_function:
             name = f"{name}_{k}"
-        rewards, metrics = _call_reward(fn, name, prompts, completions, columns, timeout)
+        rewards, metrics = _call_reward(fn, name, prompts, completions, columns, timeout, extras)
         per_function[name] = rewards
         per_function.update({f"{name}/{key}": values for key, values in metrics.items()})
         total += weight * rewards

@@ -196,7 +196,8 @@ def setup(args) -> Run:
     engine = rollout_engine(args, accelerator, tokenizer, model, run_dir)
 
     if accelerator.is_main_process:
-        accelerator.init_trackers(run_name[0],
+        project, init_kwargs = tracker_names(args.report_to, args.exp_name, run_name[0])
+        accelerator.init_trackers(project, init_kwargs=init_kwargs,
                                   config={k: v for k, v in asdict(args).items() if v is not None})
         record_args(run_dir, asdict(args), train_state.step)
     log = MetricsLog(run_dir, accelerator.is_main_process, resume_step=train_state.step)
@@ -219,6 +220,18 @@ def setup(args) -> Run:
     if run.evaluating and train_state.step == 0:
         log.write({"step": 0, **evaluate(run)})
     return run
+
+
+def tracker_names(report_to: str, exp_name: str, run_name: str) -> tuple[str, dict]:
+    """The project name accelerate's init_trackers takes, and its per-tracker init_kwargs. wandb:
+    the project is $WANDB_PROJECT, else the script's name (grpo), and the run's name $WANDB_NAME,
+    else --run_name (accelerate alone would make each run a wandb project of its own, and the
+    variables would be overridden by its arguments). Other trackers: the run's name, as before
+    (tensorboard: a subfolder of the run folder)."""
+    if report_to != "wandb":
+        return run_name, {}
+    name = os.environ.get("WANDB_NAME") or run_name
+    return os.environ.get("WANDB_PROJECT") or exp_name, {"wandb": {"name": name}}
 
 
 def load_models(args, tokenizer):

@@ -56,8 +56,10 @@ def sample_round(run, index: int, r: int, metrics: dict) -> Rollouts:
     columns = {c: [v for v in rows[c] for _ in range(G)] for c in run.reward_columns}
     prompts = [p for p in rows["prompt"] for _ in range(G)]
     try:
-        rewards, per_func = compute_rewards(run.reward_funcs, run.reward_weights, prompts, completions, columns,
-                                            args.reward_timeout)  # (B,) each function's call at most reward_timeout s
+        # (B,) each function's call at most reward_timeout s; TRL-style functions get the token ids
+        # and a trainer_state whose global_step is the steps done before this one
+        rewards, per_func = compute_rewards(run.reward_funcs, run.reward_weights, prompts, completions,
+                                            columns, args.reward_timeout, completion_ids, step=index)
     except RewardError as e:  # its message names the function and the sample; the step is the loop's to say
         raise RewardError(f"step {index + 1}: {e}") from e.__cause__
     if args.overlong_buffer > 0:  # DAPO: a reward term, falling to -overlong_penalty at the length limit

@@ -34,6 +34,8 @@ SMALL = ["--preset", "toy", "--batch_size", "16", "--num_generations", "4", "--m
 # Files a careful user might pass by mistake (written under the toy working directory, in bad/).
 BAD_FILES = {
     "empty.jsonl": "",
+    "rewards.py": "def needs_solution(completions, *, solution, **kwargs):\n    return [0.0] * len(completions)\n\n\n"
+                  "def breaks(prompts, completions, **_):\n    return [1 / 0 for _ in completions]\n",
     "notes.txt": "12+34=\n",
     "ints.jsonl": '{"prompt": 12, "answer": 46}\n{"prompt": 3, "answer": 7}\n',
     "questions.jsonl": '{"question": "1+1=", "solution": "2"}\n',
@@ -142,7 +144,19 @@ TRAIN_CASES = [
     ("grpo", ["--model", "bad/weightless"], "cannot load --model 'bad/weightless': the folder has a config.json but no "
                                             "weights"),
     ("grpo", ["--reward_funcs", "os:getcwd"],
-     "--reward_funcs: a trial call on the first 2 rows of runs/toy/train.jsonl failed: reward function 'getcwd'"),
+     "--reward_funcs: reward function 'os:getcwd' takes (); write it as TRL's def f(completions, **kwargs)"),
+    ("grpo", ["--reward_funcs", "no_such_module:fn"],
+     "No module named 'no_such_module' (Python looks in the script's folder and on PYTHONPATH); give its file "
+     "instead, e.g. path/to/no_such_module.py:fn"),
+    ("grpo", ["--reward_funcs", "bad/no_such_file.py:fn"], "cannot import reward function 'bad/no_such_file.py:fn': "
+                                                           "no such file: bad/no_such_file.py"),
+    ("grpo", ["--reward_funcs", "bad/rewards.py"], "names a file but no function in it; give both, e.g. "
+                                                   "bad/rewards.py:my_function"),
+    ("grpo", ["--reward_funcs", "bad/rewards.py:needs_solution"], "failed: reward function 'needs_solution' raised "
+                                                                  "TypeError: needs_solution() missing 1 required "
+                                                                  "keyword-only argument: 'solution'"),
+    ("grpo", ["--reward_funcs", "bad/rewards.py:breaks"], "failed: reward function 'breaks' raised ZeroDivisionError: "
+                                                          "division by zero at sample 0: prompt: "),
     ("grpo", ["--prompt_column", "question"], "has no column 'question' (its columns: prompt, answer); name the "
                                               "right one with --prompt_column"),
     ("grpo", ["--answer_column", "solution"], "name the right one with --answer_column"),
@@ -365,10 +379,11 @@ def test_every_problem_gets_its_own_line(workdir, no_weights, capsys):
 
 def test_the_command_line_prints_one_line_and_no_traceback(workdir):
     """Real processes (the table runs in this one; each process takes ~10 s to import torch here): a script with
-    a --config file and a bad flag, and evals.run."""
-    env = subprocess_env()
+    a --config file and a bad flag, `python grpo.py` on a machine without a GPU (CUDA hidden), and evals.run."""
+    env = {**subprocess_env(), "CUDA_VISIBLE_DEVICES": ""}
     commands = {
         "ctpo.py --config (a list)": [os.path.join(REPO, "ctpo.py"), *SMALL, "--config", "bad/list_target.yaml"],
+        "grpo.py": [os.path.join(REPO, "grpo.py")],
         "evals.run --n 0": ["-m", "evals.run", "--model", "runs/toy/model", "--benchmarks", "toy", "--n", "0"],
     }
     running = {name: subprocess.Popen([sys.executable, *cmd], cwd=workdir, env=env, stdout=subprocess.PIPE,
@@ -379,6 +394,8 @@ def test_the_command_line_prints_one_line_and_no_traceback(workdir):
         assert "Traceback" not in out + err, (name, err[-2000:])
         errors = [line for line in err.splitlines() if line.startswith("error: ")]
         assert len(errors) == 1, (name, err[-2000:])
+        if name == "grpo.py":
+            assert "pass --preset with one that runs on a CPU (toy, toy_tir, smollm2)" in errors[0], errors
     assert "--n 0 must be at least 1" in errors[0]
 
 
@@ -485,7 +502,7 @@ def test_every_row_is_read_and_rows_without_answers_are_counted(workdir, capsys)
     (workdir / "bad" / "big.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     problems, _ = data_problems("--dataset", "bad/big.jsonl", None, "train", "prompt", "answer")
     assert problems == ["--dataset 'bad/big.jsonl': 1 of 25001 rows of --prompt_column 'prompt' are not text (the "
-                        "first, row 25000, is empty); prompts must be text"]
+                        "first, row 25000, is empty); prompts must be text, or lists of {'role', 'content'} messages"]
     assert data_problems("--dataset", "bad/big.jsonl", None, "train", "prompt", "answer", answers_needed=False)[0]
 
 
@@ -643,8 +660,10 @@ def test_resume_refuses_changed_settings_unless_overridden(workdir, capsys, monk
         history = [json.loads(line) for line in f]
     assert [(h["step"], h["args"]["total_steps"], h["args"]["clip_power"]) for h in history] == [
         (0, 2, 0.5), (2, 3, 0.5), (3, 4, 0.0)]
-    # the next resume compares with the latest start: clip_power 0 is now the run's value
-    message = refusal(lambda: run_script(ctpo, SMALL + ["--total_steps", "5", "--resume_from", run]), capsys)
+    # the next resume compares with the latest start: clip_power 0 is now the run's value (a flag not given takes
+    # it: issue 52, item 3), and the script's default, given, is a change
+    message = refusal(lambda: run_script(ctpo, SMALL + ["--total_steps", "5", "--resume_from", run, "--clip_power",
+                                                        "0.5"]), capsys)
     assert "--clip_power 0.0 -> 0.5 changed" in message
 
 
@@ -752,3 +771,54 @@ def test_a_non_finite_log_prob_is_named_by_the_metrics_it_breaks(workdir, monkey
     assert exit_info.value.code == (f"error: step 1: {names}; training broke and stopped without saving these "
                                     f"weights; no checkpoint was saved before it (see --save_steps)")
     assert not os.path.exists(f"runs/nan_{where}/checkpoints")
+
+
+def test_a_run_folder_alone_resumes_with_the_run_s_settings(workdir):
+    """Issue 52, item 3: `--resume_from runs/X --total_steps 3` and nothing else takes every other setting from the
+    run (its args_history.jsonl, else args.json): not the defaults (Qwen3-4B, gsm8k)."""
+    grpo = importlib.import_module("grpo")
+    run = run_script(grpo, SMALL + ["--total_steps", "2", "--save_steps", "1", "--run_name", "alone", "--seed", "3",
+                                    "--reward_funcs", "toy_closeness"])
+    for path in (run, os.path.join(run, "checkpoints", "step_1")):  # a run folder, or one of its checkpoints
+        args = parse_args(grpo.Args, ["--resume_from", path, "--total_steps", "3"])
+        assert (args.model, args.seed, args.reward_funcs, args.batch_size) == ("runs/toy/model", 3, "toy_closeness",
+                                                                             16), args
+    assert run_script(grpo, ["--resume_from", run, "--total_steps", "3"]) == run
+    assert [m["step"] for m in read_metrics(run) if "reward/mean" in m] == [1, 2, 3]
+    with open(os.path.join(run, "args_history.jsonl")) as f:
+        first, resumed = [json.loads(line) for line in f]
+    assert resumed["step"] == 2
+    assert {k for k in first["args"] if first["args"][k] != resumed["args"][k]} == {"total_steps", "resume_from"}
+
+
+@pytest.mark.parametrize("argv, stops", [
+    ([], True),
+    (["--total_steps", "3", "--dataset", "gsm8k"], True),
+    (["--model", "Qwen/Qwen3-4B"], False),  # the default, asked for
+    (["--model=runs/toy/model"], False),
+    (["--preset", "smollm2"], False),
+    (["--config", os.path.join(REPO, "configs", "recipes", "grpo_qwen3_4b_numina.yaml")], False),  # names its model
+    (["--help"], None),
+])
+def test_the_default_model_on_a_machine_without_a_gpu_names_the_cpu_presets(monkeypatch, argv, stops):
+    """Issue 52, item 4: `python grpo.py` (the command line, no --preset, no --model) on a machine without CUDA stops
+    in one line naming the presets that run on a CPU, before anything loads; with a GPU it goes on."""
+    import torch
+
+    grpo = importlib.import_module("grpo")
+    monkeypatch.setattr(sys, "argv", ["grpo.py", *argv])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    if stops is None:  # --help prints the flags and exits 0
+        with pytest.raises(SystemExit) as info:
+            parse_args(grpo.Args)
+        assert info.value.code == 0
+        return
+    if stops:
+        with pytest.raises(SystemExit) as info:
+            parse_args(grpo.Args)
+        assert info.value.code == ("error: no GPU here (CUDA is not available) for the default --model "
+                                   "Qwen/Qwen3-4B: pass --preset with one that runs on a CPU (toy, toy_tir, smollm2), "
+                                   "or --model to run a model of your choice anyway")
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert parse_args(grpo.Args).exp_name == "grpo"  # with a GPU, or asked for: no stop
+    assert parse_args(grpo.Args, argv).exp_name == "grpo"  # argv given (a test, a program): no guard

@@ -734,3 +734,105 @@ def test_the_math_grader_under_a_time_limit_grades_every_call_alike():
     for _ in range(3):
         total, _ = compute_rewards([grader], None, ["q"] * 3, completions, {"answer": answers}, timeout=60)
         assert total.tolist() == [1.0, 1.0, 1.0]
+
+
+# --- rewards written as TRL users write them (issue 52, item 1) ----------------------------------
+
+# Copied in the style of TRL's documentation (GRPOTrainer, "Using a custom reward function"): called
+# by keyword, columns by name, everything else in **kwargs.
+TRL_REWARDS = '''
+CALLS = []
+
+
+def reward_len(completions, **kwargs):
+    return [-abs(20 - len(completion)) for completion in completions]
+
+
+def exact_answer(completions, answer, **kwargs):
+    return [1.0 if c.strip() == str(a) else 0.0 for c, a in zip(completions, answer)]
+
+
+def recorder(prompts, completions, completion_ids, trainer_state, **kwargs):
+    CALLS.append({"prompts": len(prompts), "ids": completion_ids, "step": trainer_state.global_step,
+                  "columns": sorted(kwargs)})
+    return [0.0] * len(completions)
+'''
+
+
+@pytest.fixture
+def trl_rewards(tmp_path):
+    path = tmp_path / "trl_rewards.py"
+    path.write_text(TRL_REWARDS)
+    return str(path)
+
+
+def test_a_trl_reward_is_called_by_keyword_with_ids_and_state(trl_rewards):
+    from common.reward_files import load_file
+
+    funcs = [get_reward_function(f"{trl_rewards}:{n}") for n in ("reward_len", "exact_answer", "recorder")]
+    total, per = compute_rewards(funcs, None, PROMPTS, ["2", "it is 5"], COLUMNS, completion_ids=[[5], [7, 8]],
+                                 step=3)
+    assert per["reward_len"].tolist() == [-19, -13] and per["exact_answer"].tolist() == [1, 0]
+    assert total.tolist() == [-18, -13]
+    calls = load_file(trl_rewards).CALLS
+    assert calls == [{"prompts": 2, "ids": [[5], [7, 8]], "step": 3, "columns": ["answer"]}]
+
+
+def test_the_project_s_positional_rewards_still_work():
+    def positional(p, c, **columns):  # names of its own: called positionally, as before
+        return [float(len(x)) for x in c]
+
+    def named_only(completions, answer):  # no **kwargs: only the names it takes
+        return [float(c == a) for c, a in zip(completions, answer)]
+
+    _, per = compute_rewards([positional, named_only, math_accuracy], None, PROMPTS, ["2", "5"], COLUMNS)
+    assert per["positional"].tolist() == [1, 1] and per["named_only"].tolist() == [1, 0]
+    assert per["math_accuracy"].tolist() == [1, 0]
+
+
+@pytest.mark.parametrize("fn", [lambda completion: [0.0], lambda: [], lambda *, texts: [0.0]])
+def test_a_signature_neither_way_is_refused_naming_both(fn):
+    from common.rewards import call_style
+
+    with pytest.raises(ValueError, match=r"write it as TRL's def f\(completions, \*\*kwargs\) .* or def "
+                                         r"f\(prompts, completions, \*\*columns\)"):
+        call_style(fn, "mine")
+    with pytest.raises(RewardError, match="write it as TRL's"):
+        compute_rewards([fn], None, PROMPTS, ["2", "5"], COLUMNS)
+
+
+def test_a_reward_file_is_loaded_by_path_once(trl_rewards, tmp_path):
+    first = get_reward_function(f"{trl_rewards}:reward_len")
+    assert get_reward_function(f"{trl_rewards}:reward_len") is first  # not executed again
+    with pytest.raises(ValueError, match="no such file"):
+        get_reward_function(f"{tmp_path}/missing.py:fn")
+
+
+def test_a_module_not_found_names_the_fix():
+    with pytest.raises(ValueError) as info:
+        get_reward_function("my_rewards_nowhere:fn")
+    assert "give its file instead, e.g. path/to/my_rewards_nowhere.py:fn" in str(info.value)
+
+
+def test_the_toy_trains_with_trl_rewards_from_a_file(in_toy_workdir, trl_rewards):
+    """Two steps of the toy with TRL-style functions given by their file's path: each step's call gets the
+    completion ids and the steps done before it."""
+    from conftest import read_metrics, run_script
+
+    import grpo
+    from common.reward_files import load_file
+
+    module = load_file(trl_rewards)
+    module.CALLS.clear()
+    funcs = ",".join(f"{trl_rewards}:{n}" for n in ("reward_len", "exact_answer", "recorder"))
+    run = run_script(grpo, ["--preset", "toy", "--batch_size", "16", "--num_generations", "4",
+                            "--micro_batch_size", "4", "--eval_steps", "0", "--total_steps", "2",
+                            "--reward_funcs", funcs, "--run_name", "trl_rewards"])
+    steps = [m for m in read_metrics(run) if "reward/mean" in m]
+    assert [m["step"] for m in steps] == [1, 2], steps
+    assert all(m["reward/reward_len/mean"] < 0 for m in steps), steps
+    trained = [c for c in module.CALLS if c["prompts"] == 16]
+    assert [c["step"] for c in trained] == [0, 1]
+    assert all(len(c["ids"]) == 16 and all(isinstance(t, int) for ids in c["ids"] for t in ids)
+               for c in trained)
+    assert any(ids for c in trained for ids in c["ids"])  # real completions, not the trial call's

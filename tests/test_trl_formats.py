@@ -1,0 +1,213 @@
+"""Issue 52 ("A TRL user's first hour"), item 2: data as TRL users have it. TRL's conversational prompts (lists of
+{"role", "content"} messages, a system turn included) are rendered by the chat template; TRL's prompt / solution
+columns take `solution` as the answer; a --dataset under a preset says which held-out set stays; the README's
+example file trains the toy."""
+
+import importlib
+import json
+import os
+import re
+import shlex
+import shutil
+
+import pytest
+from conftest import REPO, read_metrics, run_script
+from transformers import AutoTokenizer
+
+from common import checks
+from common.args import parse_args
+from common.conversations import is_conversation
+from common.data import load_prompts
+from common.toy import TOY_DIR
+
+CHAT = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}A{% endif %}")
+CONVERSATIONS = [
+    {"prompt": [{"role": "system", "content": "S"}, {"role": "user", "content": "1+2="}], "solution": "3"},
+    {"prompt": [{"role": "user", "content": "10+20="}], "solution": "30"},
+]
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(toy_workdir):
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(toy_workdir, TOY_DIR, "model"))
+    tokenizer.chat_template = CHAT
+    return tokenizer
+
+
+def write_jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_conversations_are_rendered_by_the_chat_template_as_they_are(tmp_path, chat_tokenizer, capsys):
+    path = write_jsonl(tmp_path / "chat.jsonl", CONVERSATIONS)
+    out = load_prompts(chat_tokenizer, path, None, "train", "prompt", "answer", template="Q:{prompt}!",
+                       system_prompt="D")
+    # the row's own system turn is kept; --system_prompt only where a row has none; no --prompt_template
+    assert out["prompt_text"] == ["<system>S<user>1+2=A", "<system>D<user>10+20=A"]
+    assert out["answer"] == ["3", "30"] and out["solution"] == ["3", "30"]
+    assert out["prompt"][0] == CONVERSATIONS[0]["prompt"]  # the reward functions get the messages, as in TRL
+    assert "its column 'solution' holds the reference answers" in capsys.readouterr().err
+
+
+def test_conversations_without_a_chat_template_say_which_is_needed(tmp_path, chat_tokenizer):
+    path = write_jsonl(tmp_path / "chat.jsonl", CONVERSATIONS)
+    with pytest.raises(ValueError, match="the prompts are conversations .* need the tokenizer's chat template"):
+        load_prompts(chat_tokenizer, path, None, "train", "prompt", "answer", use_chat_template=False)
+
+
+@pytest.mark.parametrize("prompt, expected", [
+    ([{"role": "user", "content": "hi"}], True),
+    ([{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}], True),
+    ([], False),
+    ([{"role": "user"}], False),
+    ([{"role": "user", "content": 3}], False),
+    ([{"role": "user", "content": "  "}], False),
+    ("text", False),
+])
+def test_what_counts_as_a_conversation(prompt, expected):
+    assert is_conversation(prompt) is expected
+
+
+def test_an_explicit_answer_column_is_not_replaced(tmp_path, chat_tokenizer):
+    path = write_jsonl(tmp_path / "both.jsonl", [{"prompt": "1+2=", "answer": "3", "solution": "three"}])
+    assert load_prompts(chat_tokenizer, path, None, "train", "prompt", "answer")["answer"] == ["3"]
+
+
+@pytest.fixture
+def chat_toy(in_toy_workdir):
+    """A copy of the toy model whose tokenizer has a chat template."""
+    target = in_toy_workdir / "chat_toy"
+    if not target.exists():
+        shutil.copytree(in_toy_workdir / TOY_DIR / "model", target)
+        tokenizer = AutoTokenizer.from_pretrained(target)
+        tokenizer.chat_template = CHAT
+        tokenizer.save_pretrained(target)
+    return str(target)
+
+
+SMALL = ["--batch_size", "16", "--num_generations", "4", "--micro_batch_size", "4", "--eval_steps", "0",
+         "--total_steps", "2"]
+
+
+def test_the_toy_trains_two_steps_on_conversations(chat_toy, in_toy_workdir):
+    """TRL's conversational format, a system turn in the first row, answers in `solution`; checked before the
+    weights load (common/checks.py), then two steps."""
+    rows = [{"prompt": [{"role": "system", "content": "+"}, {"role": "user", "content": "12+34="}],
+             "solution": "46"}] + [{"prompt": [{"role": "user", "content": f"{a}+{b}="}], "solution": str(a + b)}
+                                   for a, b in [(7, 8), (50, 25), (3, 4)]]
+    path = write_jsonl(in_toy_workdir / "chat_rows.jsonl", rows)
+    grpo = importlib.import_module("grpo")
+    run = run_script(grpo, ["--preset", "toy", "--model", chat_toy, "--dataset", path, "--max_prompt_length", "40",
+                            "--run_name", "chat", *SMALL])
+    assert [m["step"] for m in read_metrics(run) if "reward/mean" in m] == [1, 2]
+
+
+def readme_example() -> tuple[str, str, list[str]]:
+    """The README's reward file, data file and command (its arguments)."""
+    readme = open(os.path.join(REPO, "README.md")).read()
+    section = readme[readme.index("## Your own data and reward"):readme.index("## One GPU and many")]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    data = re.search(r"cat > mine\.jsonl <<'EOF'\n(.*?)\nEOF\n", section, re.S).group(1) + "\n"
+    command = re.search(r"^python grpo\.py (.*?)(?:  #.*)?$", section, re.M).group(1)
+    return code, data, shlex.split(command)
+
+
+def test_the_readme_example_file_is_three_rows_in_trl_s_standard_format():
+    _, data, argv = readme_example()
+    rows = [json.loads(line) for line in data.splitlines()]
+    assert len(rows) == 3 and all(set(r) == {"prompt", "solution"} for r in rows), rows
+    assert argv[:4] == ["--preset", "toy", "--dataset", "mine.jsonl"], argv
+
+
+def test_the_readme_example_trains_the_toy_two_steps(in_toy_workdir, monkeypatch):
+    """The README's file and reward, written where it says, and its command, shortened to 2 small steps."""
+    code, data, argv = readme_example()
+    (in_toy_workdir / "mine.jsonl").write_text(data)
+    (in_toy_workdir / "my_rewards.py").write_text(code)
+    monkeypatch.syspath_prepend(str(in_toy_workdir))  # "next to grpo.py": on the script's path
+    grpo = importlib.import_module("grpo")
+    run = run_script(grpo, argv + ["--run_name", "readme_data", *SMALL])
+    steps = [m for m in read_metrics(run) if "reward/mean" in m]
+    assert [m["step"] for m in steps] == [1, 2] and "reward/exact_and_short/mean" in steps[0], steps
+
+
+def test_a_dataset_under_a_preset_says_which_held_out_set_stays(in_toy_workdir, capsys):
+    grpo = importlib.import_module("grpo")
+    args = parse_args(grpo.Args, ["--preset", "toy", "--dataset", "mine.jsonl"])
+    notes = checks.ignored_settings(args)
+    assert ("--dataset mine.jsonl under --preset toy: the held-out evaluation stays on the preset's "
+            "runs/toy/test.jsonl; pass --eval_dataset FILE to evaluate on your own, or --eval_steps 0") in notes
+    for quiet in (["--eval_dataset", "mine.jsonl"], ["--eval_steps", "0"], []):
+        argv = ["--preset", "toy", *quiet] + (["--dataset", "mine.jsonl"] if quiet else [])
+        assert not any("held-out evaluation stays" in n for n in checks.ignored_settings(parse_args(grpo.Args, argv)))
+
+
+# Issue 52, item 5: wandb's project and run name. wandb is not installed here (nor in requirements-test.txt): a
+# stand-in package records what wandb.init gets, as the real one would be called by accelerate's WandBTracker.
+FAKE_WANDB = '''import json
+import os
+
+
+class _Config:
+    def update(self, values, allow_val_change=False):
+        pass
+
+
+config = _Config()
+
+
+class _Run:
+    def log(self, values, step=None, **kwargs):
+        pass
+
+    def finish(self):
+        pass
+
+
+def init(**kwargs):
+    with open(os.environ["FAKE_WANDB_LOG"], "a") as f:
+        f.write(json.dumps({k: kwargs.get(k) for k in ("project", "name")}) + "\\n")
+    return _Run()
+'''
+
+
+@pytest.fixture
+def fake_wandb(tmp_path, monkeypatch):
+    import sys
+
+    site = tmp_path / "site"
+    (site / "wandb").mkdir(parents=True)
+    (site / "wandb" / "__init__.py").write_text(FAKE_WANDB)
+    (site / "wandb-0.0.0.dist-info").mkdir()
+    (site / "wandb-0.0.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: wandb\nVersion: 0.0.0\n")
+    monkeypatch.syspath_prepend(str(site))
+    import accelerate.tracking
+    from accelerate.utils import LoggerType
+
+    # accelerate lists the installed trackers when it is imported
+    monkeypatch.setattr(accelerate.tracking, "_available_trackers",
+                        [*accelerate.tracking._available_trackers, LoggerType.WANDB])
+    log = tmp_path / "wandb_init.jsonl"
+    monkeypatch.setenv("FAKE_WANDB_LOG", str(log))
+    for name in ("WANDB_PROJECT", "WANDB_NAME"):
+        monkeypatch.delenv(name, raising=False)
+    yield log
+    sys.modules.pop("wandb", None)
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({}, {"project": "grpo", "name": "tracked"}),
+    ({"WANDB_PROJECT": "my-project", "WANDB_NAME": "first try"}, {"project": "my-project", "name": "first try"}),
+])
+def test_run_name_and_project_reach_wandb_init(in_toy_workdir, fake_wandb, monkeypatch, env, expected):
+    """--run_name is wandb's run name and the script's name its project, unless WANDB_NAME / WANDB_PROJECT say
+    otherwise (accelerate alone would pass the run's name as the project, over WANDB_PROJECT)."""
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    grpo = importlib.import_module("grpo")
+    run_name = f"tracked{len(env)}"
+    run_script(grpo, ["--preset", "toy", "--report_to", "wandb", "--run_name", run_name, *SMALL[:-1], "1"])
+    calls = [json.loads(line) for line in fake_wandb.read_text().splitlines()]
+    assert calls == [{**expected, "name": expected["name"].replace("tracked", run_name)}]
