@@ -275,6 +275,20 @@ def parse_args(args_cls, argv: list[str] | None = None):
     return args
 
 
+def parse_flags(args_cls, argv: list[str] | None = None):
+    """The command line alone into `args_cls`, for tools that have no presets, recipes or runs to
+    resume (evals/run.py): --help lists only their own flags; an unknown flag is one line."""
+    script = sys.modules.get(args_cls.__module__)
+    parser = ArgParser(args_cls,
+                       description=((script.__doc__ or "").strip().splitlines() or [None])[0])
+    args, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+    if unknown:
+        raise SystemExit(f"error: unknown arguments "
+                         f"{' '.join(unknown)}{did_you_mean(unknown, args_cls)}; "
+                         f"--help lists the flags")
+    return args
+
+
 def did_you_mean(unknown: list[str], args_cls) -> str:
     flags = [f"--{f.name}" for f in dataclasses.fields(args_cls)]
     close = [m for u in unknown if u.startswith("--")

@@ -305,3 +305,17 @@ def benchmark_problems(spec: str, flag: str, data_dir: str | None = None) -> lis
         except ValueError as e:
             problems.append(f"{flag}: {str(e).splitlines()[0]}")
     return problems
+
+
+def hub_benchmarks(spec: str, data_dir: str | None = None) -> list[str]:
+    """The hub ids of the benchmarks in `spec` that have no local copy (NAME=FILE, --data_dir): what
+    an evaluation would download."""
+    ids = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        name, _, path = item.partition("=")
+        if path or data_dir or name not in BENCHMARKS:
+            continue
+        benchmark = BENCHMARKS[name]
+        if not os.path.exists(benchmark.path):
+            ids.append(benchmark.path)
+    return ids

@@ -244,6 +244,19 @@ def tokenizer_problems(args) -> list[str]:
     return []
 
 
+def missing_path_problems(args) -> list[str]:
+    """A --model, --dataset or --eval_dataset that can only be a local path and does not exist: said
+    first, so that a typo is not reported as a hub that cannot be reached."""
+    problems = []
+    if looks_local(args.model) and not os.path.exists(args.model):
+        problems += model_problems("--model", args.model)[0]
+    read = (("--dataset", args.dataset), ("--eval_dataset", args.eval_steps and args.eval_dataset))
+    for flag, path in read:
+        if path and looks_local(path) and not os.path.exists(path):
+            problems.append(f"{flag} {path!r}: no such file or directory")
+    return problems
+
+
 def hub_problems(args) -> list[str]:
     """Hub ids without network: one request (seconds), not huggingface_hub's retries (~30 s); none
     offline."""
@@ -533,7 +546,8 @@ def check_args(args, num_processes: int, files: bool = True) -> None:
         problems = argument_problems(args, num_processes)
         notes = []
         if not problems and files:  # the hub, files and the model only once the flags make sense
-            problems = hub_problems(args)
+            # a typo in a local path, before the hub is asked anything
+            problems = missing_path_problems(args) or hub_problems(args)
             config = None
             if not problems:
                 problems, config = resource_problems(args)

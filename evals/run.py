@@ -29,7 +29,7 @@ import huggingface_hub
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from common.benchmarks import benchmark_problems
+from common.benchmarks import benchmark_problems, hub_benchmarks
 from common.checkpoints import format_seconds
 from common.checks import hub_unreachable, range_problems
 from common.data import looks_local
@@ -93,13 +93,29 @@ def check_eval_args(args) -> None:
     if not os.path.exists(args.model) and looks_local(args.model):
         problems.append(f"cannot load --model {args.model!r}: no such directory; pass a hub id, a save_pretrained "
                         f"folder, a LoRA adapter, a training checkpoint or a run folder")
-    elif not problems and not os.path.exists(args.model) and (why := hub_unreachable()):
-        problems.append(f"the hub ({huggingface_hub.constants.ENDPOINT}) cannot be reached from here ({why}), and "
-                        f"--model {args.model} is a hub id: set HF_HUB_OFFLINE=1 to use the local cache only; to fill "
-                        f"it where the hub is reachable: hf download {args.model} (benchmarks: --data_dir with local "
-                        f"copies, docs/evaluation.md)")
+    elif not problems:
+        problems += hub_problems(args)
     if problems:
         raise SystemExit("\n".join(f"error: {p}" for p in problems))
+
+
+def hub_problems(args) -> list[str]:
+    """Hub ids without network: one request (seconds), not the hub client's retries (~30 s a file);
+    none offline (HF_HUB_OFFLINE=1 reads the local cache)."""
+    fetch = [f"hf download {args.model}"] * (not os.path.exists(args.model))
+    datasets = hub_benchmarks(args.benchmarks, args.data_dir)
+    fetch += [f"datasets.load_dataset({d!r})" for d in datasets]
+    if not fetch:
+        return []
+    why = hub_unreachable()
+    if why is None:
+        return []
+    problem = (f"the hub ({huggingface_hub.constants.ENDPOINT}) cannot be reached from here ({why}), and the "
+               f"evaluation needs {'; '.join(fetch)}: set HF_HUB_OFFLINE=1 to use the local cache only, or fetch "
+               f"them where the hub is reachable")
+    if datasets:
+        problem += "; or give local copies of the benchmarks: --data_dir DIR (DIR/NAME.jsonl, docs/evaluation.md)"
+    return [problem]
 
 
 # ---------------------------------------------------------------------------
@@ -280,6 +296,6 @@ def eval_summary(results: dict, output: str) -> str:
 
 
 if __name__ == "__main__":
-    from common.args import parse_args
+    from common.args import parse_flags
 
-    main(parse_args(EvalArgs))
+    main(parse_flags(EvalArgs))

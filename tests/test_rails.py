@@ -22,7 +22,7 @@ from conftest import free_port, read_metrics, run_script, subprocess_env
 from safetensors.torch import load_file
 
 from common import checks
-from common.args import parse_args
+from common.args import parse_args, parse_flags
 from common.toy import TOY_DIR, TOY_VERSION, build_model, build_tokenizer, default_seed, make_splits
 from common.vllm_engine import vllm_available
 from evals import ALGORITHMS
@@ -341,7 +341,7 @@ def test_bad_eval_input_is_refused_before_the_model_loads(workdir, no_weights, c
     from evals import run
 
     argv = ["--model", "runs/toy/model", "--benchmarks", "toy", "--engine", "hf", *flags]
-    assert expected in refusal(lambda: run.main(parse_args(run.EvalArgs, argv)), capsys)
+    assert expected in refusal(lambda: run.main(parse_flags(run.EvalArgs, argv)), capsys)
 
 
 @pytest.mark.parametrize("files, flags, expected", PLOT_CASES, ids=[m for _, _, m in PLOT_CASES])
@@ -414,6 +414,21 @@ def test_hub_ids_without_network_fail_in_seconds_naming_the_fix(workdir, no_weig
     assert "hf download Qwen/Qwen3-4B; datasets.load_dataset('openai/gsm8k', 'main')" in message
 
 
+def test_a_missing_local_path_is_a_missing_path_even_without_network(workdir, no_weights, capsys, monkeypatch):
+    """A typo in a local --model or --dataset is said as such, not blamed on a hub that cannot be reached (the
+    default data set, gsm8k, is a hub id)."""
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    grpo = importlib.import_module("grpo")
+    message = refusal(lambda: run_script(grpo, ["--model", "/nonexistent", "--report_to", "none"]), capsys)
+    assert "cannot load --model '/nonexistent': no such directory" in message and "cannot be reached" not in message
+    message = refusal(lambda: run_script(grpo, ["--model", "Qwen/Qwen3-4B", "--dataset", "data/mine.jsonl",
+                                                "--report_to", "none"]), capsys)
+    assert message == "error: --dataset 'data/mine.jsonl': no such file or directory", message
+
+
 def test_the_command_line_honours_hf_endpoint_and_hf_hub_offline(workdir, tmp_path):
     """Real processes, each environment variable read as huggingface_hub reads it: HF_ENDPOINT at a closed port is
     refused without one retry; HF_HUB_OFFLINE=1 with an empty cache names what is missing and how to fetch it,
@@ -443,18 +458,35 @@ def test_the_command_line_honours_hf_endpoint_and_hf_hub_offline(workdir, tmp_pa
     assert "datasets.load_dataset('openai/gsm8k', 'main')" in data
 
 
-def test_evals_run_with_a_hub_model_and_no_network_fails_in_seconds(tmp_path):
-    """`python -m evals.run --model HUB_ID` without network: one line naming the fix, without huggingface_hub's
-    retries (about 30 s)."""
+@pytest.mark.parametrize("model", ["Qwen/Qwen3-4B", "local"])
+def test_evals_run_with_hub_ids_and_no_network_fails_in_seconds(tmp_path, workdir, model):
+    """`python -m evals.run` without network, whether its model or only its benchmark's data is on the hub: one line
+    naming what it needs and the fix (a local copy with --data_dir), without huggingface_hub's retries (about 30 s
+    a file), and not the training presets."""
     env = {**subprocess_env(), "HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}"}
     env.pop("HF_HUB_OFFLINE", None)
+    model = str(workdir / TOY_DIR / "model") if model == "local" else model
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "evals.run", "--model", "Qwen/Qwen3-4B", "--benchmarks", "math500"],
+    proc = subprocess.run([sys.executable, "-m", "evals.run", "--model", model, "--benchmarks", "math500"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr and "Retrying" not in proc.stderr, proc.stderr
     assert time.monotonic() - start < 60
     [line] = [x for x in proc.stderr.splitlines() if x.startswith("error: ")]
-    assert "cannot be reached" in line and "HF_HUB_OFFLINE=1" in line and "hf download Qwen/Qwen3-4B" in line
+    assert "cannot be reached" in line and "HF_HUB_OFFLINE=1" in line and "presets" not in line, line
+    assert "datasets.load_dataset('HuggingFaceH4/MATH-500')" in line and "--data_dir DIR" in line, line
+    assert ("hf download Qwen/Qwen3-4B" in line) == (model == "Qwen/Qwen3-4B"), line
+
+
+def test_evals_run_help_lists_only_its_own_flags():
+    """evals.run has no presets, recipes or runs to resume: its --help does not offer them, and they are refused."""
+    from evals.run import EvalArgs
+
+    parser_help = subprocess.run([sys.executable, "-m", "evals.run", "--help"], cwd=REPO, env=subprocess_env(),
+                                 capture_output=True, text=True, timeout=120).stdout
+    assert "--model" in parser_help and "--benchmarks" in parser_help
+    assert "--config" not in parser_help and "--preset" not in parser_help and "recipe" not in parser_help
+    with pytest.raises(SystemExit, match="unknown arguments --preset toy"):
+        parse_flags(EvalArgs, ["--model", "m", "--preset", "toy"])
 
 
 def test_a_system_prompt_without_a_chat_template_is_said_to_be_unused(workdir, capsys):
