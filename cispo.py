@@ -11,10 +11,10 @@ Differs from grpo.py (MiniMax-M1, arXiv:2506.13585, section 3.1, equations 4-5):
 - TIS / MIS weights multiply the policy term per token; the k3 KL (--beta > 0) joins the token mean,
   as TRL's.
 
-One step, in the order main() runs it: common/sampling.py (the rollouts, from common/rollout.py,
-and their rewards, from common/rewards.py), compute_advantages, common/logprobs.py (the log-probs),
-batch_stats and compute_loss (their statistics: common/stats.py), common/update.py (the
-micro-batches and the optimizer step).
+One step, in the order main() runs it: common/sampling.py (the rollouts, from
+common/engines/rollout.py, and their rewards, from common/tasks/rewards.py), compute_advantages,
+common/logprobs.py (the log-probs), batch_stats and compute_loss (their statistics:
+common/stats.py), common/update.py (the micro-batches and the optimizer step).
 
 Run:
     python cispo.py --preset toy                                 # CPU, minutes

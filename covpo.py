@@ -19,10 +19,10 @@ Differs from grpo.py (verl 0.5.0's compute_policy_loss_clip_cov / _kl_cov, from 
   (one seed).
 - TIS / MIS multiply each token's whole term, KL-Cov's penalty included.
 
-One step, in the order main() runs it: common/sampling.py (the rollouts, from common/rollout.py,
-and their rewards, from common/rewards.py), compute_advantages, common/logprobs.py (the log-probs),
-batch_stats and compute_loss (their statistics: common/stats.py), common/update.py (the
-micro-batches and the optimizer step).
+One step, in the order main() runs it: common/sampling.py (the rollouts, from
+common/engines/rollout.py, and their rewards, from common/tasks/rewards.py), compute_advantages,
+common/logprobs.py (the log-probs), batch_stats and compute_loss (their statistics:
+common/stats.py), common/update.py (the micro-batches and the optimizer step).
 
 Run:
     python covpo.py --preset toy                                 # CPU, minutes

@@ -11,10 +11,10 @@ Differs from grpo.py (sections 3.1, 3.3, as in the authors' released loss "cum-t
 - log-space clip bounds grow like p_t ** clip_power (0: fixed; Table 3); dual clip for A < 0;
 - a token mean over the optimizer batch; beta 0 by default; no ablation switches of grpo.py.
 
-One step, in the order main() runs it: common/sampling.py (the rollouts, from common/rollout.py,
-and their rewards, from common/rewards.py), compute_advantages, common/logprobs.py (the log-probs),
-batch_stats and compute_loss (their statistics: common/stats.py), common/update.py (the
-micro-batches and the optimizer step).
+One step, in the order main() runs it: common/sampling.py (the rollouts, from
+common/engines/rollout.py, and their rewards, from common/tasks/rewards.py), compute_advantages,
+common/logprobs.py (the log-probs), batch_stats and compute_loss (their statistics:
+common/stats.py), common/update.py (the micro-batches and the optimizer step).
 
 Run:
     python ctpo.py --preset toy                                  # CPU, minutes

@@ -17,10 +17,10 @@ Differs from grpo.py (DPPO-Binary-TV and -KL, arXiv:2602.04879; verl's dppo_tv /
   --old_logp_source sampler anchors it on the sampler's own log-probs (the paper's choice);
   tool-output tokens (mask 0) and removed rows leave every sum and the token count.
 
-One step, in the order main() runs it: common/sampling.py (the rollouts, from common/rollout.py,
-and their rewards, from common/rewards.py), compute_advantages, common/logprobs.py (the log-probs),
-batch_stats and compute_loss (their statistics: common/stats.py), common/update.py (the
-micro-batches and the optimizer step).
+One step, in the order main() runs it: common/sampling.py (the rollouts, from
+common/engines/rollout.py, and their rewards, from common/tasks/rewards.py), compute_advantages,
+common/logprobs.py (the log-probs), batch_stats and compute_loss (their statistics:
+common/stats.py), common/update.py (the micro-batches and the optimizer step).
 
 Run:
     python dppo.py --preset toy                                  # CPU, minutes

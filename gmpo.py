@@ -11,10 +11,10 @@ Differs from grpo.py (section 3, the GMPO objective; code: github.com/callsys/GM
 - a mean over completions; --tis_cap scales a completion's term by the mean of its tokens' weights
   (as gspo.py).
 
-One step, in the order main() runs it: common/sampling.py (the rollouts, from common/rollout.py,
-and their rewards, from common/rewards.py), compute_advantages, common/logprobs.py (the log-probs),
-batch_stats and compute_loss (their statistics: common/stats.py), common/update.py (the
-micro-batches and the optimizer step).
+One step, in the order main() runs it: common/sampling.py (the rollouts, from
+common/engines/rollout.py, and their rewards, from common/tasks/rewards.py), compute_advantages,
+common/logprobs.py (the log-probs), batch_stats and compute_loss (their statistics:
+common/stats.py), common/update.py (the micro-batches and the optimizer step).
 
 Run:
     python gmpo.py --preset toy                                  # CPU, minutes

@@ -8,10 +8,10 @@ Differs from grpo.py: one ratio per completion, s_i, the geometric mean of its t
 ablation switches; --tis_cap scales a completion's term by the mean of its tokens' TIS weights;
 clip_frac counts tokens (Figure 4).
 
-One step, in the order main() runs it: common/sampling.py (the rollouts, from common/rollout.py,
-and their rewards, from common/rewards.py), compute_advantages, common/logprobs.py (the log-probs),
-batch_stats and compute_loss (their statistics: common/stats.py), common/update.py (the
-micro-batches and the optimizer step).
+One step, in the order main() runs it: common/sampling.py (the rollouts, from
+common/engines/rollout.py, and their rewards, from common/tasks/rewards.py), compute_advantages,
+common/logprobs.py (the log-probs), batch_stats and compute_loss (their statistics:
+common/stats.py), common/update.py (the micro-batches and the optimizer step).
 
 Run:
     python gspo.py --preset toy                                  # CPU, minutes

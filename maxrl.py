@@ -20,10 +20,10 @@ Differs from grpo.py (the authors' verl fork, `compute_maxrl_outcome_advantage`;
   (beta 0; k3 in the loss if set).
 - TIS / MIS multiply each token's policy term; no ablation switches.
 
-One step, in the order main() runs it: common/sampling.py (the rollouts, from common/rollout.py,
-and their rewards, from common/rewards.py), compute_advantages, common/logprobs.py (the log-probs),
-batch_stats and compute_loss (their statistics: common/stats.py), common/update.py (the
-micro-batches and the optimizer step).
+One step, in the order main() runs it: common/sampling.py (the rollouts, from
+common/engines/rollout.py, and their rewards, from common/tasks/rewards.py), compute_advantages,
+common/logprobs.py (the log-probs), batch_stats and compute_loss (their statistics:
+common/stats.py), common/update.py (the micro-batches and the optimizer step).
 
 Run:
     python maxrl.py --preset toy                                 # CPU, minutes

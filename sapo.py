@@ -14,10 +14,10 @@ PPO's clip):
   only with --beta > 0: docs/off-policy.md); tool-output tokens (mask 0) and removed rows leave
   every mean.
 
-One step, in the order main() runs it: common/sampling.py (the rollouts, from common/rollout.py,
-and their rewards, from common/rewards.py), compute_advantages, common/logprobs.py (the log-probs),
-batch_stats and compute_loss (their statistics: common/stats.py), common/update.py (the
-micro-batches and the optimizer step).
+One step, in the order main() runs it: common/sampling.py (the rollouts, from
+common/engines/rollout.py, and their rewards, from common/tasks/rewards.py), compute_advantages,
+common/logprobs.py (the log-probs), batch_stats and compute_loss (their statistics:
+common/stats.py), common/update.py (the micro-batches and the optimizer step).
 
 Run:
     python sapo.py --preset toy                                  # CPU, minutes

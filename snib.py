@@ -10,10 +10,10 @@ Differs from grpo.py (the paper's section 3 and Algorithm 1):
   5, Figure 1a): --self_normalize false (Vanilla IS), --stop_grad_norm false (SNIB-fg), --baseline
   false, --adv_std (z-score), --reward_noise SIGMA.
 
-One step, in the order main() runs it: common/sampling.py (the rollouts, from common/rollout.py,
-and their rewards, from common/rewards.py), compute_advantages, common/logprobs.py (the log-probs),
-batch_stats and compute_loss (their statistics: common/stats.py), common/update.py (the
-micro-batches and the optimizer step).
+One step, in the order main() runs it: common/sampling.py (the rollouts, from
+common/engines/rollout.py, and their rewards, from common/tasks/rewards.py), compute_advantages,
+common/logprobs.py (the log-probs), batch_stats and compute_loss (their statistics:
+common/stats.py), common/update.py (the micro-batches and the optimizer step).
 
 Run:
     python snib.py --preset toy                                  # CPU, minutes

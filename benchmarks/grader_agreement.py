@@ -8,7 +8,7 @@ DIR holds the files of OpenAI's grade-school-math repository (grade_school_math/
 - train.jsonl, test.jsonl: the reference solutions. Reported: how often the solution text before "####",
   which ends in no marked answer, is graded correct against its own "#### answer" (the trailing-expression rule).
 Nothing is downloaded and nothing of these files is kept in the repository. Every disagreement is written to
---out for reading (reading them is how the rules in common/rewards.py were checked).
+--out for reading (reading them is how the rules in common/tasks/rewards.py were checked).
 """
 
 import argparse
@@ -19,7 +19,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common.math_grader import extract_answer, extract_gold, math_accuracy  # noqa: E402
+from common.tasks.math_grader import extract_answer, extract_gold, math_accuracy  # noqa: E402
 
 MODELS = ("6b_finetuning", "6b_verification", "175b_finetuning", "175b_verification")
 

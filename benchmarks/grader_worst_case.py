@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common import choice_grader  # noqa: E402
-from common import math_grader as rewards  # noqa: E402
+from common.tasks import choice_grader  # noqa: E402
+from common.tasks import math_grader as rewards  # noqa: E402
 
 UNITS = [" ", "\n", "\t", "  \n", "\\)", "\\]", " \\)", "\\quad", "\\quad ", "1", "12 ", "1,", "1.", "1 = ", "= ",
          "\\boxed{", "\\boxed{1} ", "{", "}", "$", "$1$ ", ". ", "**", "\\text{a}", "\\text{ and } ", "\\text{ for }",

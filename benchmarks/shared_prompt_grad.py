@@ -42,7 +42,7 @@ def forward_backward(model, ids, mask, T: int, share: bool):
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="runs/smollm2/model", help="a model folder (python -m common.models "
+    parser.add_argument("--model", default="runs/smollm2/model", help="a model folder (python -m common.tasks.smollm2 "
                         "smollm2 builds this one)")
     parser.add_argument("--rows", type=int, default=8, help="rows in the micro-batch")
     parser.add_argument("--prompt", type=int, default=50, help="prompt tokens")

@@ -106,17 +106,17 @@ def run_script(algo: str, argv: list[str], threads: int) -> dict:
     """In the worker process: `algo.main(args)`, then the run's metrics.jsonl."""
     import torch
 
-    import common.checkpoints
+    import common.run_folder.checkpoints
     from common.args import parse_args
 
     torch.set_num_threads(threads)
-    cpu, write = {}, common.checkpoints.MetricsLog.write
+    cpu, write = {}, common.run_folder.checkpoints.MetricsLog.write
 
     def timed_write(log, metrics):  # the process's CPU seconds at the end of each step
         cpu[metrics["step"]] = time.process_time()
         write(log, metrics)
 
-    common.checkpoints.MetricsLog.write = timed_write
+    common.run_folder.checkpoints.MetricsLog.write = timed_write
     module = importlib.import_module(algo)
     run_dir = module.main(parse_args(module.Args, argv))
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
@@ -136,11 +136,11 @@ def trl_config_and_data(argv: list[str], threads: int):
 
     import grpo
     from common.args import PRESET_MODULES, parse_args
-    from common.data import load_prompts, resolve_dataset
     from common.sampling import step_prompts
+    from common.tasks.data import load_prompts, resolve_dataset
 
     args = parse_args(grpo.Args, argv)
-    if args.preset:  # the toy's model and data, or the real model (common/models.py), built once
+    if args.preset:  # the toy's model and data, or the real model (common/tasks/smollm2.py), built once
         importlib.import_module(PRESET_MODULES[args.preset]).prepare_preset(args.preset)
     M = args.mini_batch_size or args.batch_size
     if M != args.batch_size or args.num_iterations != 1 or args.lora_r or args.tis_cap:
@@ -186,7 +186,7 @@ def run_trl(argv: list[str], threads: int) -> dict:
     from trl import GRPOTrainer
 
     from common.metrics import peak_memory_gib
-    from common.rewards import get_reward_function
+    from common.tasks.rewards import get_reward_function
 
     torch.set_num_threads(threads)
     args, config, dataset, tokenizer = trl_config_and_data(argv, threads)

@@ -2,7 +2,7 @@
 `benchmarks/step_time.py --trl` maps from grpo.py's flags (the same model, prompts in the same order, reward
 functions, group size, completion budget, learning rate, steps), with held-out greedy accuracy measured as grpo.py
 measures it (common/run.py `evaluate`: the first reward function over greedy completions of the eval set, made by
-the same engine, common/rollout.py HFEngine) at step 0 and every --eval_steps steps.
+the same engine, common/engines/rollout.py HFEngine) at step 0 and every --eval_steps steps.
 
     python benchmarks/trl_curve.py --preset smollm2 --threads 2 --out runs/benchmarks/trl_curve_smollm2.json
 
@@ -37,9 +37,9 @@ def main() -> None:
     from trl import GRPOTrainer
 
     from benchmarks.step_time import trl_config_and_data
-    from common.rewards import get_reward_function
-    from common.rollout import HFEngine
+    from common.engines.rollout import HFEngine
     from common.run import load_data
+    from common.tasks.rewards import get_reward_function
 
     torch.set_num_threads(a.threads)
     args, config, dataset, tokenizer = trl_config_and_data(["--preset", a.preset, *a.extra], a.threads)

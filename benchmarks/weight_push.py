@@ -1,4 +1,4 @@
-"""Seconds per weight push into a colocated vLLM engine (common/vllm_engine.py; needs vLLM and a CUDA GPU).
+"""Seconds per weight push into a colocated vLLM engine (common/engines/vllm_engine.py; needs vLLM and a CUDA GPU).
 
 Builds a Qwen3 with a real model's shape and random weights (no hub access needed), saves it locally, starts
 VLLMEngine on it and times `push_weights(model)` --pushes times after one warm-up push, in the trainer's order
@@ -73,7 +73,7 @@ def main():
     a = p.parse_args()
     import accelerate
 
-    from common.vllm_engine import PUSH_BUCKET_BYTES, VLLMEngine
+    from common.engines.vllm_engine import PUSH_BUCKET_BYTES, VLLMEngine
 
     with tempfile.TemporaryDirectory() as path:
         model = save_random_qwen3(a.shape, path, getattr(torch, a.dtype))

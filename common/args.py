@@ -1,5 +1,5 @@
 """Arguments: the flags every script shares (`TrainArgs`), a field with its help line (`arg`),
---preset defaults, and the parser (`parse_args`), which reads a --config recipe (common/recipes.py)
+--preset defaults, and the parser (`parse_args`), which reads a --config recipe (common/rails/recipes.py)
 under the command line.
 
 Each script's `Args` extends `TrainArgs` with its estimator's own flags, and sets the defaults it
@@ -20,9 +20,9 @@ from typing import Literal
 from transformers import HfArgumentParser
 
 # --preset NAME: the module holding its defaults (PRESETS) and building what it reads
-# (prepare_preset), imported only when the preset is asked for: the toys' common/toy.py, the real
-# model's common/models.py
-PRESET_MODULES = {"toy": "common.toy", "toy_tir": "common.toy_tir", "smollm2": "common.models"}
+# (prepare_preset), imported only when the preset is asked for: the toys' common/tasks/toy.py, the real
+# model's common/tasks/smollm2.py
+PRESET_MODULES = {"toy": "common.tasks.toy", "toy_tir": "common.tasks.toy_tir", "smollm2": "common.tasks.smollm2"}
 PRESET_NAMES = tuple(PRESET_MODULES)
 
 
@@ -33,7 +33,7 @@ def preset_defaults(preset: str | None) -> dict:
 
 def arg(default, help: str, at_least: float | None = None):
     """A field of a script's `Args` dataclass with its --help line; `at_least`: the smallest value
-    the estimator accepts, checked before anything loads (common/checks.py). Parse with `parse_args`
+    the estimator accepts, checked before anything loads (common/rails/checks.py). Parse with `parse_args`
     (`ArgParser`)."""
     metadata = {"help": help} if at_least is None else {"help": help, "at_least": at_least}
     return dataclasses.field(default=default, metadata=metadata)
@@ -106,7 +106,7 @@ class TrainArgs:
     vllm_gpu_memory_utilization: float = arg(0.3, "GPU memory fraction vLLM may take")
     vllm_tensor_parallel_size: int = arg(1, "GPUs per vLLM engine (consecutive ranks)")
     server_url: str | None = arg(
-        None, "rollouts from a server (python -m common.serve) at http://HOST:PORT",
+        None, "rollouts from a server (python -m common.engines.serve) at http://HOST:PORT",
     )
     server_timeout: float = arg(
         600.0, "seconds a request to the server may wait for its answer", at_least=1,
@@ -217,7 +217,7 @@ def parse_args(args_cls, argv: list[str] | None = None):
     known, _ = pre.parse_known_args(argv)
     recipe = {}
     if known.config is not None:
-        from common.recipes import read_recipe, script_problem
+        from common.rails.recipes import read_recipe, script_problem
 
         recipe = read_recipe(known.config)
         problem = script_problem(known.config, getattr(args_cls, "exp_name", None))
@@ -231,7 +231,7 @@ def parse_args(args_cls, argv: list[str] | None = None):
     # --resume_from RUN alone: the run's own settings for every flag not given
     resumed = {}
     if known.resume_from:
-        resumed = importlib.import_module("common.command_line").resumed_args(known.resume_from,
+        resumed = importlib.import_module("common.rails.command_line").resumed_args(known.resume_from,
                                                                               args_cls)
     # a recipe's preset: its defaults too
     preset = recipe.get("preset") if known.preset is None else known.preset
@@ -262,7 +262,7 @@ def parse_args(args_cls, argv: list[str] | None = None):
                          f"--help lists the flags")
     # argparse checked the command line's values; a YAML file's reach the dataclass as they are
     if recipe:
-        from common.recipes import type_problems
+        from common.rails.recipes import type_problems
 
         problems = type_problems(args, recipe, known.config)
         if problems:
@@ -271,7 +271,7 @@ def parse_args(args_cls, argv: list[str] | None = None):
     if (command_line and preset is None and "model" not in {**recipe, **resumed}
             and "model" in {f.name for f in dataclasses.fields(args_cls)}
             and not any(a.split("=")[0] in ("--model", "-h", "--help") for a in argv)):
-        importlib.import_module("common.command_line").cpu_guard(args.model, PRESET_NAMES)
+        importlib.import_module("common.rails.command_line").cpu_guard(args.model, PRESET_NAMES)
     return args
 
 

@@ -1,6 +1,6 @@
 """The distribution sampled at top_p < 1, for common/logprobs.py (imported only where --top_p < 1).
 
-The sampler (common/rollout.py SeededSampler; vLLM alike) keeps, at each position, the smallest set
+The sampler (common/engines/rollout.py SeededSampler; vLLM alike) keeps, at each position, the smallest set
 of tokens, by descending probability under softmax(z), z = logits / T, whose probability reaches
 top_p, and draws from softmax(z) renormalised over that set. The trainer's policy is that
 distribution: log p_y = z_y - logsumexp(z over the kept set). The set is a function of z that is
@@ -24,7 +24,7 @@ def nucleus_floor(log_p: torch.Tensor, top_p: float) -> torch.Tensor:
     """(...,) the least log-prob kept by sampling at `top_p`, of log_p (..., V) = log softmax(z).
 
     The kept set is the smallest set of tokens, by descending probability, whose probability reaches
-    top_p, tested as SeededSampler (common/rollout.py) tests it. {v : log_p_v >= floor} is that set
+    top_p, tested as SeededSampler (common/engines/rollout.py) tests it. {v : log_p_v >= floor} is that set
     (with any token tied with its least, where the sampler's sort would pick one of them). Looked
     for among each position's NUCLEUS_TOPK most probable tokens (a sort of those alone); the
     positions whose set is larger are sorted whole."""

@@ -5,7 +5,7 @@ step.
 the policy and its reference, the data and rewards, the optimizer, the rollout engine, the metrics
 log); `sample_batch` draws one step's batch (common/sampling.py); `end_step` pushes the new weights
 to the sampler, logs, evaluates and saves. Optional features are imported where they are switched
-on: vLLM, LoRA, the toy task, benchmark evaluation (common/evaluation.py).
+on: vLLM, LoRA, the toy task, benchmark evaluation (common/tasks/evaluation.py).
 """
 
 import importlib
@@ -24,10 +24,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
 from common.args import PRESET_MODULES
-from common.checkpoints import MetricsLog, TrainState, save_checkpoint
-from common.checks import brought, check_args, stop_if_nonfinite
-from common.data import load_prompts, resolve_dataset
-from common.devices import on_cpu, prepare_policy, prepare_reference, vllm_installed
+from common.engines.rollout import HFEngine, single_turn
 from common.metrics import (
     batch_metrics,
     check_weight_sync,
@@ -37,10 +34,13 @@ from common.metrics import (
     peak_memory_gib,
     timed,
 )
+from common.models.devices import on_cpu, prepare_policy, prepare_reference, vllm_installed
 from common.offpolicy import RolloutQueue
-from common.rewards import RewardError, get_reward_function
-from common.rollout import HFEngine, single_turn
-from common.run_dir import claim_run_dir, record_args
+from common.rails.checks import brought, check_args, stop_if_nonfinite
+from common.run_folder.checkpoints import MetricsLog, TrainState, save_checkpoint
+from common.run_folder.run_dir import claim_run_dir, record_args
+from common.tasks.data import load_prompts, resolve_dataset
+from common.tasks.rewards import RewardError, get_reward_function
 
 
 @dataclass
@@ -88,7 +88,7 @@ def launch(main, args_cls) -> None:
     from accelerate import PartialState
 
     from common.args import parse_args
-    from common.checkpoints import checkpoint_steps
+    from common.run_folder.checkpoints import checkpoint_steps
 
     def where_to_resume() -> str:
         run_dir = ACTIVE_RUN["run_dir"]
@@ -144,7 +144,7 @@ def setup(args) -> Run:
     # a wrong flag is refused before a preset builds anything
     check_args(args, state.num_processes, files=False)
     if args.preset:
-        # the toy's model and data, or the real model's (common/models.py), once
+        # the toy's model and data, or the real model's (common/tasks/smollm2.py), once
         with state.main_process_first():
             importlib.import_module(PRESET_MODULES[args.preset]).prepare_preset(args.preset)
     check_args(args, state.num_processes)
@@ -212,7 +212,7 @@ def setup(args) -> Run:
               evaluating=args.eval_steps > 0 and (eval_data is not None or len(eval_sets) > 0))
     # the server samples steps s+1..s+K while step s trains
     if args.server_url and args.rollout_lag > 0:
-        from common.server_engine import overlap_queue
+        from common.engines.server_engine import overlap_queue
         run.queue = overlap_queue(run)
     # the batches (or requests) sampled ahead of the checkpoint's step: each process its own rows
     if resume:
@@ -244,12 +244,12 @@ def load_models(args, tokenizer):
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
     # a model from outside: a NaN weight named at load (the reference is the same files)
     if brought(args):
-        importlib.import_module("common.real_checks").weight_problems(model, args.model)
+        importlib.import_module("common.rails.real_checks").weight_problems(model, args.model)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     ref_model = None
     if args.lora_r > 0:  # the reference is the base model: the adapter disabled, no second copy
-        from common.lora import add_lora
+        from common.models.lora import add_lora
 
         model = add_lora(model, args)
     elif args.beta > 0:
@@ -273,7 +273,7 @@ def load_data(args, tokenizer, accelerator):
         train_data = load_prompts(tokenizer, data["path"], args.dataset_config or data["name"],
                                   data["split"], **prompt_kwargs)
         if args.eval_steps > 0 and args.eval_benchmarks:
-            from common.evaluation import load_eval_sets
+            from common.tasks.evaluation import load_eval_sets
 
             eval_sets = load_eval_sets(args.eval_benchmarks, tokenizer,
                                        use_chat_template=args.use_chat_template,
@@ -295,13 +295,13 @@ def load_data(args, tokenizer, accelerator):
 def rollout_engine(args, accelerator, tokenizer, model, run_dir: str):
     """A rollout server (--server_url), vLLM (--rollout_engine vllm, or auto where installed) or
     transformers'."""
-    # vllm serve (or python -m common.serve) on devices of its own: common/server_engine.py
+    # vllm serve (or python -m common.engines.serve) on devices of its own: common/engines/server_engine.py
     if args.server_url:
-        from common.server_engine import ServerEngine
+        from common.engines.server_engine import ServerEngine
         return ServerEngine(args, accelerator, model,
                             sync_dir=os.path.join(run_dir, "server_weights"))
     if args.rollout_engine == "vllm" or (args.rollout_engine == "auto" and vllm_installed()):
-        from common.vllm_engine import VLLMEngine
+        from common.engines.vllm_engine import VLLMEngine
         engine = VLLMEngine(args.model, accelerator=accelerator,
                             tensor_parallel_size=args.vllm_tensor_parallel_size,
                             gpu_memory_utilization=args.vllm_gpu_memory_utilization, seed=args.seed,
@@ -314,14 +314,14 @@ def rollout_engine(args, accelerator, tokenizer, model, run_dir: str):
 
 
 def evaluate(run: Run) -> dict:
-    """The --eval_benchmarks (avg@k: common/evaluation.py) and eval/accuracy: the first reward
+    """The --eval_benchmarks (avg@k: common/tasks/evaluation.py) and eval/accuracy: the first reward
     function's mean over greedy completions of the held-out prompts (with the run's tool turns),
     each process its slice, reduced."""
     args = run.args
     accelerator = run.accelerator
     metrics = {}
     if run.eval_sets:
-        from common.evaluation import evaluate_benchmarks
+        from common.tasks.evaluation import evaluate_benchmarks
 
         metrics.update(
             evaluate_benchmarks(run.engine, run.model, run.tokenizer, run.eval_sets,
@@ -339,8 +339,8 @@ def evaluate(run: Run) -> dict:
     if args.max_turns == 1:
         completion_ids = single_turn(run.engine, run.model, run.tokenizer, rows["prompt_ids"],
                                      [0] * len(rows), **greedy)[0]
-    else:  # with the run's tool turns (common/multiturn.py)
-        from common.multiturn import sample_completions
+    else:  # with the run's tool turns (common/engines/multiturn.py)
+        from common.engines.multiturn import sample_completions
 
         completion_ids = sample_completions(run.engine, run.model, run.tokenizer,
                                             rows["prompt_ids"], [0] * len(rows),

@@ -8,11 +8,11 @@ scripts compute them where the step trains the batch.
 import torch
 
 from common.batch import Batch, Rollouts, pad_rows
-from common.devices import sharded_parameters
+from common.engines.rollout import sample_seed, single_turn
 from common.logprobs import completion_logprobs, length_buckets
 from common.metrics import timed
-from common.rewards import RewardError, compute_rewards
-from common.rollout import sample_seed, single_turn
+from common.models.devices import sharded_parameters
+from common.tasks.rewards import RewardError, compute_rewards
 
 
 def sample_batch(run, index: int, metrics: dict) -> Batch:
@@ -42,8 +42,8 @@ def sample_round(run, index: int, r: int, metrics: dict) -> Rollouts:
             completion_ids, sampler_logp, action_mask, finish = single_turn(
                 run.engine, run.model, run.tokenizer, prompt_ids, seeds, max_tokens=args.max_completion_length,
                 temperature=args.temperature, top_p=args.top_p)
-        else:  # tool turns (common/multiturn.py): tool output is part of a completion, not its actions
-            from common.multiturn import sample_completions, tool_metrics
+        else:  # tool turns (common/engines/multiturn.py): tool output is part of a completion, not its actions
+            from common.engines.multiturn import sample_completions, tool_metrics
 
             out = sample_completions(run.engine, run.model, run.tokenizer, prompt_ids, seeds,
                                      max_tokens=args.max_completion_length, temperature=args.temperature,

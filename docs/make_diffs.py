@@ -4,6 +4,8 @@ A page holds a generated block between two HTML comments (invisible on GitHub an
 
     <!-- begin: diff -u grpo.py gspo.py -->      the unified diff of grpo.py and gspo.py, as `diff -u` prints it
     <!-- begin: algo grpo.py -->                  grpo.py's `# ALGO LOGIC` section, from that line up to `def main(`
+    <!-- begin: layout common -->                 every module of common/ by folder, with its lines (each line's
+                                                  description is kept from the page; a module without one is stale)
     ```diff / ```python ... ```
     <!-- end -->
 
@@ -21,7 +23,10 @@ import re
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BLOCK = re.compile(r"(<!-- begin: (diff -u grpo\.py (\w+)\.py|algo (\w+)\.py) -->\n)(.*?)(<!-- end -->)", re.S)
+BLOCK = re.compile(r"(<!-- begin: (diff -u grpo\.py (\w+)\.py|algo (\w+)\.py|layout common) -->\n)(.*?)(<!-- end -->)",
+                   re.S)
+# The layout block's folders, in order: the step's own parts first, then the machinery by role.
+FOLDER_ORDER = ["common", "common/engines", "common/tasks", "common/models", "common/run_folder", "common/rails"]
 EXCERPT = re.compile(r"<!-- excerpt: diff -u grpo\.py (\w+)\.py -->\n```diff\n(.*?)```", re.S)
 
 
@@ -44,9 +49,48 @@ def algo_section(name: str) -> list[str]:
     return lines[start:end]
 
 
+def described(block: str) -> dict[str, str]:
+    """{path: description} from a layout block's module lines ("  name.py  LINES  description")."""
+    found = {}
+    folder = None
+    for line in block.splitlines():
+        if line.startswith("common"):
+            folder = line.split()[0].rstrip("/")
+        elif folder and line.startswith("  "):
+            name, _, rest = line.strip().partition(" ")
+            found[f"{folder}/{name}"] = rest.strip().partition(" ")[2].strip()
+    return found
+
+
+def layout(block: str) -> list[str]:
+    """common/'s folders, each with the first sentence of its docstring, and their modules with their lines and the
+    description the page gave them (modules keep the page's order; a new one comes last, marked undescribed)."""
+    import ast
+
+    descriptions = described(block)
+    order = list(descriptions)
+    body = []
+    for folder in FOLDER_ORDER:
+        with open(os.path.join(ROOT, folder, "__init__.py")) as f:
+            doc = " ".join((ast.get_docstring(ast.parse(f.read())) or "").split())
+        body.append(f"{folder + '/':20s}{doc.split('. ')[0].rstrip('.')}")
+        names = [n for n in os.listdir(os.path.join(ROOT, folder)) if n.endswith(".py") and n != "__init__.py"]
+        paths = sorted((f"{folder}/{n}" for n in names), key=lambda p: (p not in order, order.index(p)
+                                                                         if p in order else 0, p))
+        for path in paths:
+            with open(os.path.join(ROOT, path)) as f:
+                count = len(f.read().splitlines())
+            text = descriptions.get(path) or "UNDESCRIBED: say what this module holds"
+            body.append(f"  {os.path.basename(path):20s}{count:5d}  {text}")
+    return body
+
+
 def rendered(match: re.Match) -> str:
     diff_of, algo_of = match.group(3), match.group(4)
-    body, lang = (live_diff(diff_of), "diff") if diff_of else (algo_section(algo_of), "python")
+    if match.group(2) == "layout common":
+        body, lang = layout(match.group(5)), "text"
+    else:
+        body, lang = (live_diff(diff_of), "diff") if diff_of else (algo_section(algo_of), "python")
     while body and not body[-1].strip():
         body.pop()
     return match.group(1) + f"```{lang}\n" + "\n".join(body) + "\n```\n" + match.group(6)
@@ -67,6 +111,8 @@ def check() -> list[str]:
         for match in BLOCK.finditer(text):
             if match.group(0) != rendered(match):
                 problems.append(f"{rel}: the block '{match.group(2)}' is stale: run python docs/make_diffs.py")
+            if "UNDESCRIBED" in rendered(match):
+                problems.append(f"{rel}: a module in the block '{match.group(2)}' has no description")
         for name, excerpt in EXCERPT.findall(text):
             diff = set(live_diff(name))
             for line in excerpt.splitlines():

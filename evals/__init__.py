@@ -1,6 +1,6 @@
 """Benchmark evaluation: avg@k and pass@k on math and multiple-choice benchmarks, from the command line
-(`python -m evals.run`) or inside a training loop (`common.evaluation.load_eval_sets` + `evaluate_benchmarks`).
-Benchmarks, and how to add one, are in common/benchmarks.py; the evaluation itself is common/evaluation.py.
+(`python -m evals.run`) or inside a training loop (`common.tasks.evaluation.load_eval_sets` + `evaluate_benchmarks`).
+Benchmarks, and how to add one, are in common/tasks/benchmarks.py; the evaluation itself is common/tasks/evaluation.py.
 
 `ALGORITHMS`: the estimator scripts, found at the project root, so that a new estimator is one new file (plus its
 tests and docs page) for evals.compare, the step-time benchmark and the tests that run every script."""

@@ -81,7 +81,7 @@ def check_compare_args(args: CompareArgs, out_dir: str) -> list[str]:
     """The algorithms, counts and extra flags, each script's own validation of its flags, and unused run folders:
     all before the first run starts (a typo must not surface minutes later, in a log file)."""
     from common.args import PRESET_NAMES, parse_args
-    from common.checks import argument_problems, resource_problems
+    from common.rails.checks import argument_problems, resource_problems
 
     algos = [a.strip() for a in args.algos.split(",") if a.strip()]
     problems = [f"--algos: no script {a}.py; choose from {','.join(ALGOS)}" for a in algos if a not in ALGOS]
@@ -130,7 +130,7 @@ def run_one(algo: str, seed: int, args: CompareArgs, out_dir: str, value: str | 
     run_dir = os.path.join("runs", run_name)
     result_path = run_dir + ".result.json"
     if args.resume:
-        from common.checkpoints import latest_checkpoint
+        from common.run_folder.checkpoints import latest_checkpoint
 
         if os.path.exists(result_path):  # finished: read, not run again
             with open(result_path) as f:

@@ -5,7 +5,7 @@
                                                               2021, arXiv:2107.03374), c_q of them correct
 
 Each completion has its own seed, sample_seed(seed, 0, question, sample), so a result does not depend on the
-engine's batching or on the number of processes. Graders are the training rewards (common/rewards.py).
+engine's batching or on the number of processes. Graders are the training rewards (common/tasks/rewards.py).
 
 Run:
     python -m evals.run --model Qwen/Qwen3-4B --benchmarks aime25,math500 --n 32 --temperature 0.7 --max_tokens 8192
@@ -15,7 +15,7 @@ Run:
     torchrun --nproc_per_node 2 -m evals.run ...                  # the same on CPU processes (gloo)
 Writes <output>/results.json, <output>/results.md and <output>/samples/<benchmark>.jsonl (the completions).
 
-The evaluation itself (avg@k, pass@k, the held-out accuracy of training runs) is common/evaluation.py.
+The evaluation itself (avg@k, pass@k, the held-out accuracy of training runs) is common/tasks/evaluation.py.
 """
 
 import importlib
@@ -29,26 +29,26 @@ import huggingface_hub
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from common.benchmarks import benchmark_problems, hub_benchmarks
-from common.checkpoints import format_seconds
-from common.checks import hub_unreachable, range_problems
-from common.data import looks_local
-from common.devices import on_cpu
-from common.evaluation import (
+from common.engines.rollout import HFEngine
+from common.models.devices import on_cpu
+from common.rails.checks import hub_unreachable, range_problems
+from common.run_folder.checkpoints import format_seconds
+from common.tasks.benchmarks import benchmark_problems, hub_benchmarks
+from common.tasks.data import looks_local
+from common.tasks.evaluation import (
     flat_metrics,
     k_values,
     load_eval_sets,
     run_eval_set,
     summarize,
 )
-from common.rollout import HFEngine
 
 
 @dataclass
 class EvalArgs:
     model: str = field(metadata={"help": "hub id, save_pretrained folder, LoRA adapter folder, or a training "
                                          "checkpoint runs/<run>/checkpoints/step_N (or run folder: its latest)"})
-    benchmarks: str = field(default="math500", metadata={"help": "comma-separated names (see common/benchmarks.py); "
+    benchmarks: str = field(default="math500", metadata={"help": "comma-separated names (common/tasks/benchmarks.py); "
                                                                  "NAME=FILE reads a local copy in the hub schema"})
     n: int = field(default=1, metadata={"help": "samples per question, k of avg@k"})
     temperature: float = field(default=0.0, metadata={"help": "sampling temperature (0: greedy)"})
@@ -128,7 +128,7 @@ MODEL_HELP = ("Pass a hub id, a folder written by save_pretrained, a LoRA adapte
 
 def resolve_model_dir(path: str) -> str:
     """A run folder -> its latest checkpoint; a checkpoint -> its model/ (weights merged for LoRA)."""
-    from common.resume import find_checkpoint
+    from common.run_folder.resume import find_checkpoint
 
     if os.path.isdir(os.path.join(path, "checkpoints")):
         try:
@@ -216,7 +216,7 @@ def main(args: EvalArgs) -> dict:
     from accelerate import Accelerator
     from accelerate.utils import gather_object
 
-    from common.vllm_engine import VLLMEngine, vllm_available
+    from common.engines.vllm_engine import VLLMEngine, vllm_available
 
     for module in filter(None, args.imports.split(",")):
         try:

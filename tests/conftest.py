@@ -1,5 +1,5 @@
 """Shared fixtures: the toy model and data, built once per test session in a temporary folder (TOY_SEED=N builds
-it from another seed: common/toy.py), and the skip rules of tests that need the code sandbox or a peer."""
+it from another seed: common/tasks/toy.py), and the skip rules of tests that need the code sandbox or a peer."""
 
 import importlib.util
 import json
@@ -13,20 +13,20 @@ import sys
 import pytest
 from accelerate.state import AcceleratorState, GradientState, PartialState
 
-from common.toy import TOY_DIR, prepare_toy
+from common.tasks.toy import TOY_DIR, prepare_toy
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `sandbox` run model-written code in bubblewrap (common/sandbox.py); tests marked `peer` compare
-    an estimator with a peer's own code (TRL, from requirements-test.txt). Where the sandbox cannot start or the peer
-    is not installed they are skipped, with the reason naming the fix, unless REQUIRE_SANDBOX=1 / REQUIRE_PEERS=1
-    (CI sets both): then they run and fail, so a CI machine that lost either cannot pass by skipping them.
-    Tests marked `vllm` likewise, with REQUIRE_VLLM=1 (CI's vLLM stage): require_vllm."""
+    """Tests marked `sandbox` run model-written code in bubblewrap (common/engines/sandbox.py); tests marked `peer`
+    compare an estimator with a peer's own code (TRL, from requirements-test.txt). Where the sandbox cannot start or the
+    peer is not installed they are skipped, with the reason naming the fix, unless REQUIRE_SANDBOX=1 / REQUIRE_PEERS=1
+    (CI sets both): then they run and fail, so a CI machine that lost either cannot pass by skipping them. Tests marked
+    `vllm` likewise, with REQUIRE_VLLM=1 (CI's vLLM stage): require_vllm."""
     sandboxed = [item for item in items if item.get_closest_marker("sandbox")]
     if sandboxed and os.environ.get("REQUIRE_SANDBOX") != "1":
-        from common.sandbox import SandboxUnavailable, isolation
+        from common.engines.sandbox import SandboxUnavailable, isolation
 
         try:
             isolation()
@@ -38,20 +38,25 @@ def pytest_collection_modifyitems(config, items):
         for item in peers:
             item.add_marker(pytest.mark.skip(reason="TRL is not installed: pip install -r requirements-test.txt"))
     require_vllm([item for item in items if item.get_closest_marker("vllm")])
+    # Tests that read the toy's weights (its fixture, toy_workdir, directly or through another): the ones whose
+    # outcome could hang on one build's floats, which CI runs on a second toy too (.ci/run: -m toy, TOY_SEED=1).
+    for item in items:
+        if "toy_workdir" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.toy)
 
 
 VLLM_PROBLEM = pytest.StashKey[str]()
 
 
 def require_vllm(items) -> None:
-    """Tests marked `vllm` need vLLM with a device (common/vllm_engine.py vllm_unavailable_reason). Where it is not
-    installed, or has no device, they are skipped with the reason, unless REQUIRE_VLLM=1 (CI's vLLM stage, .ci/run):
+    """Tests marked `vllm` need vLLM with a device (common/engines/vllm_engine.py vllm_unavailable_reason). Where it is
+    not installed, or has no device, they are skipped with the reason, unless REQUIRE_VLLM=1 (CI's vLLM stage, .ci/run):
     then each fails with the reason, so that stage cannot pass with every test skipped. Where vLLM is installed but
     cannot be imported, each fails with the import's error whatever REQUIRE_VLLM says: a broken install is an
     error, never a skip. The failures come in pytest_runtest_setup, before the tests' fixtures are built."""
     if not items:
         return
-    from common.vllm_engine import VLLMBroken, vllm_unavailable_reason
+    from common.engines.vllm_engine import VLLMBroken, vllm_unavailable_reason
 
     try:
         reason = vllm_unavailable_reason()
@@ -93,10 +98,10 @@ def toy_workdir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smollm2_workdir(tmp_path_factory):
-    """A working directory holding runs/smollm2, the real model and its task (common/models.py; the preset's paths
-    are relative to it). Downloaded (98 MB) and converted once: into SMOLLM2_CACHE=DIR when it is set (.ci/run sets
-    it; a later session reuses the folder), else into a temporary folder."""
-    from common.models import SMOLLM2_DIR, prepare_smollm2
+    """A working directory holding runs/smollm2, the real model and its task (common/tasks/smollm2.py; the preset's
+    paths are relative to it). Downloaded (98 MB) and converted once: into SMOLLM2_CACHE=DIR when it is set (.ci/run
+    sets it; a later session reuses the folder), else into a temporary folder."""
+    from common.tasks.smollm2 import SMOLLM2_DIR, prepare_smollm2
 
     workdir = tmp_path_factory.mktemp("real")
     target = workdir / SMOLLM2_DIR

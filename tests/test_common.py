@@ -11,11 +11,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.args import parse_args
 from common.batch import pad_rows
-from common.data import load_prompts, resolve_dataset
+from common.engines.rollout import HFEngine, sample_seed
 from common.logprobs import completion_logprobs
-from common.rollout import HFEngine, sample_seed
 from common.sampling import step_prompts
-from common.toy import TOY_DIR
+from common.tasks.data import load_prompts, resolve_dataset
+from common.tasks.toy import TOY_DIR
 
 ROWS = [{"q": "1+2=", "a": "3", "level": 1}, {"q": "10+20=", "a": "30", "level": 2}]
 
@@ -99,7 +99,7 @@ def test_hf_sampling_depends_only_on_the_seed(toy):
 
 def test_default_generate_batch_is_a_token_budget(toy, monkeypatch):
     """Rows per `generate` call: as many as fit GENERATE_BATCH_TOKENS of (longest prompt + max_tokens)."""
-    import common.rollout
+    import common.engines.rollout
 
     tokenizer, model = toy
     engine = HFEngine(tokenizer, Accelerator(cpu=True))
@@ -110,7 +110,7 @@ def test_default_generate_batch_is_a_token_budget(toy, monkeypatch):
     kw = dict(max_tokens=4, temperature=1.0, top_p=1.0)
     together, _ = engine.generate(model, prompts, list(range(5)), **kw)
     assert calls == [5]
-    monkeypatch.setattr(common.rollout, "GENERATE_BATCH_TOKENS", 2 * (6 + 4))
+    monkeypatch.setattr(common.engines.rollout, "GENERATE_BATCH_TOKENS", 2 * (6 + 4))
     calls.clear()
     assert engine.generate(model, prompts, list(range(5)), **kw)[0] == together
     assert calls == [2, 2, 1]
@@ -119,7 +119,7 @@ def test_default_generate_batch_is_a_token_budget(toy, monkeypatch):
 def test_repeated_prompts_are_prefilled_once(toy, monkeypatch):
     """G samples of a prompt share one prefill of it (common.logprobs.shared_prompt_cache); the samples and their
     log-probs are those of a plain `generate`, left padding included."""
-    import common.rollout
+    import common.engines.rollout
 
     tokenizer, model = toy
     engine = HFEngine(tokenizer, Accelerator(cpu=True))
@@ -132,7 +132,7 @@ def test_repeated_prompts_are_prefilled_once(toy, monkeypatch):
         shared, shared_logp = engine.generate(model, prompts, seeds, **kw)
         assert shapes[0] == (3, 5) and shapes[1] == (13, 1)  # 3 distinct prompts less their last token, then 1 token
         shapes.clear()
-        monkeypatch.setattr(common.rollout, "shared_prompt_cache", lambda *a: None)
+        monkeypatch.setattr(common.engines.rollout, "shared_prompt_cache", lambda *a: None)
         plain, plain_logp = engine.generate(model, prompts, seeds, **kw)
         assert shapes[0] == (13, 6)  # every row's whole prompt
     finally:
@@ -204,7 +204,7 @@ def test_the_toy_is_built_once_by_one_builder_that_says_so(tmp_path, monkeypatch
     import threading
     import time
 
-    import common.toy as toy
+    import common.tasks.toy as toy
 
     calls = []
 

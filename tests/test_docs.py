@@ -275,7 +275,8 @@ def test_every_metric_key_the_code_writes_is_in_metrics_md():
               "eval", *ALGORITHMS]
     key = re.compile(r"[\"']((?:" + "|".join(spaces) + r")/[\w@.=-]+)[\"']")
     written = {}
-    for path in glob.glob(os.path.join(REPO, "*.py")) + glob.glob(os.path.join(REPO, "common", "*.py")):
+    for path in glob.glob(os.path.join(REPO, "*.py")) + glob.glob(os.path.join(REPO, "common", "**", "*.py"),
+                                                                 recursive=True):
         for name in key.findall(read(path)):
             written.setdefault(name, set()).add(rel(path))
     page = read(os.path.join(DOCS, "metrics.md"))
@@ -286,9 +287,9 @@ def test_every_metric_key_the_code_writes_is_in_metrics_md():
 
 def test_the_readme_reward_example_runs(tmp_path, monkeypatch):
     """README's custom reward function, saved as the file its first line names, selected by the `--reward_funcs`
-    of the command under it, and called as the trainer calls it (common/rewards.py compute_rewards) on toy rows:
+    of the command under it, and called as the trainer calls it (common/tasks/rewards.py compute_rewards) on toy rows:
     one finite number per completion, the right sum above a wrong one. At most ten lines, as the README says."""
-    from common.rewards import compute_rewards, get_reward_function
+    from common.tasks.rewards import compute_rewards, get_reward_function
 
     readme = read(README)
     section = readme[readme.index("## Your own data and reward"):]

@@ -13,20 +13,28 @@ import pytest
 import torch
 from huggingface_hub.errors import GatedRepoError
 
-from common.benchmarks import BENCHMARKS, get_benchmark, get_grader, load_benchmark
-from common.choice_grader import choice_accuracy, extract_choice
-from common.evaluation import _stats, evaluate_benchmarks, k_values, load_eval_sets, pass_at_k, run_eval_set
-from common.math_grader import is_equivalent, math_accuracy
-from common.rewards import get_reward_function
-from common.toy import TOY_DIR, toy_addition
+from common.tasks import math_grader
+from common.tasks.benchmarks import BENCHMARKS, get_benchmark, get_grader, load_benchmark
+from common.tasks.choice_grader import choice_accuracy, extract_choice
+from common.tasks.evaluation import _stats, evaluate_benchmarks, k_values, load_eval_sets, pass_at_k, run_eval_set
+from common.tasks.math_grader import is_equivalent, math_accuracy
+from common.tasks.rewards import get_reward_function
+from common.tasks.toy import TOY_DIR, toy_addition
 from evals.run import EvalArgs, load_model, main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(REPO, "evals", "fixtures")
 
-# The columns of each hub dataset and their types (None is allowed too), as common/benchmarks.py's "schema:" comments
-# record where they were checked (GPQA: only the columns we read and a few more; the real file also has Pre-Revision*
-# and validator columns). The fixtures must match exactly.
+
+@pytest.fixture(autouse=True)
+def patient_grader(monkeypatch):
+    """These tests are about what is graded right, not how fast: the grader's 1 s limit per sample (held by
+    tests/test_rewards.py) graded "x^{2} + 2 x" 0 on a 2-core machine loaded by CI's two streams."""
+    monkeypatch.setattr(math_grader, "TIME_LIMIT_S", 30.0)
+
+# The columns of each hub dataset and their types (None is allowed too), as the "schema:" comments of
+# common/tasks/benchmarks.py record where they were checked (GPQA: only the columns we read and a few more; the real
+# file also has Pre-Revision* and validator columns). The fixtures must match exactly.
 MATH_ARENA = {"problem_idx": int, "problem": str, "answer": str, "problem_type": list}
 HUB_SCHEMA = {
     "gsm8k": {"question": str, "answer": str},
@@ -350,7 +358,7 @@ def test_processes_make_the_same_number_of_engine_calls(toy_model_dir, in_toy_wo
 def test_results_do_not_depend_on_processes_or_batching(toy_model_dir, in_toy_workdir, one_thread):
     from accelerate import Accelerator
 
-    from common.rollout import HFEngine
+    from common.engines.rollout import HFEngine
 
     model, tokenizer, _ = load_model(toy_model_dir)
     eval_sets = load_eval_sets("toy", tokenizer, max_questions=12)

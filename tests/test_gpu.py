@@ -41,7 +41,7 @@ def test_one_rl_step_on_cuda(in_toy_workdir, name, dtype, lora):
 def test_fsdp2_in_one_process(in_toy_workdir):
     """configs/accelerate/fsdp2.yaml on one GPU: the policy's parameters are DTensors, the step completes. The types
     come from tests/sharding_report.py, which runs grpo.py and reports every model accelerate prepares (the policy;
-    the reference is sharded by common/sharding.py without a report): FSDP2, every parameter a DTensor, which one
+    the reference is sharded by common/models/sharding.py without a report): FSDP2, every parameter a DTensor, which one
     process holds whole."""
     report = os.path.join(in_toy_workdir, "gpu_fsdp2_sharding.jsonl")
     if os.path.exists(report):
@@ -70,8 +70,8 @@ def test_toy_learns_on_the_gpu(in_toy_workdir):
 
 
 def test_server_mode_on_cuda(in_toy_workdir, tmp_path):
-    """A rollout server (python -m common.serve, the HF engine) and a trainer on the same GPU, each a process, the
-    weights synced through the filesystem: at lag 0 the first step's rewards equal the colocated run's (the same
+    """A rollout server (python -m common.engines.serve, the HF engine) and a trainer on the same GPU, each a process,
+    the weights synced through the filesystem: at lag 0 the first step's rewards equal the colocated run's (the same
     completions) and at every step the server's log-probs are the trainer's (each sync landed on CUDA); at lag 2 with
     the sampler's log-probs, generation overlaps training and no batch is more than 2 steps stale."""
     from test_server import start_server
@@ -95,8 +95,8 @@ def test_server_mode_on_cuda(in_toy_workdir, tmp_path):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL puts the trainer and the server on two GPUs")
 def test_vllm_serve_nccl_sync(in_toy_workdir):
     """vllm serve on GPU 1 with --weight-transfer-config '{"backend": "nccl"}', the trainer on GPU 0: every step's
-    weights reach the server over NCCL (vLLM's own trainer engine, common/nccl_sync.py): the server's log-probs stay
-    the trainer's while the weights move (a sync that did not land would open the gap at the learning rate below),
+    weights reach the server over NCCL (vLLM's own trainer engine, common/engines/nccl_sync.py): the server's log-probs
+    stay the trainer's while the weights move (a sync that did not land would open the gap at the learning rate below),
     every answer names the version pushed last, and lag 2 overlaps as with the disk engine."""
     from test_vllm_serve import start_vllm_serve, stop, weight_version
 

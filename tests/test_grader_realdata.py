@@ -26,9 +26,9 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-import common.math_grader as rewards_module
-from common.choice_grader import choice_accuracy, extract_choice, options_of
-from common.math_grader import extract_answer, math_accuracy
+import common.tasks.math_grader as rewards_module
+from common.tasks.choice_grader import choice_accuracy, extract_choice, options_of
+from common.tasks.math_grader import extract_answer, math_accuracy
 
 DATA = Path(__file__).parent / "data"
 # Measured by the command above at the commit that adds this test (branch grader-wip): where the label is right,

@@ -16,7 +16,7 @@ import common.nucleus
 from benchmarks.logprobs_memory import make_batch, naive_completion_logprobs, tiny_model
 from common.batch import pad_rows
 from common.logprobs import HeadLogprobs, TokenLogprobs, completion_logprobs, fused_head, length_buckets
-from common.toy import TOY_DIR
+from common.tasks.toy import TOY_DIR
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 
@@ -521,7 +521,7 @@ def test_top_p_log_probs_of_sampled_tokens_are_the_sampled_distributions(
     sets are looked for among the 3 most probable tokens first, and some are larger."""
     from accelerate import Accelerator
 
-    from common.rollout import HFEngine
+    from common.engines.rollout import HFEngine
 
     engine = HFEngine(toy_tokenizer, Accelerator(cpu=True))
     prompts = [toy_tokenizer(p)["input_ids"] for p in ["1+2=", "45+67=", "9+9=", "12+88="]] * 4

@@ -1,4 +1,4 @@
-"""common/multiturn.py: multi-turn, tool-integrated rollouts, and the engines' stop strings and per-row budgets.
+"""common/engines/multiturn.py: multi-turn, tool-integrated rollouts, and the engines' stop strings and per-row budgets.
 
 A scripted engine checks the loop's bookkeeping exactly (turns, budgets, masks, seeds, engine calls); a tiny random
 Qwen3 whose vocabulary holds code fences, some of them inside longer tokens ("\\n```\\n"), checks the HF engine's
@@ -21,10 +21,9 @@ import transformers
 from accelerate import Accelerator
 from conftest import subprocess_env
 
-from common import multiturn
 from common.batch import pad_rows
-from common.logprobs import completion_logprobs
-from common.multiturn import (
+from common.engines import multiturn
+from common.engines.multiturn import (
     FINAL_ANSWER_PREAMBLE,
     TIR_PROMPT_TEMPLATE,
     find_code,
@@ -33,9 +32,10 @@ from common.multiturn import (
     simpletir_output,
     turn_seed,
 )
-from common.rollout import HFEngine
+from common.engines.rollout import HFEngine
+from common.logprobs import completion_logprobs
 
-ToolResult = namedtuple("ToolResult", "output error seconds")  # as common.sandbox.ToolResult
+ToolResult = namedtuple("ToolResult", "output error seconds")  # as common.engines.sandbox.ToolResult
 FENCES = ["``", "```", "`\n", "```py\n", "\n```", "\n```\n"]  # tokens in which a fence ends inside, or spans two
 
 
@@ -50,7 +50,7 @@ def char_tokenizer(chars: str, multi: list[str] = ()) -> transformers.PreTrained
 
 
 def digit_sum(code: str) -> ToolResult:
-    """A stand-in for common.sandbox.run_python: prints the sum of the code's digits; code without any fails."""
+    """A stand-in for common.engines.sandbox.run_python: prints the sum of the code's digits; code without any fails."""
     digits = [int(c) for c in code if c.isdigit()]
     return ToolResult(str(sum(digits)), None, 0.25) if digits else ToolResult("error", "exit 1", 0.25)
 
@@ -234,9 +234,9 @@ def test_a_final_tool_result_ends_the_trajectory():
 
 @pytest.mark.sandbox
 def test_simpletir_turns_with_the_sandbox():
-    """common.sandbox.run_python as the tool, in SimpleTIR's format: the output, an error's last line, and
+    """common.engines.sandbox.run_python as the tool, in SimpleTIR's format: the output, an error's last line, and
     final_answer() ending the trajectory."""
-    from common.sandbox import run_python
+    from common.engines.sandbox import run_python
 
     scripts = {"Q:": ["Add.\n```py\nprint(1 + 2)\n```", "Then:\n```py\nprint(1 / 0)\n```",
                       "So 3.\n```python\nfinal_answer(3)\n```", "never written"]}
@@ -504,7 +504,7 @@ def test_hf_engine_stops_at_the_token_that_completes_a_stop_string(tiny):
 
 def vllm_child(path: str, out: str) -> None:
     """Run in a process of its own: the rollout of rows 0..23 with a VLLMEngine on the saved model."""
-    from common.vllm_engine import VLLMEngine
+    from common.engines.vllm_engine import VLLMEngine
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     engine = VLLMEngine(path, accelerator=Accelerator(cpu=not torch.cuda.is_available()), max_model_len=512,

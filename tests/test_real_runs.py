@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from test_rails import SMALL, refusal
 
 from common.args import parse_args
-from common.toy import build_model, build_tokenizer
+from common.tasks.toy import build_model, build_tokenizer
 
 quick_toy, workdir, no_weights = test_rails.quick_toy, test_rails.workdir, test_rails.no_weights  # its fixtures
 
@@ -166,7 +166,7 @@ def toy_folder(root, name: str, tokenizer=None, config=None, weights=True):
 
 
 def smollm2_tokenizer(smollm2_workdir, **changes):
-    from common.models import SMOLLM2_DIR
+    from common.tasks.smollm2 import SMOLLM2_DIR
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(smollm2_workdir / SMOLLM2_DIR / "model"))
     for key, value in changes.items():
@@ -175,7 +175,7 @@ def smollm2_tokenizer(smollm2_workdir, **changes):
 
 
 def smollm2_config(smollm2_workdir):
-    from common.models import SMOLLM2_DIR
+    from common.tasks.smollm2 import SMOLLM2_DIR
 
     return transformers.AutoConfig.from_pretrained(str(smollm2_workdir / SMOLLM2_DIR / "model"))
 
@@ -305,7 +305,7 @@ def test_real_chat_templates_pass(smollm2_workdir):
     """No false refusal: SmolLM2's template, Qwen3's with thinking on or off (its answer header then holds an empty
     think block the prompt lacks), Llama 3's and Gemma's with their end-of-turn as EOS (as their instruct tokenizers
     set it); Gemma's with <eos>, as its base tokenizer has it, is refused (generation would not stop)."""
-    from common.template_checks import template_problems
+    from common.rails.template_checks import template_problems
 
     def tokenizer(template: str, eos: str, added: tuple = ()):
         tok = smollm2_tokenizer(smollm2_workdir)
@@ -434,11 +434,11 @@ def test_the_command_line_prints_one_line_and_no_traceback(workdir):
 
 
 def test_code_of_its_own_is_refused_without_a_prompt(workdir, monkeypatch):
-    """common/checks.py's model check (hub ids, presets) never lets transformers ask on the terminal whether to run
-    a model's own code (it waits for an answer): trust_remote_code=False, refused at once."""
+    """common/rails/checks.py's model check (hub ids, presets) never lets transformers ask on the terminal whether to
+    run a model's own code (it waits for an answer): trust_remote_code=False, refused at once."""
     import builtins
 
-    from common.checks import model_problems
+    from common.rails.checks import model_problems
 
     asked = []
     monkeypatch.setattr(builtins, "input", lambda *a: asked.append(a) or "")
@@ -453,7 +453,7 @@ def test_one_bos(workdir):
     without special tokens)."""
     from tokenizers.processors import TemplateProcessing
 
-    from common.data import load_prompts
+    from common.tasks.data import load_prompts
 
     tokenizer = build_tokenizer()
     tokenizer.add_special_tokens({"bos_token": "<s>"})
@@ -469,7 +469,7 @@ def test_one_bos(workdir):
 
 
 def test_duplicate_prompts_are_warned(workdir, capsys):
-    from common import checks
+    from common.rails import checks
 
     rows = [{"prompt": p, "answer": "2"} for p in ["1+1=", "0+2=", "1+1=", "2+0=", "1+1=", "0+2="]]
     (workdir / "bad" / "dups.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -496,7 +496,7 @@ def test_a_recipe_preset_applies_its_defaults(workdir):
 
 
 def test_a_context_longer_than_the_model_s_is_warned(workdir, capsys):
-    from common import checks
+    from common.rails import checks
 
     limit = build_model(build_tokenizer(), seed=0).config.max_position_embeddings
     args = parse_args(importlib.import_module("grpo").Args, SMALL + ["--max_completion_length", str(limit)])
@@ -506,7 +506,7 @@ def test_a_context_longer_than_the_model_s_is_warned(workdir, capsys):
 
 
 def test_save_steps_beyond_the_run_is_warned(workdir):
-    from common import checks
+    from common.rails import checks
 
     args = parse_args(importlib.import_module("grpo").Args, SMALL + ["--save_steps", "500", "--total_steps", "50"])
     assert "--save_steps 500 > --total_steps 50: only the last step is saved" in checks.ignored_settings(args)
@@ -517,7 +517,7 @@ def test_a_full_disk_during_a_save_is_one_line(workdir, tmp_path, monkeypatch):
     unfinished copy removed, step 1 intact."""
     from accelerate import Accelerator
 
-    from common.checkpoints import save_checkpoint
+    from common.run_folder.checkpoints import save_checkpoint
 
     tokenizer, accelerator = build_tokenizer(), Accelerator(cpu=True)
     model = build_model(tokenizer, seed=0)
@@ -570,9 +570,9 @@ def test_a_disk_that_fills_in_the_middle_of_a_save(workdir, tmp_path, small_disk
 
     from accelerate import Accelerator
 
-    from common import repair
-    from common.checkpoints import save_checkpoint
-    from common.resume import find_checkpoint
+    from common.rails import repair
+    from common.run_folder.checkpoints import save_checkpoint
+    from common.run_folder.resume import find_checkpoint
 
     if room == "tmpfs" and small_disk is None:
         pytest.skip("mounting a tmpfs needs root; the file size limit case runs without")
@@ -661,7 +661,7 @@ def test_the_time_a_checkpoint_takes_is_logged(workdir):
 
 
 def test_numpy_and_bool_rewards_are_taken():
-    from common.rewards import compute_rewards
+    from common.tasks.rewards import compute_rewards
 
     funcs = [lambda p, c, **_: np.array([1.0, 0.0]), lambda p, c, **_: [True, False],
              lambda p, c, **_: torch.tensor([0.5, 0.25]), lambda p, c, **_: [np.float32(2), np.int64(1)]]

@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from common import args as arguments
-from common import checks
-from common.recipes import script_of  # a `# script: NAME` line, else the file name's prefix
+from common.rails import checks
+from common.rails.recipes import script_of  # a `# script: NAME` line, else the file name's prefix
 from evals import ALGORITHMS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -174,7 +174,7 @@ def test_the_source_check_catches_an_unsourced_value(tmp_path):
 @pytest.mark.parametrize("name", ["ctpo_qwen3_4b", "ctpo_qwen3_14b", "ctpo_qwen3_14b_fixed_clip"])
 def test_ctpo_recipes_train_in_the_tool_integrated_setting(name):
     """CTPO's section 4.1: SimpleTIR's prompt, up to 5 turns, 8000 tokens per trajectory, sequence-level IS at 5."""
-    from common.multiturn import TIR_PROMPT_TEMPLATE
+    from common.engines.multiturn import TIR_PROMPT_TEMPLATE
 
     with open(os.path.join(REPO, "configs", "recipes", f"{name}.yaml")) as f:
         recipe = yaml.safe_load(f)

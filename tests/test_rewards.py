@@ -1,5 +1,5 @@
-"""Tests for common/rewards.py (registry, safe reward calls) and common/math_grader.py (answer extraction, math
-equivalence, the time limit)."""
+"""Tests for common/tasks/rewards.py (registry, safe reward calls) and common/tasks/math_grader.py (answer extraction,
+math equivalence, the time limit)."""
 
 import itertools
 import json
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import common.math_grader as rewards_module
-from common.choice_grader import choice_accuracy, extract_choice, options_of
-from common.math_grader import (
+import common.tasks.math_grader as rewards_module
+from common.tasks.choice_grader import choice_accuracy, extract_choice, options_of
+from common.tasks.math_grader import (
     TIME_LIMIT_S,
     extract_answer,
     extract_gold,
@@ -22,7 +22,14 @@ from common.math_grader import (
     is_equivalent,
     math_accuracy,
 )
-from common.rewards import REWARD_FUNCTIONS, RewardError, Rewards, compute_rewards, get_reward_function, register_reward
+from common.tasks.rewards import (
+    REWARD_FUNCTIONS,
+    RewardError,
+    Rewards,
+    compute_rewards,
+    get_reward_function,
+    register_reward,
+)
 
 # --- extraction ---------------------------------------------------------------
 
@@ -187,7 +194,7 @@ def test_format_reward():
 def test_registry_lookup():
     assert get_reward_function("math_accuracy") is math_accuracy
     assert get_reward_function("format") is format_reward
-    assert get_reward_function("common.math_grader:format_reward") is format_reward
+    assert get_reward_function("common.tasks.math_grader:format_reward") is format_reward
 
 
 def test_register_reward():
@@ -201,7 +208,7 @@ def test_register_reward():
         del REWARD_FUNCTIONS["test_constant"]
 
 
-@pytest.mark.parametrize("name", ["no_such_reward", "common.rewards:no_such_function", "no_such_module:fn"])
+@pytest.mark.parametrize("name", ["no_such_reward", "common.tasks.rewards:no_such_function", "no_such_module:fn"])
 def test_unknown_reward_function(name):
     with pytest.raises(ValueError) as info:
         get_reward_function(name)
@@ -453,7 +460,7 @@ def test_only_the_end_of_a_completion_is_read():
 
 # The prompt's options in the forms prompts list them, with the letters read back.
 @pytest.mark.parametrize("prompt", [
-    "Which is the focus?\n\nA. x^2/4\nB. $x^2/8$\nC. 0.5\nD. True, Not Given",  # common/benchmarks.py format_choices
+    "Which is the focus?\n\nA. x^2/4\nB. $x^2/8$\nC. 0.5\nD. True, Not Given",  # benchmarks.py format_choices
     "Which is the focus?\nA: x^2/4\nB: $x^2/8$\nC: 0.5\nD: True, Not Given",  # colons (read as A-J before)
     "Which is the focus?\n(A) x^2/4\n(B) $x^2/8$\n(C) 0.5\n(D) True, Not Given",  # (A) (read as A-J before)
     "Which is the focus?\nA) x^2/4\nB) $x^2/8$\nC) 0.5\nD) True, Not Given",
@@ -575,7 +582,7 @@ LISTING_COMPLETIONS = [
 
 @pytest.mark.parametrize("gold", "ABCD")
 def test_listing_letters_earns_no_reward(gold):
-    from common.benchmarks import format_choices
+    from common.tasks.benchmarks import format_choices
     prompt = format_choices("Where is the focus of y = 2x^2?", ["(0, 1/8)", "(0, 1/4)", "(1/8, 0)", "(0, 2)"])
     assert options_of(prompt) == {"A": "(0, 1/8)", "B": "(0, 1/4)", "C": "(1/8, 0)", "D": "(0, 2)"}
     n = len(LISTING_COMPLETIONS)
@@ -690,7 +697,7 @@ def test_a_reward_that_never_returns_is_stopped_at_its_time_limit():
     import threading
     import time
 
-    from common.rewards import RewardError, compute_rewards
+    from common.tasks.rewards import RewardError, compute_rewards
 
     never = threading.Event()
 
@@ -767,7 +774,7 @@ def trl_rewards(tmp_path):
 
 
 def test_a_trl_reward_is_called_by_keyword_with_ids_and_state(trl_rewards):
-    from common.reward_files import load_file
+    from common.tasks.reward_files import load_file
 
     funcs = [get_reward_function(f"{trl_rewards}:{n}") for n in ("reward_len", "exact_answer", "recorder")]
     total, per = compute_rewards(funcs, None, PROMPTS, ["2", "it is 5"], COLUMNS, completion_ids=[[5], [7, 8]],
@@ -792,7 +799,7 @@ def test_the_project_s_positional_rewards_still_work():
 
 @pytest.mark.parametrize("fn", [lambda completion: [0.0], lambda: [], lambda *, texts: [0.0]])
 def test_a_signature_neither_way_is_refused_naming_both(fn):
-    from common.rewards import call_style
+    from common.tasks.rewards import call_style
 
     with pytest.raises(ValueError, match=r"write it as TRL's def f\(completions, \*\*kwargs\) .* or def "
                                          r"f\(prompts, completions, \*\*columns\)"):
@@ -820,7 +827,7 @@ def test_the_toy_trains_with_trl_rewards_from_a_file(in_toy_workdir, trl_rewards
     from conftest import read_metrics, run_script
 
     import grpo
-    from common.reward_files import load_file
+    from common.tasks.reward_files import load_file
 
     module = load_file(trl_rewards)
     module.CALLS.clear()

@@ -1,4 +1,4 @@
-"""common/sandbox.py: ordinary runs, and hostile code that must come back as a ToolResult in bounded time,
+"""common/engines/sandbox.py: ordinary runs, and hostile code that must come back as a ToolResult in bounded time,
 leaving no process behind and the test process alive.
 
 Where no sandbox can start (bubblewrap missing) the whole module is skipped, the reason naming the fix; CI sets
@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from common.sandbox import ToolResult, isolation, run_python
+from common.engines.sandbox import ToolResult, isolation, run_python
 
 pytestmark = pytest.mark.sandbox
 
@@ -187,7 +187,7 @@ def test_cannot_kill_its_parent_or_the_test():
 
 
 def test_sandbox_failure_is_reported_not_raised(monkeypatch):
-    import common.sandbox as sandbox
+    import common.engines.sandbox as sandbox
 
     isolation()  # checked before the set-up is broken
     command = sandbox._command

@@ -1,5 +1,6 @@
-"""Server mode (--server_url): the rollout server (common/serve.py), its client (common/server_engine.py) and the
-filesystem weight transport; end-to-end, a trainer against a server process on the toy (CPU)."""
+"""Server mode (--server_url): the rollout server (common/engines/serve.py), its client
+(common/engines/server_engine.py) and the filesystem weight transport; end-to-end, a trainer against a server process on
+the toy (CPU)."""
 
 import json
 import os
@@ -20,8 +21,8 @@ from safetensors.torch import load_file
 from test_train import SMALL, assert_same_weights, final_weights, run_interrupted
 
 import grpo
-from common.serve import Sampler, load_version, make_handler
-from common.server_engine import ServerEngine, call, write_version
+from common.engines.serve import Sampler, load_version, make_handler
+from common.engines.server_engine import ServerEngine, call, write_version
 
 
 def toy_model_path(workdir) -> str:
@@ -49,7 +50,7 @@ class FakeArgs:
 
 
 def local_engine(sampler):
-    from common.rollout import HFEngine
+    from common.engines.rollout import HFEngine
 
     return HFEngine(sampler.tokenizer, sampler.accelerator)
 
@@ -104,7 +105,8 @@ def test_the_server_samples_what_the_local_engine_samples_before_and_after_a_syn
 
 
 def test_tool_rollouts_budgets_and_stop_strings_reach_the_server(served):
-    """Multi-turn rollouts (common/multiturn.py) ask for one budget per prompt and stop strings: the same rows."""
+    """Multi-turn rollouts (common/engines/multiturn.py) ask for one budget per prompt and stop strings: the same
+    rows."""
     url, sampler = served
     client = ServerEngine(FakeArgs(url), sampler.accelerator)
     prompts = [sampler.tokenizer.encode(p) for p in ("50+13=", "37+68=", "2+11=", "73+81=")]
@@ -147,7 +149,7 @@ def test_a_server_that_does_not_answer_stops_the_client_within_the_timeout():
                             f"1 s (--server_timeout): it is hung, or slower than the limit")
     silent.close()
     with pytest.raises(SystemExit, match=r"did not answer the generate \(.*refused.*\): is vllm serve \(or python -m "
-                                         r"common.serve\)"):
+                                         r"common.engines.serve\)"):
         call(f"http://localhost:{free_port()}", "/generate", {}, 1.0, "generate")
 
 
@@ -181,7 +183,7 @@ def test_another_service_at_the_server_url_is_refused_in_one_line(in_toy_workdir
     answered, before any weights load."""
     message = refusal_by_a_stub(lambda path: body)
     assert ("not JSON: is vllm serve" in message) if body.startswith(b"<") else \
-        ("the service there is neither vllm serve nor python -m common.serve" in message), message
+        ("the service there is neither vllm serve nor python -m common.engines.serve" in message), message
 
 
 @pytest.mark.parametrize("backend, message", [
@@ -205,7 +207,7 @@ def test_a_vllm_serve_whose_weights_the_trainer_cannot_send_is_refused(in_toy_wo
 
 @pytest.mark.parametrize("url, message", [
     ("localhost:8000", "--server_url 'localhost:8000': give http://HOST:PORT, where vllm serve (or python -m "
-                       "common.serve) listens"),
+                       "common.engines.serve) listens"),
     ("http://localhost:{port}", "the rollout server at http://localhost:{port} did not answer the health check"),
 ])
 def test_a_bad_server_url_is_refused_before_any_weights_load(in_toy_workdir, url, message):
@@ -217,7 +219,7 @@ def test_a_bad_server_url_is_refused_before_any_weights_load(in_toy_workdir, url
 
 
 def test_a_server_with_another_dtype_is_refused(served):
-    from common.server_engine import server_problems
+    from common.engines.server_engine import server_problems
 
     url, _ = served
     assert server_problems(FakeArgs(url)) == []
@@ -227,8 +229,8 @@ def test_a_server_with_another_dtype_is_refused(served):
 
 
 def test_the_server_refuses_an_engine_it_cannot_run(tmp_path):
-    from common.devices import vllm_installed
-    from common.serve import main
+    from common.engines.serve import main
+    from common.models.devices import vllm_installed
 
     if vllm_installed():
         pytest.skip("vLLM is installed here")
@@ -237,14 +239,15 @@ def test_the_server_refuses_an_engine_it_cannot_run(tmp_path):
 
 
 def start_server(workdir, sync_dir: str, *extra: str, wait_s: float = 120) -> tuple[subprocess.Popen, str]:
-    """`python -m common.serve` on the toy, one thread (as the trainer `launch` starts): ready when it answers. Its
-    output goes to server.log beside sync_dir (vLLM's would fill a pipe and block it)."""
+    """`python -m common.engines.serve` on the toy, one thread (as the trainer `launch` starts): ready when it answers.
+    Its output goes to server.log beside sync_dir (vLLM's would fill a pipe and block it)."""
     port = free_port()
     log_path = os.path.join(os.path.dirname(sync_dir), "server.log")
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "common.serve", "--model", toy_model_path(workdir), "--port",
-                                 str(port), "--host", "localhost", "--sync_dir", sync_dir, "--dtype", "float32",
-                                 *extra], cwd=workdir, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([sys.executable, "-m", "common.engines.serve", "--model", toy_model_path(workdir),
+                                 "--port", str(port), "--host", "localhost", "--sync_dir", sync_dir,
+                                 "--dtype", "float32", *extra],
+                                cwd=workdir, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT)
     url = f"http://localhost:{port}"
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
@@ -357,7 +360,7 @@ def test_the_overlap_queue_requests_k_steps_ahead_each_sampled_by_the_weights_of
     """Lag 2, 5 steps: before step s trains, the requests of steps s+1..s+2 are made (never one past the last step);
     step s's rows come from the weights pushed at step max(s-2, 0), as the local engine samples them with those
     weights, and its staleness (min(s, 2)) is what the batch says."""
-    from common.server_engine import OverlapQueue
+    from common.engines.server_engine import OverlapQueue
 
     url, sampler = served
     client, local = ServerEngine(FakeArgs(url), sampler.accelerator), local_engine(sampler)
@@ -404,7 +407,7 @@ def test_a_failed_sync_fails_every_request_after_it_with_its_message(served, tmp
     ({"old_logp_source": "sampler", "max_turns": 3}, "--max_turns 3 with --server_url"),
 ])
 def test_settings_that_cannot_overlap_are_refused(served, flags, message):
-    from common.server_engine import server_problems
+    from common.engines.server_engine import server_problems
 
     url, _ = served
     args = FakeArgs(url, rollout_lag=2)

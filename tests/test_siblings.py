@@ -7,6 +7,7 @@ compute_loss), and in main() only a few lines tagged `# <ALGO>:` that the estima
 """
 
 import difflib
+import glob
 import importlib
 import os
 import subprocess
@@ -18,6 +19,13 @@ from conftest import subprocess_env
 from evals import ALGORITHMS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def python_files(folder: str) -> list[str]:
+    """Every .py file under REPO/folder, in its subpackages too."""
+    return sorted(glob.glob(os.path.join(REPO, folder, "**", "*.py"), recursive=True))
+
+
 # Max changed lines (`<` and `>`) in `diff grpo.py X.py`: each bound is the figure measured when it was set plus about
 # 10%, so that a readable change fits (measured then: cispo 82, covpo 157, ctpo 132, dppo 108, gmpo 94, gspo 83,
 # maxrl 104, p3o 158, reinforcepp 148, rloo 130, sapo 98, snib 173; 60-118 when the statistics were dicts splatted
@@ -94,7 +102,8 @@ def test_contract_is_importable_without_side_effects(name):
 # What a user copies with grpo.py: the files of the repository a command really imports (benchmarks/copy_cost.py
 # runs it and reads sys.modules). The toy's quick start; and the README's GPU command, `--model Qwen/Qwen3-4B
 # --dataset gsm8k` on vLLM, stood in for by the toy's model and data files with the GPU command's reward (the math
-# grader) and held-out accuracy: the same modules (a hub dataset and a local file are read by common/data.py alike)
+# grader) and held-out accuracy: the same modules (a hub dataset and a local file are read by common/tasks/data.py
+# alike)
 # but the engine, transformers' here, with vLLM's added by name (tests/test_vllm_train.py runs it on vLLM itself).
 TOY_COMMAND = ["grpo.py", "--preset", "toy", "--total_steps", "1", "--eval_steps", "1"]
 GPU_STAND_IN = ["grpo.py", "--model", "runs/toy/model", "--dataset", "runs/toy/train.jsonl", "--eval_dataset",
@@ -144,17 +153,19 @@ def test_copying_grpo_for_the_toy_takes_what_its_run_imports(in_toy_workdir):
     assert layout_row("`grpo.py --preset toy`") == measured  # the docs' figures are the measured ones
     # the GPU path, the tool turns, the math grader, benchmarks, LoRA, resuming, recipes and sharding load only when
     # their flag is on
-    optional = {"common/vllm_engine.py", "common/multiturn.py", "common/sandbox.py", "common/math_grader.py",
-                "common/evaluation.py", "common/benchmarks.py", "common/lora.py", "common/resume.py",
-                "common/recipes.py", "common/sharding.py", "common/dapo.py", "common/toy_tir.py", "common/models.py",
-                "common/nucleus.py", "common/reward_files.py", "common/conversations.py", "common/command_line.py"}
-    assert "common/toy.py" in files and not optional & set(files), optional & set(files)
+    optional = {"common/engines/vllm_engine.py", "common/engines/multiturn.py", "common/engines/sandbox.py",
+                "common/tasks/math_grader.py", "common/tasks/evaluation.py", "common/tasks/benchmarks.py",
+                "common/models/lora.py", "common/run_folder/resume.py", "common/rails/recipes.py",
+                "common/models/sharding.py", "common/dapo.py", "common/tasks/toy_tir.py", "common/tasks/smollm2.py",
+                "common/nucleus.py", "common/tasks/reward_files.py", "common/tasks/conversations.py",
+                "common/rails/command_line.py"}
+    assert "common/tasks/toy.py" in files and not optional & set(files), optional & set(files)
 
 
 def test_copying_grpo_for_the_gpu_command_takes_what_its_run_imports(in_toy_workdir):
     cost, files = copy_cost(in_toy_workdir, GPU_STAND_IN + ["--rollout_engine", "hf", "--run_name", "copy_cost_gpu"])
-    assert "common/math_grader.py" in files and "common/toy.py" not in files, files
-    engine = file_cost("common/vllm_engine.py")
+    assert "common/tasks/math_grader.py" in files and "common/tasks/toy.py" not in files, files
+    engine = file_cost("common/engines/vllm_engine.py")
     total = {k: cost[k] + engine[k] for k in cost}
     assert total["code"] <= COPY_COST["gpu"], (total, files)
     measured = (len(files) + 1, total["lines"], total["code"], total["prose"])
@@ -174,18 +185,18 @@ def test_the_documented_copy_cost_command_runs_from_the_repository_root(monkeypa
 
 
 def test_the_toy_is_imported_by_the_toy_alone():
-    """No module but the TIR toy imports common/toy.py (a preset, a reward or a tool name loads it through a
-    registry: common/args.py PRESET_MODULES, common/rewards.py BUILT_IN_MODULES, common/multiturn.py TOOL_MODULES)."""
+    """No module but the TIR toy imports common/tasks/toy.py (a preset, a reward or a tool name loads it through a
+    registry: common/args.py PRESET_MODULES, common/tasks/rewards.py BUILT_IN_MODULES, common/engines/multiturn.py
+    TOOL_MODULES)."""
     import ast
 
-    folders = [REPO, os.path.join(REPO, "common"), os.path.join(REPO, "evals")]
-    for path in [os.path.join(d, n) for d in folders for n in sorted(os.listdir(d))
-                 if n.endswith(".py") and n != "toy_tir.py"]:
+    paths = glob.glob(os.path.join(REPO, "*.py")) + python_files("common") + python_files("evals")
+    for path in [p for p in paths if os.path.basename(p) != "toy_tir.py"]:
         with open(path) as f:
             tree = ast.parse(f.read())
         names = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)] + \
                 [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
-        assert "common.toy" not in names and "common.toy_tir" not in names, path
+        assert "common.tasks.toy" not in names and "common.tasks.toy_tir" not in names, path
 
 
 def test_common_and_evals_import_in_no_circle():
@@ -194,11 +205,8 @@ def test_common_and_evals_import_in_no_circle():
     from benchmarks.copy_cost import all_imports, module_file
 
     graph = {}
-    for folder in ("common", "evals"):
-        for name in os.listdir(os.path.join(REPO, folder)):
-            if name.endswith(".py"):
-                path = os.path.join(REPO, folder, name)
-                graph[path] = {f for f in map(module_file, all_imports(path)) if f and f != path}
+    for path in python_files("common") + python_files("evals"):
+        graph[path] = {f for f in map(module_file, all_imports(path)) if f and f != path}
     for start in graph:
         seen, todo = set(), list(graph[start])
         while todo:
@@ -215,10 +223,9 @@ def test_imports_point_down():
 
     scripts = set(ALGORITHMS)
     for folder, banned in [("common", scripts | {"evals"}), ("evals", scripts)]:
-        for name in sorted(os.listdir(os.path.join(REPO, folder))):
-            if not name.endswith(".py"):
-                continue
-            tree = ast.parse(open(os.path.join(REPO, folder, name)).read())
+        for path in python_files(folder):
+            name = os.path.relpath(path, os.path.join(REPO, folder))
+            tree = ast.parse(open(path).read())
             imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
             imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
             upward = {m for m in imported if m.split(".")[0] in banned}

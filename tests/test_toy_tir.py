@@ -7,10 +7,10 @@ import pytest
 from conftest import read_metrics, run_script
 
 import grpo
-from common.multiturn import TOOLS, sample_completions
-from common.sandbox import ToolResult
-from common.toy import CHARS, NUM_TEST, SPECIAL, build_tokenizer
-from common.toy_tir import (
+from common.engines.multiturn import TOOLS, sample_completions
+from common.engines.sandbox import ToolResult
+from common.tasks.toy import CHARS, NUM_TEST, SPECIAL, build_tokenizer
+from common.tasks.toy_tir import (
     TIR_CHARS,
     TIR_DIGITS,
     TIR_NUM_TRAIN,

@@ -163,7 +163,7 @@ def test_lora_trains_the_adapter_and_uses_the_base_as_reference(in_toy_workdir):
 @pytest.mark.slow
 def test_a_cpu_run_from_the_command_line_prints_no_library_warning(toy_workdir):
     """One toy step as a user runs it: stderr holds only the progress bar, and deepspeed (which accelerate imports)
-    does not warn that it found no GPU (common/devices.py filters that one message)."""
+    does not warn that it found no GPU (common/models/devices.py filters that one message)."""
     proc = subprocess.run([sys.executable, os.path.join(REPO, "grpo.py"), "--preset", "toy", "--total_steps", "1",
                            "--eval_steps", "0", "--run_name", "quiet"], cwd=toy_workdir, env=subprocess_env(),
                           capture_output=True, text=True, timeout=600)
@@ -285,7 +285,7 @@ def test_a_reward_function_that_raises_mid_run_names_step_function_sample_and_sh
     err = done.stderr
     assert done.returncode == 1, err[-3000:]
     assert 'flaky_reward.py", line 3, in parse' in err and "ValueError: boom" in err, err[-3000:]
-    assert "common/rewards.py" not in err and "common/run.py" not in err, err[-3000:]  # our frames stay out
+    assert "common/tasks/rewards.py" not in err and "common/run.py" not in err, err[-3000:]  # our frames stay out
     assert "error: step 1: reward function 'reward' raised ValueError: boom" in err, err[-3000:]
     assert err.strip().splitlines()[-1].startswith("the last checkpoint of runs/flaky is none yet"), err[-3000:]
 

@@ -14,11 +14,11 @@ import pytest
 from conftest import REPO, read_metrics, run_script
 from transformers import AutoTokenizer
 
-from common import checks
 from common.args import parse_args
-from common.conversations import is_conversation
-from common.data import load_prompts
-from common.toy import TOY_DIR
+from common.rails import checks
+from common.tasks.conversations import is_conversation
+from common.tasks.data import load_prompts
+from common.tasks.toy import TOY_DIR
 
 CHAT = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
         "{% if add_generation_prompt %}A{% endif %}")
@@ -93,7 +93,7 @@ SMALL = ["--batch_size", "16", "--num_generations", "4", "--micro_batch_size", "
 
 def test_the_toy_trains_two_steps_on_conversations(chat_toy, in_toy_workdir):
     """TRL's conversational format, a system turn in the first row, answers in `solution`; checked before the
-    weights load (common/checks.py), then two steps."""
+    weights load (common/rails/checks.py), then two steps."""
     rows = [{"prompt": [{"role": "system", "content": "+"}, {"role": "user", "content": "12+34="}],
              "solution": "46"}] + [{"prompt": [{"role": "user", "content": f"{a}+{b}="}], "solution": str(a + b)}
                                    for a, b in [(7, 8), (50, 25), (3, 4)]]

