@@ -37,7 +37,7 @@ from common.metrics import (
     peak_memory_gib,
     timed,
 )
-from common.offpolicy import RolloutQueue
+from common.offpolicy import MIS_FLOOR, RolloutQueue
 from common.rewards import RewardError, get_reward_function
 from common.rollout import HFEngine, single_turn
 from common.run_dir import claim_run_dir, record_args
@@ -153,6 +153,7 @@ def setup(args) -> Run:
     # a new folder, or the resumed run's and its checkpoint
     run_dir, resume = claim_run_dir(args, run_name[0])
     ACTIVE_RUN["run_dir"] = run_dir
+    MIS_FLOOR["value"] = args.tis_floor  # main() passes the other TIS / MIS flags itself
     M = args.mini_batch_size or args.batch_size
     local_rows = args.batch_size // state.num_processes
     local_mini = M // state.num_processes

@@ -215,6 +215,9 @@ TRAIN_CASES = [
     ("covpo", ["--cov_method", "entropy"], "invalid choice: 'entropy'"),
     ("ipo", ["--eps=-0.3"], "--eps -0.3 must be >= 0"),
     ("ipo", ["--kl_tau=-0.001"], "--kl_tau -0.001 must be >= 0"),
+    ("grpo", ["--tis_cap", "5", "--mis", "--tis_floor=-0.5"], "--tis_floor -0.5 must be >= 0"),
+    ("grpo", ["--tis_cap", "5", "--mis", "--tis_floor", "5"], "--tis_floor 5.0 must be below --tis_cap 5.0"),
+    ("grpo", ["--tis_cap", "2", "--tis_floor", "0.5"], "--tis_floor 0.5 needs --mis"),
 ]
 if not vllm_available():
     TRAIN_CASES.append(("grpo", ["--rollout_engine", "vllm"], "--rollout_engine vllm needs vLLM: pip install"))
