@@ -218,6 +218,8 @@ TRAIN_CASES = [
     ("grpo", ["--tis_cap", "5", "--mis", "--tis_floor=-0.5"], "--tis_floor -0.5 must be >= 0"),
     ("grpo", ["--tis_cap", "5", "--mis", "--tis_floor", "5"], "--tis_floor 5.0 must be below --tis_cap 5.0"),
     ("grpo", ["--tis_cap", "2", "--tis_floor", "0.5"], "--tis_floor 0.5 needs --mis"),
+    ("dro", ["--tau=-0.05"], "--tau -0.05 must be >= 0"),
+    ("dro", ["--beta=-1"], "--beta -1.0 must be >= 0"),
 ]
 if not vllm_available():
     TRAIN_CASES.append(("grpo", ["--rollout_engine", "vllm"], "--rollout_engine vllm needs vLLM: pip install"))
