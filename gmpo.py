@@ -150,7 +150,8 @@ def main(args: Args):
         tis_weights = None
         if args.tis_cap > 0:
             tis_weights, metrics["rollout/is_masked_frac"] = importance_weights(
-                batch.old_logp, batch.sampler_logp, mask, args.tis_cap, args.tis_mode, args.mis
+                batch.old_logp, batch.sampler_logp, mask, args.tis_cap, args.tis_mode, args.mis,
+                args.tis_floor,
             )  # (B, T)
 
         # 3. Policy updates: num_iterations passes over the batch, one optimizer step per mini-batch

@@ -119,6 +119,10 @@ class TrainArgs:
         False,
         "masked IS: a ratio above --tis_cap gets weight 0, not the cap (token or completion)",
     )
+    tis_floor: float = arg(
+        0.0, "with --mis, a ratio below this gets weight 0 too (IcePop: --mis --tis_cap 5 "
+        "--tis_floor 0.5); 0: off",
+    )
     old_logp_source: Literal["trainer", "sampler"] = arg(
         "trainer", "old_logp from a trainer pass, or the sampler's",
     )

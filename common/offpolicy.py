@@ -14,19 +14,22 @@ from common.batch import Batch
 
 
 def importance_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor,
-                       cap: float, mode: str = "token",
-                       masked: bool = False) -> tuple[torch.Tensor, float]:
+                       cap: float, mode: str = "token", masked: bool = False,
+                       floor: float = 0.0) -> tuple[torch.Tensor, float]:
     """Sampler/trainer mismatch weights (B, T) for the policy term, constants (docs/off-policy.md).
     log rho_t = old_logp_t - sampler_logp_t on valid tokens; "token": one weight per token,
     "sequence": rho_i = prod_t rho_t on every token of row i. Truncated IS (TIS): min(rho, cap);
-    masked IS (MIS, `masked`): rho where rho <= cap, else 0. Returns the weights (0 at padding) and
-    the fraction of tokens (sequence: rows) masked."""
+    masked IS (MIS, `masked`): rho where floor <= rho <= cap, else 0 (IcePop, arXiv:2510.18855:
+    floor alpha, cap beta: --mis --tis_cap 5 --tis_floor 0.5). Returns the weights (0 at padding)
+    and the fraction of tokens (sequence: rows) masked."""
     mask = mask.float()
     log_rho = (old_logp - sampler_logp) * mask  # (B, T)
     if mode == "sequence":
         # (B, T)  log rho_i on every token of row i
         log_rho = log_rho.sum(-1, keepdim=True).expand_as(mask)
     over = log_rho > math.log(cap)  # (B, T)
+    if masked and floor > 0:
+        over = over | (log_rho < math.log(floor))  # (B, T)  IcePop: outside [floor, cap]
     weights = torch.exp(log_rho.clamp(max=math.log(cap))) * mask  # (B, T)  min(rho, cap)
     if masked:
         weights = weights * ~over  # (B, T)

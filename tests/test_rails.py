@@ -213,6 +213,13 @@ TRAIN_CASES = [
     ("covpo", ["--kl_cov_ratio=-0.1"], "--kl_cov_ratio -0.1 must be >= 0"),
     ("covpo", ["--ppo_kl_coef=-1"], "--ppo_kl_coef -1.0 must be >= 0"),
     ("covpo", ["--cov_method", "entropy"], "invalid choice: 'entropy'"),
+    ("ipo", ["--eps=-0.3"], "--eps -0.3 must be >= 0"),
+    ("ipo", ["--kl_tau=-0.001"], "--kl_tau -0.001 must be >= 0"),
+    ("grpo", ["--tis_cap", "5", "--mis", "--tis_floor=-0.5"], "--tis_floor -0.5 must be >= 0"),
+    ("grpo", ["--tis_cap", "5", "--mis", "--tis_floor", "5"], "--tis_floor 5.0 must be below --tis_cap 5.0"),
+    ("grpo", ["--tis_cap", "2", "--tis_floor", "0.5"], "--tis_floor 0.5 needs --mis"),
+    ("dro", ["--tau=-0.05"], "--tau -0.05 must be >= 0"),
+    ("dro", ["--beta=-1"], "--beta -1.0 must be >= 0"),
 ]
 if not vllm_available():
     TRAIN_CASES.append(("grpo", ["--rollout_engine", "vllm"], "--rollout_engine vllm needs vLLM: pip install"))

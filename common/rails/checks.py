@@ -61,6 +61,7 @@ TRAIN_RANGES = [
                                      "T = 0 (greedy decoding is for evaluation only)"),
     ("top_p", lambda v: 0 < v <= 1, "must be in (0, 1]: top_p <= 0 keeps no token"),
     ("tis_cap", lambda v: v >= 0, "must be >= 0 (0: off)"),
+    ("tis_floor", lambda v: v >= 0, "must be >= 0 (0: off)"),
     ("max_logp_gap", lambda v: v >= 0, "must be >= 0 (0: off)"),
     ("max_turns", lambda v: v >= 1,
      "must be at least 1 (1: single-turn; more: tool-integrated rollouts)"),
@@ -361,6 +362,13 @@ def argument_problems(args, num_processes: int) -> list[str]:
         problems.append(f"--overlong_buffer {args.overlong_buffer} must be below "
                         f"--max_completion_length {args.max_completion_length} (DAPO: a buffer of "
                         f"the last tokens before the limit)")
+    if args.tis_cap > 0 and args.tis_floor > 0:  # IcePop's band [alpha, beta]: masked IS only
+        if not args.mis:
+            problems.append(f"--tis_floor {args.tis_floor} needs --mis: a ratio below the floor is "
+                            f"masked (IcePop); truncated IS bounds it only from above")
+        elif args.tis_floor >= args.tis_cap:
+            problems.append(f"--tis_floor {args.tis_floor} must be below --tis_cap {args.tis_cap}: "
+                            f"the weights keep the ratios in [floor, cap]")
     # tool turns, LoRA: checked by their modules, imported only when switched on
     if args.max_turns > 1:
         problems += importlib.import_module("common.engines.multiturn").multiturn_problems(args.tool)
@@ -495,7 +503,7 @@ def ignored_settings(args) -> list[str]:
         notes.append("--tool is ignored with --max_turns 1 (no tool turns)")
     if args.tis_cap == 0:
         notes += [f"--{name} is ignored with --tis_cap 0 (no importance sampling correction)"
-                  for name in ("tis_mode", "mis") if _changed(args, name)]
+                  for name in ("tis_mode", "mis", "tis_floor") if _changed(args, name)]
     if not args.dynamic_sampling and _changed(args, "max_refill_rounds"):
         notes.append("--max_refill_rounds is ignored without --dynamic_sampling")
     if args.overlong_buffer == 0 and _changed(args, "overlong_penalty"):
