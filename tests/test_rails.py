@@ -213,6 +213,8 @@ TRAIN_CASES = [
     ("covpo", ["--kl_cov_ratio=-0.1"], "--kl_cov_ratio -0.1 must be >= 0"),
     ("covpo", ["--ppo_kl_coef=-1"], "--ppo_kl_coef -1.0 must be >= 0"),
     ("covpo", ["--cov_method", "entropy"], "invalid choice: 'entropy'"),
+    ("vespo", ["--k_pos=-1"], "--k_pos -1.0 must be >= 0"),
+    ("vespo", ["--lambda_neg=-2"], "--lambda_neg -2.0 must be >= 0"),
 ]
 if not vllm_available():
     TRAIN_CASES.append(("grpo", ["--rollout_engine", "vllm"], "--rollout_engine vllm needs vLLM: pip install"))
