@@ -215,6 +215,8 @@ TRAIN_CASES = [
     ("covpo", ["--cov_method", "entropy"], "invalid choice: 'entropy'"),
     ("vespo", ["--k_pos=-1"], "--k_pos -1.0 must be >= 0"),
     ("vespo", ["--lambda_neg=-2"], "--lambda_neg -2.0 must be >= 0"),
+    ("luspo", ["--epsilon=-0.2"], "--epsilon -0.2 must be >= 0"),
+    ("luspo", ["--beta=-1"], "--beta -1.0 must be >= 0"),
 ]
 if not vllm_available():
     TRAIN_CASES.append(("grpo", ["--rollout_engine", "vllm"], "--rollout_engine vllm needs vLLM: pip install"))
