@@ -217,6 +217,8 @@ TRAIN_CASES = [
     ("vespo", ["--lambda_neg=-2"], "--lambda_neg -2.0 must be >= 0"),
     ("luspo", ["--epsilon=-0.2"], "--epsilon -0.2 must be >= 0"),
     ("luspo", ["--beta=-1"], "--beta -1.0 must be >= 0"),
+    ("gdpo", ["--epsilon_high=-0.2"], "--epsilon_high -0.2 must be >= 0"),
+    ("gdpo", ["--beta=-0.04"], "--beta -0.04 must be >= 0"),
 ]
 if not vllm_available():
     TRAIN_CASES.append(("grpo", ["--rollout_engine", "vllm"], "--rollout_engine vllm needs vLLM: pip install"))

@@ -9,6 +9,7 @@ VERL_CACHE=DIR (else a temporary folder) and load just those two files, `core_al
 (tensordict, verl's device helpers and config classes), none of which the compared functions call."""
 
 import dataclasses
+import glob
 import importlib.util
 import math
 import os
@@ -221,34 +222,42 @@ def test_gradient_check_in_float64():
 # Against verl 0.5.0's own code
 
 
-@pytest.fixture(scope="session")
-def verl_core_algos(tmp_path_factory):
-    """verl's core_algos module, loaded from its wheel with stubs for what the compared functions never call."""
-    cache = os.environ.get("VERL_CACHE") or str(tmp_path_factory.mktemp("verl"))
-    wheel = os.path.join(cache, f"verl-{VERL}-py2.py3-none-any.whl")
-    if not os.path.exists(wheel):
-        done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", f"verl=={VERL}", "-d", cache],
+def load_verl_core_algos(version: str, cache: str):
+    """verl `version`'s core_algos module, loaded from its wheel (downloaded into `cache` when absent) with stubs for
+    what the compared functions never call (newer releases import a few more helpers and config classes)."""
+    wheels = sorted(glob.glob(os.path.join(cache, f"verl-{version}-*.whl")))
+    if not wheels:
+        done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", f"verl=={version}", "-d", cache],
                               capture_output=True, text=True)
-        if done.returncode != 0 or not os.path.exists(wheel):
+        wheels = sorted(glob.glob(os.path.join(cache, f"verl-{version}-*.whl")))
+        if done.returncode != 0 or not wheels:
             if os.environ.get("REQUIRE_PEERS") == "1":
-                pytest.fail(f"could not download verl=={VERL}: {done.stderr[-500:]}")
-            pytest.skip(f"could not download verl=={VERL} (no network?)")
-    with zipfile.ZipFile(wheel) as z:
+                pytest.fail(f"could not download verl=={version}: {done.stderr[-500:]}")
+            pytest.skip(f"could not download verl=={version} (no network?)")
+    folder = os.path.join(cache, f"verl-{version}")
+    with zipfile.ZipFile(wheels[0]) as z:
         for name in ("verl/utils/torch_functional.py", "verl/trainer/ppo/core_algos.py"):
-            z.extract(name, cache)
+            z.extract(name, folder)
     stubs = {name: types.ModuleType(name) for name in ("verl", "verl.utils", "verl.trainer", "verl.trainer.ppo",
-                                                       "verl.trainer.config", "verl.utils.device", "tensordict")}
+                                                       "verl.trainer.config", "verl.utils.device", "tensordict",
+                                                       "verl.utils.import_utils", "verl.workers",
+                                                       "verl.workers.config", "omegaconf")}
     stubs["verl.trainer.config"].AlgoConfig = object
     stubs["verl.utils.device"].get_device_name = lambda: "cpu"
     stubs["verl.utils.device"].get_torch_device = lambda: torch.cpu
     stubs["tensordict"].TensorDict = object
+    stubs["verl.utils"].as_torch_index = stubs["verl.utils"].group_mean_std = None  # verl >= 0.6: vectorized GRPO
+    stubs["verl.utils.import_utils"].deprecated = lambda *a, **k: (lambda f: f)
+    stubs["verl.workers.config"].ActorConfig = object
+    stubs["omegaconf"].DictConfig = object
     saved = {name: sys.modules.get(name) for name in [*stubs, "verl.utils.torch_functional"]}
     try:
-        sys.modules.update({k: v for k, v in stubs.items() if k != "tensordict" or saved[k] is None})
+        kept = ("tensordict", "omegaconf")  # real packages, where installed, stay
+        sys.modules.update({k: v for k, v in stubs.items() if k not in kept or saved[k] is None})
         modules = {}
         for name, path in (("verl.utils.torch_functional", "verl/utils/torch_functional.py"),
                            ("verl.trainer.ppo.core_algos", "verl/trainer/ppo/core_algos.py")):
-            spec = importlib.util.spec_from_file_location(name, os.path.join(cache, path))
+            spec = importlib.util.spec_from_file_location(name, os.path.join(folder, path))
             modules[name] = importlib.util.module_from_spec(spec)
             sys.modules[name] = modules[name]
             spec.loader.exec_module(modules[name])
@@ -260,6 +269,12 @@ def verl_core_algos(tmp_path_factory):
             else:
                 sys.modules[name] = module
         sys.modules.pop("verl.trainer.ppo.core_algos", None)
+
+
+@pytest.fixture(scope="session")
+def verl_core_algos(tmp_path_factory):
+    """verl 0.5.0's core_algos module (VERL_CACHE=DIR keeps the wheel, else a temporary folder)."""
+    return load_verl_core_algos(VERL, os.environ.get("VERL_CACHE") or str(tmp_path_factory.mktemp("verl")))
 
 
 def verl_token_level_rewards(rewards, kl, mask, beta):

@@ -41,8 +41,9 @@ def on_policy_batch():
 
 
 def test_on_policy_loss_and_gradient_by_hand():
-    """old_logp == logp: w = 1 and phi(1) = e^lambda 1^k e^-lambda = 1 for both signs, so the loss is -sum A_i logp_t / n
-    and its gradient the token-mean policy gradient, -A_i / n on every valid token (GRPO's token mean at ratio 1)."""
+    """old_logp == logp: w = 1 and phi(1) = e^lambda 1^k e^-lambda = 1 for both signs, so the loss is
+    -sum A_i logp_t / n and its gradient the token-mean policy gradient, -A_i / n on every valid token (GRPO's token
+    mean at ratio 1)."""
     logp, mask, A = on_policy_batch()
     loss, metrics = vespo.compute_loss(logp, logp.detach(), None, A, mask, ARGS)
     assert metrics["vespo/phi_mean"].item() == 1.0 and metrics["vespo/log_w_mean"].item() == 0.0
