@@ -33,6 +33,7 @@ from evals import ALGORITHMS  # noqa: E402
 
 # The flags of each estimator's test_toy_learns besides the shared ones (tests/test_covpo.py runs both methods).
 VARIANTS = {"covpo": [("covpo_clip", ["--cov_method", "clip"]), ("covpo_kl", ["--cov_method", "kl"])]}
+VARIANTS["gdpo"] = [("gdpo", ["--reward_funcs", "toy_addition,toy_closeness"])]  # two rewards: GDPO's case
 COMMON = ["--preset", "toy", "--total_steps", "50", "--eval_steps", "25", "--save_steps", "0", "--report_to", "none"]
 
 

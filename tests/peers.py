@@ -8,10 +8,11 @@ import torch
 
 
 def trl_grpo_loss(loss_type: str, logp, old, ref, A, mask, beta: float, tis=None, epsilon_high: float = 0.2,
-                  **config):
+                  importance_sampling_level: str = "token", epsilon_low: float = 0.2, **config):
     """`GRPOTrainer._compute_loss` itself with `loss_type`, on a stand-in whose forward returns `logp`: one process,
-    no accumulation, token-level ratios, num_items_in_batch = the batch's valid tokens; `tis` is passed as vLLM's
-    importance_sampling_ratio; `config`: extra GRPOConfig fields the loss reads (e.g. sapo_temperature_pos)."""
+    no accumulation, num_items_in_batch = the batch's valid tokens; `tis` is passed as vLLM's
+    importance_sampling_ratio; `config`: extra GRPOConfig fields the loss reads (e.g. sapo_temperature_pos,
+    vespo_k_pos); `importance_sampling_level` "sequence" for GSPO / LUSPO."""
     from trl import GRPOTrainer
 
     accelerator = SimpleNamespace(num_processes=1, sync_gradients=True, reduce=lambda x, reduction="sum": x,
@@ -19,7 +20,8 @@ def trl_grpo_loss(loss_type: str, logp, old, ref, A, mask, beta: float, tis=None
     trainer = SimpleNamespace(
         _get_per_token_logps_and_entropies=lambda *a, **k: (logp, torch.zeros_like(logp), None),
         aux_loss_enabled=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
-        importance_sampling_level="token", beta=beta, loss_type=loss_type, epsilon_low=0.2, epsilon_high=epsilon_high,
+        importance_sampling_level=importance_sampling_level, beta=beta, loss_type=loss_type, epsilon_low=epsilon_low,
+        epsilon_high=epsilon_high, get_gamma_weights=GRPOTrainer.get_gamma_weights,
         args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1, **config),
         use_vllm=tis is not None, vllm_importance_sampling_correction=True, model=SimpleNamespace(training=True),
         current_gradient_accumulation_steps=1, accelerator=accelerator, _entropy_bonus_enabled=False,

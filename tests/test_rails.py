@@ -220,6 +220,12 @@ TRAIN_CASES = [
     ("grpo", ["--tis_cap", "2", "--tis_floor", "0.5"], "--tis_floor 0.5 needs --mis"),
     ("dro", ["--tau=-0.05"], "--tau -0.05 must be >= 0"),
     ("dro", ["--beta=-1"], "--beta -1.0 must be >= 0"),
+    ("vespo", ["--k_pos=-1"], "--k_pos -1.0 must be >= 0"),
+    ("vespo", ["--lambda_neg=-2"], "--lambda_neg -2.0 must be >= 0"),
+    ("luspo", ["--epsilon=-0.2"], "--epsilon -0.2 must be >= 0"),
+    ("luspo", ["--beta=-1"], "--beta -1.0 must be >= 0"),
+    ("gdpo", ["--epsilon_high=-0.2"], "--epsilon_high -0.2 must be >= 0"),
+    ("gdpo", ["--beta=-0.04"], "--beta -0.04 must be >= 0"),
 ]
 if not vllm_available():
     TRAIN_CASES.append(("grpo", ["--rollout_engine", "vllm"], "--rollout_engine vllm needs vLLM: pip install"))

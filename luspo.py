@@ -1,0 +1,197 @@
+"""LUSPO: "Length-Unbiased Sequence Policy Optimization: Revealing and Controlling Response Length
+Variation in RLVR" (Liu et al. 2026, Meituan, arXiv:2602.05261): GSPO's loss scaled by length.
+
+    A_i = (R_i - mean_g R) / (std_g R + 1e-6),  s_i = exp((1/L_i) sum_t mask (logp_t - old_logp_t))
+    L   = -(1/B) sum_i [L_i min(s_i A_i, clip(s_i, 1-eps, 1+eps_high) A_i) - beta sum_t mask kl_t]
+
+Differs from grpo.py (GSPO's estimator, gspo.py, with TRL 1.16's loss_type="luspo" at
+importance_sampling_level="sequence"):
+- one ratio per completion, s_i, the geometric mean of its token ratios (gradient through the mean),
+  clipped as PPO clips; each completion's term is summed over its L_i tokens, not averaged (scaled
+  by its length), then averaged over rows; eps 0.2 / 0.2 and beta 0 are TRL's GRPOConfig defaults
+  (the authors' train.sh was not readable here); no ablation switches; clip_frac counts tokens.
+- --tis_cap weights multiply each token's copy of the row's term (TRL's importance_sampling_ratio):
+  row i counts sum_t mask * tis_t times its term; the k3 KL (--beta > 0) is summed with it.
+- from TRL's code: the z-score's 1e-6 (the project's; TRL 1e-4); the mean over rows leaves out
+  rows with no valid token (TRL: all B rows).
+
+One step, in the order main() runs it: common/sampling.py (the rollouts, from
+common/engines/rollout.py, and their rewards, from common/tasks/rewards.py), compute_advantages,
+common/logprobs.py (the log-probs), batch_stats and compute_loss (their statistics:
+common/stats.py), common/update.py (the micro-batches and the optimizer step).
+
+Run:
+    python luspo.py --preset toy                                  # CPU, minutes
+    accelerate launch luspo.py --model Qwen/Qwen3-4B --dataset gsm8k
+"""
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from common.args import TrainArgs, arg
+from common.logprobs import completion_logprobs
+from common.offpolicy import importance_weights
+from common.run import end_step, finish, launch, progress_bar, setup
+from common.sampling import old_and_reference_logprobs, sample_batch
+from common.stats import BatchStats, masked_mean, sum_over_processes, this_process
+from common.update import backward_share, microbatches, minibatches, rows_of, save_dumps
+
+
+@dataclass
+class Args(TrainArgs):
+    """The estimator's flags. The run's, the model's, the data's, the rollouts' and the
+    optimisation's are TrainArgs' (common/args.py); --help lists them all."""
+
+    exp_name: str = arg(os.path.basename(__file__)[: -len(".py")], "name of this experiment")
+    # Algorithm-specific
+    beta: float = arg(
+        0.0, "KL coefficient to the reference policy (k3, summed over each completion)", at_least=0,
+    )
+    epsilon: float = arg(0.2, "lower clip range of the sequence ratio s_i (TRL's)", at_least=0)
+    epsilon_high: float = arg(0.2, "upper clip range of the sequence ratio s_i (TRL's)", at_least=0)
+
+
+# ALGO LOGIC: advantages and loss
+def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
+    """Group-normalised advantages; rows of one prompt are contiguous."""
+    grouped = rewards.view(-1, args.num_generations)  # (N, G)
+    centered = grouped - grouped.mean(dim=1, keepdim=True)  # (N, G)
+    return (centered / (grouped.std(dim=1, keepdim=True) + 1e-6)).flatten()  # (B,)
+
+
+@dataclass
+class Stats(BatchStats):
+    """The loss's denominators over the whole optimizer batch (every process's rows)."""
+
+    num_rows: torch.Tensor  # ()  rows with a valid token  LUSPO: a mean over them
+
+
+def batch_stats(advantages, mask, args: Args, total=this_process) -> Stats:
+    """What compute_loss needs from the whole optimizer batch when it is called per micro-batch.
+    `total` sums a tensor over the processes (the loop's all-reduce; alone, the identity)."""
+    return Stats(num_rows=total((mask.sum(-1) > 0).sum().float()))
+
+
+def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=None,
+                 tis_weights=None):
+    """LUSPO loss with full-batch semantics. `stats.num_rows` (default: these rows, less removed
+    ones) is the denominator over the whole optimizer batch when called per micro-batch;
+    `tis_weights` (B, T) multiply the row's term on each of its tokens before the sum over them."""
+    if stats is None:
+        stats = batch_stats(advantages, mask, args)
+    mask = mask.float()  # (B, T)
+    log_ratio = mask * (logp - old_logp)  # (B, T)
+    seq_ratio = torch.exp(log_ratio.sum(-1) / mask.sum(-1).clamp(min=1))  # (B,)  LUSPO: s_i
+    ratio = seq_ratio[:, None].expand_as(logp)  # (B, T)  LUSPO: s_i on every token of row i
+    A = advantages[:, None]  # (B, 1)
+    clipped = torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high)  # (B, T)
+    surrogate = torch.min(ratio * A, clipped * A)  # (B, T)  s_t
+    if tis_weights is not None:
+        surrogate = surrogate * tis_weights  # (B, T)
+    per_token = surrogate  # (B, T)
+    if args.beta > 0:
+        kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1  # (B, T)  k3
+        per_token = per_token - args.beta * kl  # (B, T)
+    per_seq = (per_token * mask).sum(-1)  # (B,)  LUSPO: L_i times GSPO's term, not over L_i
+    loss = -per_seq.sum() / stats.num_rows.clamp(min=1)
+
+    with torch.no_grad():
+        is_low = (ratio < 1 - args.epsilon) & (A < 0)  # (B, T) clipped from below (gradient zeroed)
+        is_high = (ratio > 1 + args.epsilon_high) & (A > 0)  # (B, T)
+        metrics = {
+            "loss/policy": loss.detach(),
+            "policy/seq_ratio_mean": seq_ratio.mean(),
+            "policy/seq_ratio_min": seq_ratio.min(),
+            "policy/seq_ratio_max": seq_ratio.max(),
+            "policy/clip_frac_low": masked_mean(is_low.float(), mask),
+            "policy/clip_frac_high": masked_mean(is_high.float(), mask),
+            "policy/clip_frac": masked_mean((is_low | is_high).float(), mask),
+        }
+        if args.beta > 0:
+            metrics["policy/kl"] = masked_mean(kl, mask)
+    return loss, metrics
+
+
+def main(args: Args):
+    # The processes, the run folder, the policy (+ LoRA), the reference, the data, the optimizer
+    # and the rollout engine (common/run.py).
+    run = setup(args)
+    model = run.model
+    optimizer = run.optimizer
+    scheduler = run.scheduler
+    accelerator = run.accelerator
+    total = sum_over_processes(accelerator)  # a tensor's sum over the processes
+    progress = progress_bar(run)
+    for step in progress:
+        step_start = time.time()
+        metrics = {}
+
+        # 1. Rollouts and rewards, with the log-probs of the weights that sampled them (the
+        # behaviour policy's, old) and the reference's. --rollout_lag K: the batch of step + K
+        # is sampled now, this step's K steps ago.
+        for index in run.queue.steps_to_sample(step, args.total_steps):  # [step] at lag 0
+            batch = sample_batch(run, index, metrics)  # this process's rows of step `index`
+            batch.old_logp, batch.ref_logp = old_and_reference_logprobs(run, batch, metrics)
+            run.queue.put(batch, sampled_at=step)
+        batch = run.queue.take(step)
+        mask = batch.mask  # (B, T)
+        T = mask.shape[1]
+
+        # 2. Advantages, and for a sampler/trainer mismatch, truncated or masked importance weights
+        advantages = compute_advantages(batch.rewards, args)  # (B,)
+        tis_weights = None
+        if args.tis_cap > 0:
+            tis_weights, metrics["rollout/is_masked_frac"] = importance_weights(
+                batch.old_logp, batch.sampler_logp, mask, args.tis_cap, args.tis_mode, args.mis,
+                args.tis_floor,
+            )  # (B, T)
+
+        # 3. Policy updates: num_iterations passes over the batch, one optimizer step per mini-batch
+        model.train()
+        update_start = time.time()
+        update_metrics, grad_norms, dumps = [], [], []
+        for _ in range(args.num_iterations):
+            for mini in minibatches(run):  # a slice of this process's rows
+                stats = batch_stats(advantages[mini], mask[mini], args, total)  # whole-batch
+                dumps.append(stats)  # --dump_stats_steps (e.g. SNIB's Figure 2)
+                for rows in microbatches(run, batch, mini):  # (b,) indices of this process's rows
+                    input_ids = batch.input_ids[rows]  # (b, P+T)
+                    attention = batch.attention_mask[rows]  # (b, P+T)
+                    with accelerator.accumulate(model):
+                        logp, entropy = completion_logprobs(
+                            model, input_ids, attention, T, args.temperature,
+                            top_p=args.top_p,
+                        )
+                        if run.on_policy:  # these weights sampled the batch: old is current
+                            batch.old_logp[rows] = logp.detach()
+                        old_logp = batch.old_logp[rows]  # (b, T)
+                        ref_logp = rows_of(batch.ref_logp, rows)  # (b, T), or None: no KL term
+                        loss, loss_metrics = compute_loss(
+                            logp, old_logp, ref_logp, advantages[rows], mask[rows], args,
+                            stats.for_rows(rows - mini.start), rows_of(tis_weights, rows),
+                        )
+                        # the micro-batch's share of the batch's loss, scaled as its gradient is
+                        loss_metrics["loss/policy"] = backward_share(accelerator, loss)
+                        if accelerator.sync_gradients:  # the mini-batch's last: an optimizer step
+                            parameters = model.parameters()
+                            grad_norm = accelerator.clip_grad_norm_(parameters, args.max_grad_norm)
+                            grad_norms.append(grad_norm)
+                            optimizer.step()
+                            optimizer.zero_grad()
+                    loss_metrics["policy/entropy"] = masked_mean(entropy, mask[rows])
+                    update_metrics.append(loss_metrics)
+                scheduler.step()
+        metrics["time/update"] = time.time() - update_start
+        if args.dump_stats_steps > 0 and (step + 1) % args.dump_stats_steps == 0:
+            save_dumps(run, step, dumps)
+
+        # 4. Push the new weights to the sampler; log, evaluate and save
+        end_step(run, step, step_start, batch, metrics, update_metrics, grad_norms, progress)
+    return finish(run)
+
+
+if __name__ == "__main__":
+    launch(main, Args)  # parse the arguments, train; Ctrl-C says where to resume
