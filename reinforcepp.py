@@ -17,8 +17,8 @@ the KL):
   batch (verl's loss_agg_mode token-mean); the KL is in the reward, not the loss; TIS / MIS multiply
   each token's term.
 - departures: the KL uses the sampler's log-probs (verl: the trainer's old_logp, the same weights);
-  tool-output tokens (mask 0) are cut out of the returns (verl's loop restarts the return at them);
-  no log-ratio clamp at 20.
+  no log-ratio clamp at 20. Tool-output tokens (mask 0) are cut out of the returns, as verl's loop
+  does since its PR #7300 (2026-08); verl 0.5.0, the tests' peer, restarted the return at them.
 
 One step, in the order main() runs it: common/sampling.py (the rollouts, from
 common/engines/rollout.py, and their rewards, from common/tasks/rewards.py), compute_advantages,
