@@ -211,3 +211,40 @@ def test_run_name_and_project_reach_wandb_init(in_toy_workdir, fake_wandb, monke
     run_script(grpo, ["--preset", "toy", "--report_to", "wandb", "--run_name", run_name, *SMALL[:-1], "1"])
     calls = [json.loads(line) for line in fake_wandb.read_text().splitlines()]
     assert calls == [{**expected, "name": expected["name"].replace("tracked", run_name)}]
+
+
+def test_conversational_data_gives_rewards_the_completions_as_trl_does(chat_toy, in_toy_workdir):
+    """For conversational prompts TRL's GRPOTrainer passes each completion as a list holding its assistant message;
+    a reward written for that form (TRL's documented `completion[0]["content"]`) runs unchanged, beside the built-in
+    grader (which reads either form), in the check before any weights load and in training."""
+    rows = [{"prompt": [{"role": "user", "content": f"{a}+{b}="}], "solution": str(a + b)}
+            for a, b in [(12, 34), (7, 8), (50, 25), (3, 4)]]
+    path = write_jsonl(in_toy_workdir / "chat_rows_rewards.jsonl", rows)
+    (in_toy_workdir / "chat_rewards.py").write_text(
+        "seen = []\n\n\n"
+        "def short_content(completions, prompts, **kwargs):\n"
+        "    seen.append((prompts[0], completions[0]))\n"
+        "    return [-0.01 * len(completion[0]['content']) for completion in completions]\n")
+    grpo = importlib.import_module("grpo")
+    run = run_script(grpo, ["--preset", "toy", "--model", chat_toy, "--dataset", path, "--max_prompt_length", "40",
+                            "--reward_funcs", "chat_rewards.py:short_content,toy_addition",
+                            "--reward_weights", "1,1", "--run_name", "chat_rewards", *SMALL])
+    assert [m["step"] for m in read_metrics(run) if "reward/mean" in m] == [1, 2]
+    import chat_rewards
+
+    prompt, completion = chat_rewards.seen[-1]
+    assert prompt[0]["role"] == "user" and prompt[0]["content"].endswith("=")
+    assert len(completion) == 1 and completion[0]["role"] == "assistant" and isinstance(completion[0]["content"], str)
+
+
+def test_the_built_in_graders_read_conversational_completions_as_text():
+    from common.tasks.math_grader import math_accuracy
+    from common.tasks.rewards import conversational_completions
+    from common.tasks.toy import toy_addition
+
+    prompts = [[{"role": "user", "content": "1+2="}]] * 2
+    completions = conversational_completions(prompts, ["3", "4"])
+    assert completions == [[{"role": "assistant", "content": "3"}], [{"role": "assistant", "content": "4"}]]
+    assert conversational_completions(["1+2="], ["3"]) == ["3"]  # text prompts: text completions
+    assert toy_addition(prompts, completions, answer=["3", "3"]) == [1.0, 0.0]
+    assert math_accuracy(prompts, completions, answer=["3", "3"]) == [1.0, 0.0]

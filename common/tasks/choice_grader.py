@@ -13,7 +13,7 @@ import re
 from collections import deque
 
 from common.tasks.math_grader import _BOX_GAP, _CONTROL, _TEXT, _answer_after, _boxes, _prepared, _quick_verdict
-from common.tasks.rewards import register_reward
+from common.tasks.rewards import register_reward, texts_of
 
 # Multiple choice. The options are lines of the prompt: "A. x" (common/tasks/benchmarks.py
 # format_choices), "A: x", "A) x", "(A) x", the first one perhaps after "Options:" (MMLU-Pro's
@@ -211,7 +211,7 @@ def extract_choice(text: str, letters: str = LETTERS,
 
 
 @register_reward("choice_accuracy")
-def choice_accuracy(prompts: list[str], completions: list[str], answer: list[str],
+def choice_accuracy(prompts: list[str], completions: list, answer: list[str],
                     **_) -> list[float]:
     """1.0 when the completion picks the reference option letter, else 0.0.
 
@@ -220,7 +220,8 @@ def choice_accuracy(prompts: list[str], completions: list[str], answer: list[str
     or "(C)") or its index (2, as MMLU stores it).
     """
     rewards = []
-    for p, c, a in zip(prompts, completions, answer):
+    # text, or TRL's conversational form
+    for p, c, a in zip(texts_of(prompts), texts_of(completions), answer):
         options = options_of(p)
         gold = LETTERS[a] if isinstance(a, int) else str(a).strip().strip("()").strip()[:1].upper()
         rewards.append(float(extract_choice(c, "".join(options) or LETTERS, options) == gold))

@@ -39,7 +39,7 @@ from pathlib import Path
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
-from common.tasks.rewards import Rewards, register_reward
+from common.tasks.rewards import Rewards, register_reward, texts_of
 
 # ---------------------------------------------------------------------------
 # Text as models write it: Unicode and LaTeX spellings of the same answer
@@ -937,7 +937,7 @@ def is_equivalent(pred: str | None, gold: str, ordered: bool = False) -> bool:
 
 
 @register_reward("math_accuracy")
-def math_accuracy(prompts: list[str], completions: list[str], answer: list, **_) -> Rewards:
+def math_accuracy(prompts: list[str], completions: list, answer: list, **_) -> Rewards:
     """1.0 when the completion's final answer is equivalent to the reference answer, else 0.0.
 
     The reference may be text, an int or a float. ``metrics["timeouts"]`` marks the samples whose
@@ -946,6 +946,7 @@ def math_accuracy(prompts: list[str], completions: list[str], answer: list, **_)
     an evaluation, on one unlabeled row, and its G completions get equal rewards, so no gradient,
     anyway.
     """
+    prompts, completions = texts_of(prompts), texts_of(completions)  # or TRL's conversational form
     missing = [i for i, a in enumerate(answer) if a is None]
     if missing:
         warnings.warn(f"math_accuracy: {len(missing)} of {len(answer)} samples have no reference "
@@ -958,7 +959,7 @@ def math_accuracy(prompts: list[str], completions: list[str], answer: list, **_)
 
 
 @register_reward("format")
-def format_reward(prompts: list[str], completions: list[str], **_) -> list[float]:
+def format_reward(prompts: list[str], completions: list, **_) -> list[float]:
     """1.0 when the completion closes any ``<think>`` it opened and then gives a ``\\boxed{}``
     answer.
 
@@ -966,7 +967,7 @@ def format_reward(prompts: list[str], completions: list[str], **_) -> list[float
     not that answer is right.
     """
     rewards = []
-    for c in completions:
+    for c in texts_of(completions):  # text, or TRL's conversational form
         if "<think>" in c and "</think>" not in c:
             rewards.append(0.0)
             continue

@@ -279,6 +279,20 @@ def _call_reward(
     return rewards, metric_values
 
 
+def conversational_completions(prompts: list, completions: list) -> list:
+    """The completions as TRL's GRPOTrainer passes them: where the prompts are conversations (lists
+    of messages), each completion as a list holding its one assistant message; else the text."""
+    if not prompts or isinstance(prompts[0], str) or not isinstance(completions[0], str):
+        return completions
+    return [[{"role": "assistant", "content": c}] for c in completions]
+
+
+def texts_of(items: list) -> list[str]:
+    """The text of each prompt or completion: itself, or, in TRL's conversational form (a list of
+    messages), its messages' contents, one per line. The built-in graders read through it."""
+    return [x if isinstance(x, str) else "\n".join(m["content"] for m in x) for x in items]
+
+
 def compute_rewards(
     funcs: list[RewardFn],
     weights: list[float] | None,
@@ -300,6 +314,8 @@ def compute_rewards(
     silently poison the advantages, so any exception, wrong length or non-finite value stops
     training with a RewardError naming the function and sample."""
     weights = [1.0] * len(funcs) if weights is None else list(weights)
+    # conversational data: each completion as its assistant message, as TRL passes it
+    completions = conversational_completions(prompts, completions)
     if len(weights) != len(funcs):
         raise ValueError(f"got {len(funcs)} reward functions but {len(weights)} weights")
     for key, values in {"prompts": prompts, **columns}.items():

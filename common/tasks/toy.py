@@ -26,7 +26,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from common.tasks.rewards import register_reward
+from common.tasks.rewards import register_reward, texts_of
 
 TOY_DIR = "runs/toy"
 CHARS = list("0123456789+=")
@@ -107,18 +107,20 @@ def make_splits(seed: int) -> tuple[list[dict], list[dict]]:
 
 
 @register_reward("toy_addition")
-def toy_addition(prompts: list[str], completions: list[str], answer: list[str], **_) -> list[float]:
+def toy_addition(prompts: list[str], completions: list, answer: list[str], **_) -> list[float]:
     """1.0 for the exact sum (the completion text before EOS, spaces ignored), else 0.0."""
+    completions = texts_of(completions)  # text, or TRL's conversational form
     return [float(c.strip() == a.strip()) for c, a in zip(completions, answer)]
 
 
 @register_reward("toy_closeness")
-def toy_closeness(prompts: list[str], completions: list[str], answer: list[str],
+def toy_closeness(prompts: list[str], completions: list, answer: list[str],
                   **_) -> list[float]:
     """A dense toy reward: 1.0 for the exact sum, 0.5 / (1 + |n - sum|) for another number n, 0.0
     for anything else. Numbers at different distances from the sum get different rewards, so a group
     of distinct completions rarely has equal rewards (the tests use it where their meaning needs a
     nonzero gradient, whatever toy this machine built)."""
+    completions = texts_of(completions)  # text, or TRL's conversational form
     return [1.0 if c.strip() == a.strip()
             else 0.5 / (1 + abs(int(c.strip()) - int(a))) if c.strip().isdigit()
             else 0.0

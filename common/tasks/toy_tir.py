@@ -20,7 +20,7 @@ import torch
 
 from common.engines.multiturn import TOOLS, Tool
 from common.engines.sandbox import ToolResult
-from common.tasks.rewards import register_reward
+from common.tasks.rewards import register_reward, texts_of
 from common.tasks.toy import (
     CHARS,
     NUM_TEST,
@@ -92,11 +92,12 @@ TOOLS["toy"] = Tool(code_start="[", code_end="]", program=lambda code: f"print({
 
 
 @register_reward("toy_tir_addition")
-def toy_tir_addition(prompts: list[str], completions: list[str], answer: list[str],
+def toy_tir_addition(prompts: list[str], completions: list, answer: list[str],
                      **_) -> list[float]:
     """1.0 when the trajectory's last line (what follows the last tool output, or the whole
     completion when no tool ran) is the exact sum, else 0.0: a call, or its output, is not an
     answer."""
+    completions = texts_of(completions)  # text, or TRL's conversational form
     return [float(c.rsplit("\n", 1)[-1].strip() == a.strip()) for c, a in zip(completions, answer)]
 
 
