@@ -70,9 +70,11 @@ def batch_metrics(batch, G: int, accelerator) -> dict:
         "completion/removed_frac": gathered["removed"].mean().item(),
         "completion/tokens": gathered["length"].sum().item(),
     }
-    for name in batch.per_func:
-        metrics[f"reward/{name}/mean"] = gathered[f"reward/{name}"].mean().item()
-        metrics[f"reward/{name}/std"] = gathered[f"reward/{name}"].std().item()
+    for name in batch.per_func:  # over the samples each function applied to (None: NaN, left out)
+        values = gathered[f"reward/{name}"]
+        values = values[~values.isnan()]
+        metrics[f"reward/{name}/mean"] = values.mean().item()
+        metrics[f"reward/{name}/std"] = values.std().item()
     return metrics
 
 

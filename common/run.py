@@ -40,7 +40,7 @@ from common.rails.checks import brought, check_args, stop_if_nonfinite
 from common.run_folder.checkpoints import MetricsLog, TrainState, save_checkpoint
 from common.run_folder.run_dir import claim_run_dir, record_args
 from common.tasks.data import load_prompts, resolve_dataset
-from common.tasks.rewards import RewardError, get_reward_function
+from common.tasks.rewards import RewardError, compute_rewards, get_reward_function
 
 
 @dataclass
@@ -348,9 +348,12 @@ def evaluate(run: Run) -> dict:
                                             **greedy).completion_ids
     run.engine.sleep()
     texts = run.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    correct = run.reward_funcs[0](rows["prompt"], texts, **{c: rows[c] for c in run.reward_columns})
+    # the first reward function, called as in training (TRL's keyword style or positional, conversational form),
+    # with the training data's columns that the held-out data has too (a preset's held-out set has no `solution`)
+    columns = {c: rows[c] for c in run.reward_columns if c in rows.column_names}
+    correct, _ = compute_rewards(run.reward_funcs[:1], None, rows["prompt"], texts, columns, args.reward_timeout)
     stats = accelerator.reduce(
-        torch.tensor([sum(correct), len(correct)], device=accelerator.device), "sum")
+        torch.tensor([correct.sum().item(), len(correct)], device=accelerator.device), "sum")
     return {**metrics, "eval/accuracy": (stats[0] / stats[1]).item()}
 
 

@@ -139,6 +139,17 @@ def verl_inputs(rewards, mask, prompt_length=3):
     return batch, non_tensor
 
 
+def test_a_reward_that_does_not_apply_leaves_its_groups_z_score_and_the_sum():
+    """A function returning None for a sample (TRL's convention; NaN here) is z-scored over the samples it applies to,
+    and adds nothing for the others, as TRL's normalize_then_sum (nanmean, nanstd, nansum)."""
+    nan = float("nan")
+    rewards = torch.tensor([[1.0, 2.0], [0.0, nan], [1.0, 4.0], [0.0, nan]], dtype=torch.float64)  # (B, K), G 4
+    A = gdpo.compute_advantages(rewards, gdpo.Args(num_generations=4))
+    first = (rewards[:, 0] - 0.5) / (math.sqrt(1 / 3) + 1e-6)  # z-score over all four
+    second = torch.tensor([-1.0, 0.0, 1.0, 0.0], dtype=torch.float64) / (math.sqrt(2.0) + 1e-6)  # over rows 0, 2
+    torch.testing.assert_close(A, first + second)
+
+
 @pytest.mark.peer
 @pytest.mark.parametrize("K, weights", [(2, None), (3, None), (3, [1.0, 0.5, 2.0])])
 def test_equals_verls_gdpo_advantage(verl_gdpo, K, weights):

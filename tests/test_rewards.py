@@ -245,6 +245,25 @@ def test_compute_rewards_default_weights_and_unregistered_name():
     assert set(per_function) == {"length", "format"}
 
 
+def test_a_reward_may_return_none_where_it_does_not_apply():
+    """TRL's convention for mixed data sets: None means the function does not score that sample. Its value there is
+    NaN in the per-function values and leaves the weighted sum; a sample that no function scores stops the run,
+    named."""
+    def math_only(completions, task, **kwargs):
+        return [1.0 if t == "math" else None for t in task]
+
+    def code_only(completions, task, **kwargs):
+        return [0.5 if t == "code" else None for t in task]
+
+    columns = {"task": ["math", "code"]}
+    total, per_function = compute_rewards([math_only, code_only], [2.0, 4.0], PROMPTS, COMPLETIONS, columns)
+    assert total.tolist() == [2.0, 2.0]
+    assert per_function["math_only"][0] == 1.0 and per_function["math_only"][1].isnan()
+    assert per_function["code_only"][0].isnan() and per_function["code_only"][1] == 0.5
+    with pytest.raises(RewardError, match=r"every reward function \(math_only\) returned None at sample 1"):
+        compute_rewards([math_only], None, PROMPTS, COMPLETIONS, columns)
+
+
 def test_compute_rewards_weight_length_mismatch():
     with pytest.raises(ValueError, match="2 reward functions but 1 weights"):
         compute_rewards([math_accuracy, format_reward], [1.0], PROMPTS, COMPLETIONS, COLUMNS)

@@ -133,6 +133,21 @@ def test_the_readme_example_trains_the_toy_two_steps(in_toy_workdir, monkeypatch
     assert [m["step"] for m in steps] == [1, 2] and "reward/exact_and_short/mean" in steps[0], steps
 
 
+def test_held_out_accuracy_calls_a_trl_reward_as_training_does(in_toy_workdir, monkeypatch):
+    """The held-out evaluation grades with the first reward function: a TRL-style one, the README's, is called by
+    keyword there too (it was called positionally, and the README's example stopped at its first evaluation with
+    "got multiple values for argument 'answer'")."""
+    code, data, argv = readme_example()
+    (in_toy_workdir / "mine.jsonl").write_text(data)
+    (in_toy_workdir / "my_rewards.py").write_text(code)
+    monkeypatch.syspath_prepend(str(in_toy_workdir))
+    grpo = importlib.import_module("grpo")
+    small = [*SMALL[:-4], "--total_steps", "1", "--eval_steps", "1", "--eval_num_prompts", "8"]
+    run = run_script(grpo, argv + ["--run_name", "readme_eval", *small])
+    accuracy = [m["eval/accuracy"] for m in read_metrics(run) if "eval/accuracy" in m]
+    assert len(accuracy) == 2 and all(-1 < a <= 1 for a in accuracy), accuracy  # at steps 0 and 1
+
+
 def test_a_dataset_under_a_preset_says_which_held_out_set_stays(in_toy_workdir, capsys):
     grpo = importlib.import_module("grpo")
     args = parse_args(grpo.Args, ["--preset", "toy", "--dataset", "mine.jsonl"])

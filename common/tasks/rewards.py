@@ -258,6 +258,9 @@ def _call_reward(
                           f"{len(completions)} completions")
     values = []
     for i, v in enumerate(out):
+        if v is None:  # TRL's convention: this function does not apply to this sample
+            values.append(math.nan)
+            continue
         try:
             v = float(v)
         except (TypeError, ValueError):
@@ -308,6 +311,10 @@ def compute_rewards(
     one hung. TRL-style functions also get `completion_ids` and ``trainer_state`` (its
     ``global_step``: `step`, the RL steps done before this batch's), where given.
 
+    A function may return None for a sample it does not apply to (TRL's convention, e.g. one reward
+    per task of a mixed data set): its value there is NaN in the per-function values and leaves the
+    sum; a sample no function scores is a RewardError.
+
     Returns ``(sum_k weights[k] * funcs[k](...), {name: (B,) tensor})``; a function that returns
     ``Rewards`` adds ``{f"{name}/{key}": (B,) tensor}`` for each of its metrics (math_accuracy:
     ``"math_accuracy/timeouts"``, 1.0 where grading ran over its time limit). A broken reward would
@@ -331,6 +338,7 @@ def compute_rewards(
     if step is not None:
         extras["trainer_state"] = TrainerState(step)
     total = torch.zeros(len(completions), dtype=torch.float32)
+    scored = torch.zeros(len(completions), dtype=torch.bool)  # a function applied to the sample
     per_function: dict[str, torch.Tensor] = {}
     for k, (fn, weight) in enumerate(zip(funcs, weights)):
         name = _reward_name(fn)
@@ -340,5 +348,13 @@ def compute_rewards(
         rewards, metrics = _call_reward(fn, name, prompts, completions, columns, timeout, extras)
         per_function[name] = rewards
         per_function.update({f"{name}/{key}": values for key, values in metrics.items()})
-        total += weight * rewards
+        applies = ~rewards.isnan()  # (B,) None: the function does not apply (TRL)
+        total += weight * torch.where(applies, rewards, 0.0)
+        scored |= applies
+    if not scored.all():
+        i = int((~scored).nonzero()[0])
+        names = ", ".join(_reward_name(fn) for fn in funcs)
+        raise RewardError(f"every reward function ({names}) returned None at sample {i} (None: the function does "
+                          f"not apply to it), so it has no reward: give each sample at least one function that "
+                          f"scores it\n  prompt: {_clip(prompts[i])}\n  completion: {_clip(completions[i])}")
     return total, per_function
