@@ -238,8 +238,8 @@ def main(args):
     atexit.register(stubborn_cleanup)
     if {library_handler!r}:  # as a library might: its own handler, which raises KeyboardInterrupt
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    print("ready", flush=True)
     try:
+        print("ready", flush=True)  # inside the try: a Ctrl-C right after it still unwinds through finally
         time.sleep(60)
     finally:
         if {slow_unwind!r}:  # a cleanup on the way out that hangs (an engine's context manager, say)
