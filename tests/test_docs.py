@@ -323,3 +323,37 @@ def test_the_real_run_table_in_the_safety_page_is_the_tests():
     rows = [line for line in section.splitlines() if line.startswith("| ") and line.rstrip().endswith("` |")]
     assert rows == [f"| {case} | {what} | `{test}` |" for case, what, test in test_real_runs.REAL_RUNS]
     assert f"(issue 43): {len(rows)} cases, each tried and held by a test" in " ".join(section.split()), len(rows)
+
+
+# A mean +- std followed by the runs it summarises, as the pages' tables and sentences write them: "80.1 +- 1.8% |
+# 81.2%, 78.0%, 81.0%" or "43.6 +- 3.0% | 40.6, 46.6, 43.6%".
+SUMMARY_AND_RUNS = re.compile(r"(\d+\.\d) \+- (\d+\.\d)% \| (\d+\.\d)%?, (\d+\.\d)%?, (\d+\.\d)%")
+
+
+def test_every_mean_and_spread_is_that_of_the_runs_beside_it():
+    """Issue 52, item 7: a summary retyped beside its runs cannot drift from them: each mean and (sample) standard
+    deviation is recomputed from the three runs it stands beside, to the rounding of one decimal."""
+    import statistics
+
+    checked = 0
+    for path in [README, *PAGES]:
+        for match in SUMMARY_AND_RUNS.finditer(read(path)):
+            mean, std = float(match[1]), float(match[2])
+            runs = [float(x) for x in match.groups()[2:]]
+            assert abs(statistics.mean(runs) - mean) <= 0.051, (rel(path), match[0])
+            assert abs(statistics.stdev(runs) - std) <= 0.051, (rel(path), match[0])
+            checked += 1
+    assert checked > 40, checked
+
+
+def test_the_readme_quotes_the_pages_that_measured_its_figures():
+    """Issue 52, item 7: the README's two learning figures are the ones of the pages that measured them (the real
+    model's mean row, whose seeds the test above holds it to; the quick start's timed runs)."""
+    readme = read(README)
+    real = re.search(r"^\| mean \+- std \| (\d+\.\d)% \| [^|]* \| (\d+\.\d \+- \d+\.\d)% \|", read(
+        os.path.join(DOCS, "real-model.md")), re.M)
+    assert f"held-out accuracy {real[1]}% -> {real[2]}% in 20 steps" in readme, real.groups()
+    rows = [re.findall(r"(\d+\.\d)% -> (\d+\.\d)%", line) for line in read(os.path.join(DOCS, "contributing.md"))
+            .splitlines() if "python grpo.py --preset toy" in line]
+    start, end = next(found[0] for found in rows if found)
+    assert f"went from {start}% to {end}% held out" in readme, (start, end)
