@@ -27,16 +27,16 @@ def importance_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask:
     if mode == "sequence":
         # (B, T)  log rho_i on every token of row i
         log_rho = log_rho.sum(-1, keepdim=True).expand_as(mask)
-    over = log_rho > math.log(cap)  # (B, T)
+    outside = log_rho > math.log(cap)  # (B, T)  above the cap
     if masked and floor > 0:
-        over = over | (log_rho < math.log(floor))  # (B, T)  IcePop: outside [floor, cap]
+        outside = outside | (log_rho < math.log(floor))  # (B, T)  IcePop: or below the floor
     weights = torch.exp(log_rho.clamp(max=math.log(cap))) * mask  # (B, T)  min(rho, cap)
     if masked:
-        weights = weights * ~over  # (B, T)
+        weights = weights * ~outside  # (B, T)
     valid = mask > 0 if mode == "token" else mask.sum(-1) > 0  # tokens, or rows
     masked_frac = 0.0
     if masked and valid.any():
-        masked_frac = (over if mode == "token" else over[:, 0])[valid].float().mean().item()
+        masked_frac = (outside if mode == "token" else outside[:, 0])[valid].float().mean().item()
     return weights, masked_frac
 
 

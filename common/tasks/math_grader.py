@@ -946,7 +946,9 @@ def math_accuracy(prompts: list[str], completions: list, answer: list, **_) -> R
     an evaluation, on one unlabeled row, and its G completions get equal rewards, so no gradient,
     anyway.
     """
-    prompts, completions = texts_of(prompts), texts_of(completions)  # or TRL's conversational form
+    # text, or TRL's conversational form
+    prompts = texts_of(prompts)
+    completions = texts_of(completions)
     missing = [i for i, a in enumerate(answer) if a is None]
     if missing:
         warnings.warn(f"math_accuracy: {len(missing)} of {len(answer)} samples have no reference "
