@@ -57,7 +57,7 @@ Where the two do different work by design (the ratio includes it):
   (the toy preset: 256, the whole batch) and compute each distinct prompt once (shared_prompt_cache); TRL runs
   them per micro-batch, every row in full. `-- --logprob_batch_size 64` measures grpo.py without the larger
   forwards.
-- grpo.py samples with a seeded Gumbel-max processor (reproducible per completion), TRL with transformers'
+- grpo.py samples with a seeded inverse-CDF processor (reproducible per completion), TRL with transformers'
   multinomial sampling, so completion lengths differ a little: compare tokens/s as well as step time.
 - TRL's update makes the (B, T, V) logits of every micro-batch (no Liger kernel); grpo.py's log-probs and entropy
   come from the last hidden states through the head's weight in chunks of positions, at completion tokens only,

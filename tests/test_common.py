@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.args import parse_args
 from common.batch import pad_rows
-from common.engines.rollout import HFEngine, sample_seed
+from common.engines.rollout import HFEngine, SeededSampler, row_uniforms, sample_seed
 from common.logprobs import completion_logprobs
 from common.sampling import step_prompts
 from common.tasks.data import load_prompts, resolve_dataset
@@ -142,7 +142,7 @@ def test_repeated_prompts_are_prefilled_once(toy, monkeypatch):
 
 
 def test_sampling_follows_the_temperature(toy):
-    """Gumbel-max sampling: the empirical frequency of the first token matches softmax(logits / T)."""
+    """Inverse-CDF sampling: the empirical frequency of the first token matches softmax(logits / T)."""
     tokenizer, model = toy
     engine = HFEngine(tokenizer, Accelerator(cpu=True))
     prompt = tokenizer("37+48=")["input_ids"]
@@ -153,6 +153,64 @@ def test_sampling_follows_the_temperature(toy):
                              batch_size=n)
     freq = torch.bincount(torch.tensor([c[0] for c in out]), minlength=len(probs)).float() / n
     assert (freq - probs).abs().max() < 0.03
+
+
+def draw(sampler: SeededSampler, logits: torch.Tensor) -> torch.Tensor:
+    """(B,) the tokens the sampler picks from logits (B, V): generate's greedy choice on its scores."""
+    return sampler(torch.zeros(len(logits), 1, dtype=torch.long), logits).argmax(-1)
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.7])
+def test_the_sampler_draws_from_the_kept_distribution(top_p):
+    """Hand-made logits: each token's frequency over 20,000 rows (one seed each) is its probability under
+    softmax(logits / T), renormalised over the kept set at top_p < 1; a dropped token is never drawn."""
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -30.0])
+    p = torch.softmax(logits / 0.8, -1)
+    if top_p < 1:  # p = [.65, .19, .10, .05, .02, 0]: .65 < .7 <= .65 + .19, so the two most probable are kept
+        p = torch.tensor([p[0], p[1], 0, 0, 0, 0]) / (p[0] + p[1])
+    n = 20_000
+    sampler = SeededSampler(list(range(n)), 0.8, top_p, tokens=1)
+    freq = torch.bincount(draw(sampler, logits.expand(n, -1)), minlength=6).double() / n
+    assert (freq - p.double()).abs().max() < 0.015, (freq, p)
+    assert (freq[p == 0] == 0).all()
+
+
+def test_a_rows_draws_depend_only_on_its_seed_and_position():
+    """Row r's t-th uniform is its generator's t-th draw: the same in a call of any length, beside any rows."""
+    alone = row_uniforms([11], 5)
+    together = row_uniforms([3, 11, 7], 40)
+    assert torch.equal(together[1, :5], alone[0])
+    assert together.dtype == torch.float64 and 0 <= together.min() and together.max() < 1
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    batch = draw(SeededSampler([3, 11, 7], 1.0, 1.0, tokens=1), logits)
+    assert draw(SeededSampler([11], 1.0, 1.0, tokens=1), logits[1:2]).item() == batch[1].item()
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_the_samplers_work_per_token_does_not_grow_with_the_batch(top_p):
+    """Issue 50: the sampler dispatches as many operations (kernel launches on a GPU) per token for 64 rows as for
+    one; one generator per row drawing each token's noise made ~77 launches a token at 64 rows."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = []
+    for rows in (1, 64):
+        sampler = SeededSampler(list(range(rows)), 1.0, top_p, tokens=3)
+        logits = torch.randn(rows, 1000, generator=torch.Generator().manual_seed(rows))
+        input_ids = torch.zeros(rows, 1, dtype=torch.long)
+        sampler(input_ids, logits)  # the first token: nothing to record yet
+        with Count() as count:
+            sampler(input_ids, logits)  # a later token: records the previous one's log-prob, then draws
+        counts.append(count.ops)
+    assert counts[0] == counts[1] and counts[0] <= 30, counts
 
 
 def test_step_prompts_partition_the_global_batch():

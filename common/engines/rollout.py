@@ -30,18 +30,30 @@ def sample_seed(seed: int, step: int, prompt_index: int, sample_index: int) -> i
     return (((seed * 1_048_573 + step) * 1_048_573 + prompt_index) * 1_048_573 + sample_index) % (2**63 - 1)
 
 
-class SeededSampler(LogitsProcessor):
-    """Temperature, top-p, then Gumbel noise from one generator per row.
+def row_uniforms(seeds: list[int], tokens: int) -> torch.Tensor:
+    """(rows, tokens) float64 uniforms in [0, 1): row r's t-th is the t-th draw of a generator seeded with seeds[r].
 
-    argmax(log p + Gumbel) is an exact sample from p, so `generate` runs greedy on our scores and
-    each row's draws come from its own seed: batching cannot change them. Also records the
-    log-prob of each chosen token under the distribution it was drawn from, the trainer's definition
-    of logp: softmax(logits / T), renormalised over the kept set when top_p < 1.
+    Made once per `generate` call, on the host, so the draws are the same on any device and a row's are its own."""
+    return torch.stack([torch.rand(tokens, generator=torch.Generator().manual_seed(s), dtype=torch.float64)
+                        for s in seeds]) if seeds else torch.zeros(0, tokens, dtype=torch.float64)
+
+
+class SeededSampler(LogitsProcessor):
+    """Temperature, top-p, then one inverse-CDF draw per row from that row's own uniforms.
+
+    Token t of row r is the first token whose cumulative probability exceeds u[r, t] (row_uniforms), an exact
+    sample from p. `generate` runs greedy on the scores returned (0 at the drawn token, -inf elsewhere), so each
+    row's draws depend only on its seed: batching cannot change them. The work per token is a few whole-batch
+    operations, whatever the number of rows. Also records the log-prob of each chosen token under the distribution
+    it was drawn from, the trainer's definition of logp: softmax(logits / T), renormalised over the kept set when
+    top_p < 1.
     """
 
-    def __init__(self, seeds: list[int], temperature: float, top_p: float, device: torch.device | str = "cpu"):
-        self.generators = [torch.Generator(device).manual_seed(s) for s in seeds]  # draws made beside the logits
+    def __init__(self, seeds: list[int], temperature: float, top_p: float, tokens: int,
+                 device: torch.device | str = "cpu"):
+        self.uniforms = row_uniforms(seeds, tokens).to(device)  # (B, tokens)
         self.temperature, self.top_p = temperature, top_p
+        self.position = 0  # the index of the token being drawn
         self.last_logp = None  # (B, V) log-probs of the previous step, to look up its chosen token
         self.chosen_logp = []  # per step, (B,)
 
@@ -59,10 +71,12 @@ class SeededSampler(LogitsProcessor):
             sorted_logp, order = logp.sort(dim=-1, descending=True)
             drop = sorted_logp.exp().cumsum(-1) - sorted_logp.exp() >= self.top_p  # (B, V)
             logp = logp.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-            self.last_logp = torch.log_softmax(logp, dim=-1)  # (B, V) the kept set's distribution
-        uniform = torch.stack([torch.rand(logp.shape[-1], generator=g, device=logp.device) for g in self.generators])
-        gumbel = -torch.log(-torch.log(uniform.clamp(min=1e-20)))  # (B, V)
-        return logp + gumbel
+            self.last_logp = logp = torch.log_softmax(logp, dim=-1)  # (B, V) the kept set's distribution
+        cdf = logp.double().exp().cumsum(dim=-1)  # (B, V); a dropped token adds 0, so it is never drawn
+        u = self.uniforms[:, self.position, None] * cdf[:, -1:]  # (B, 1) scaled to the total (1 up to rounding)
+        self.position += 1
+        token = torch.searchsorted(cdf, u, right=True).clamp(max=cdf.shape[-1] - 1)  # (B, 1)
+        return torch.full_like(scores, float("-inf")).scatter_(-1, token, 0.0)
 
 
 class HFEngine:
@@ -110,7 +124,7 @@ class HFEngine:
                 attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
                 device = self.accelerator.device
                 input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-                sampler = SeededSampler(seeds[i : i + batch_size], temperature, top_p, device)
+                sampler = SeededSampler(seeds[i : i + batch_size], temperature, top_p, max_tokens, device)
                 processors, criteria = LogitsProcessorList([sampler]), StoppingCriteriaList()
                 if per_row or stop:  # tool rollouts (common/engines/multiturn.py): a budget per row, stop strings
                     from common.engines.stopping import StopRows
