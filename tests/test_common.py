@@ -175,6 +175,19 @@ def test_the_sampler_draws_from_the_kept_distribution(top_p):
     assert (freq[p == 0] == 0).all()
 
 
+def test_a_uniform_next_to_1_draws_the_last_token_that_can_be_drawn():
+    """The largest double below 1 draws the last token of non-zero probability, never one top_p dropped after it
+    (the cdf is normalised to end at exactly 1; scaling the uniform by the sum instead can round up to it)."""
+    logits = torch.tensor([[0.0, 3.0, 1.0, -2.0, 2.5]])
+    for top_p, last_kept in [(1.0, 4), (0.8, 4), (0.5, 1)]:
+        sampler = SeededSampler([0], 1.0, top_p, tokens=1)
+        sampler.uniforms.fill_(1 - 2**-53)
+        assert draw(sampler, logits).item() == last_kept
+        sampler = SeededSampler([0], 1.0, top_p, tokens=1)
+        sampler.uniforms.fill_(0.0)
+        assert draw(sampler, logits).item() == (0 if top_p == 1 else 1)  # the first token that can be drawn
+
+
 def test_a_rows_draws_depend_only_on_its_seed_and_position():
     """Row r's t-th uniform is its generator's t-th draw: the same in a call of any length, beside any rows."""
     alone = row_uniforms([11], 5)

@@ -72,10 +72,14 @@ class SeededSampler(LogitsProcessor):
             drop = sorted_logp.exp().cumsum(-1) - sorted_logp.exp() >= self.top_p  # (B, V)
             logp = logp.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
             self.last_logp = logp = torch.log_softmax(logp, dim=-1)  # (B, V) the kept set's distribution
-        cdf = logp.double().exp().cumsum(dim=-1)  # (B, V); a dropped token adds 0, so it is never drawn
-        u = self.uniforms[:, self.position, None] * cdf[:, -1:]  # (B, 1) scaled to the total (1 up to rounding)
+        cdf = logp.double().exp().cumsum(dim=-1)  # (B, V)
+        # Divided by its last entry, the cdf ends at exactly 1 and stays non-decreasing, so a uniform in [0, 1) always
+        # finds a first entry above it, and that entry is never a token of zero probability (dropped by top_p, or
+        # below float range), whose entry equals the one before it.
+        cdf = cdf / cdf[:, -1:]  # (B, V)
+        u = self.uniforms[:, self.position, None]  # (B, 1)
         self.position += 1
-        token = torch.searchsorted(cdf, u, right=True).clamp(max=cdf.shape[-1] - 1)  # (B, 1)
+        token = torch.searchsorted(cdf, u, right=True)  # (B, 1) the first entry above u
         return torch.full_like(scores, float("-inf")).scatter_(-1, token, 0.0)
 
 
