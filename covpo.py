@@ -21,8 +21,9 @@ Differs from grpo.py (verl 0.5.0's compute_policy_loss_clip_cov / _kl_cov, from 
 
 One step, in the order main() runs it: common/sampling.py (the rollouts, from
 common/engines/rollout.py, and their rewards, from common/tasks/rewards.py), compute_advantages,
-common/logprobs.py (the log-probs), batch_stats and compute_loss (their statistics:
-common/stats.py), common/update.py (the micro-batches and the optimizer step).
+common/logprobs.py (the log-probs), batch_stats and compute_loss (their statistics), and
+common/update.py (the micro-batches, the statistics' base class and the optimizer step): five
+files besides this one.
 
 Run:
     python covpo.py --preset toy                                 # CPU, minutes
@@ -39,10 +40,9 @@ import torch
 from common.args import TrainArgs, arg
 from common.logprobs import completion_logprobs
 from common.offpolicy import importance_weights
-from common.run import end_step, finish, launch, progress_bar, setup
+from common.run import end_step, finish, launch, progress_bar, setup, sum_over_processes
 from common.sampling import current_and_old_logprobs, old_and_reference_logprobs, sample_batch  # COVPO:
-from common.stats import BatchStats, masked_mean, per_row, sum_over_processes, this_process  # COVPO:
-from common.update import backward_share, microbatches, minibatches, rows_of, save_dumps
+from common.update import BatchStats, backward_share, masked_mean, microbatches, minibatches, rows_of, save_dumps
 
 
 @dataclass
@@ -91,10 +91,10 @@ class Stats(BatchStats):
     tokens the covariance picked, ranked over every process's rows."""
 
     num_tokens: torch.Tensor  # ()  the token mean's denominator, over every process
-    selected: torch.Tensor = per_row()  # (B, T)  COVPO: the tokens the covariance picked
+    selected: torch.Tensor = BatchStats.per_row()  # (B, T)  COVPO: the tokens the covariance picked
 
 
-def batch_stats(logp_now, old_logp, advantages, mask, args: Args, total=this_process) -> Stats:
+def batch_stats(logp_now, old_logp, advantages, mask, args: Args, total=lambda x: x) -> Stats:
     """What compute_loss needs from the whole optimizer batch when it is called per micro-batch.
     `logp_now` (B, T): log-probs at the current weights, without gradient; `total` sums a tensor
     over the processes."""

@@ -19,8 +19,9 @@ compute_gdpo_outcome_advantage):
 
 One step, in the order main() runs it: common/sampling.py (the rollouts, from
 common/engines/rollout.py, and their rewards, from common/tasks/rewards.py), compute_advantages,
-common/logprobs.py (the log-probs), batch_stats and compute_loss (their statistics:
-common/stats.py), common/update.py (the micro-batches and the optimizer step).
+common/logprobs.py (the log-probs), batch_stats and compute_loss (their statistics), and
+common/update.py (the micro-batches, the statistics' base class and the optimizer step): five
+files besides this one.
 
 Run:
     python gdpo.py --preset toy                                  # CPU, minutes
@@ -36,10 +37,9 @@ import torch
 from common.args import TrainArgs, arg
 from common.logprobs import completion_logprobs
 from common.offpolicy import importance_weights
-from common.run import end_step, finish, launch, progress_bar, setup
+from common.run import end_step, finish, launch, progress_bar, setup, sum_over_processes
 from common.sampling import old_and_reference_logprobs, sample_batch
-from common.stats import BatchStats, masked_mean, sum_over_processes, this_process
-from common.update import backward_share, microbatches, minibatches, rows_of, save_dumps
+from common.update import BatchStats, backward_share, masked_mean, microbatches, minibatches, rows_of, save_dumps
 
 
 @dataclass
@@ -86,7 +86,7 @@ def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
     return (normalised * weights).sum(-1).flatten()  # (B,)
 
 
-def batch_normalise(advantages, mask, num_rewards: int, total=this_process) -> torch.Tensor:
+def batch_normalise(advantages, mask, num_rewards: int, total=lambda x: x) -> torch.Tensor:
     """(B,) verl's masked_whiten of the summed advantages over the whole batch's valid tokens:
     (A - mu) / sqrt(var + 1e-8), var unbiased; one reward (K = 1) is left as it is. `total` sums a
     tensor over the processes (main's all-reduce; alone, the identity)."""
@@ -106,7 +106,7 @@ class Stats(BatchStats):
     num_tokens: torch.Tensor  # ()  valid tokens  GDPO: a token mean over the optimizer batch
 
 
-def batch_stats(advantages, mask, args: Args, total=this_process) -> Stats:
+def batch_stats(advantages, mask, args: Args, total=lambda x: x) -> Stats:
     """What compute_loss needs from the whole optimizer batch when it is called per micro-batch.
     `total` sums a tensor over the processes (the loop's all-reduce; alone, the identity)."""
     return Stats(num_tokens=total(mask.sum().float()))

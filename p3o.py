@@ -15,8 +15,9 @@ Differs from grpo.py:
 
 One step, in the order main() runs it: common/sampling.py (the rollouts, from
 common/engines/rollout.py, and their rewards, from common/tasks/rewards.py), compute_advantages,
-common/logprobs.py (the log-probs), batch_stats and compute_loss (their statistics:
-common/stats.py), common/update.py (the micro-batches and the optimizer step).
+common/logprobs.py (the log-probs), batch_stats and compute_loss (their statistics), and
+common/update.py (the micro-batches, the statistics' base class and the optimizer step): five
+files besides this one.
 
 Run:
     python p3o.py --preset toy                                   # CPU, minutes
@@ -33,10 +34,9 @@ import torch
 from common.args import TrainArgs, arg
 from common.logprobs import completion_logprobs
 from common.offpolicy import importance_weights
-from common.run import end_step, finish, launch, progress_bar, setup
+from common.run import end_step, finish, launch, progress_bar, setup, sum_over_processes
 from common.sampling import log_ratio_now, old_and_reference_logprobs, sample_batch  # P3O:
-from common.stats import BatchStats, masked_mean, sum_over_processes, this_process
-from common.update import backward_share, microbatches, minibatches, rows_of, save_dumps
+from common.update import BatchStats, backward_share, masked_mean, microbatches, minibatches, rows_of, save_dumps
 
 
 @dataclass
@@ -75,7 +75,7 @@ class Stats(BatchStats):
     sum_r2: torch.Tensor | None = None  # ()  sum r_t^2
 
 
-def batch_stats(log_ratio, advantages, mask, args: Args, total=this_process) -> Stats:
+def batch_stats(log_ratio, advantages, mask, args: Args, total=lambda x: x) -> Stats:
     """What compute_loss needs from the whole optimizer batch when it is called per micro-batch.
     `log_ratio` (B, T): logp - old_logp at the current weights; `total` sums a tensor over the
     processes."""
@@ -87,7 +87,7 @@ def batch_stats(log_ratio, advantages, mask, args: Args, total=this_process) -> 
     return ess_sums(log_ratio, mask, total)
 
 
-def ess_sums(log_ratio, mask, total=this_process) -> Stats:
+def ess_sums(log_ratio, mask, total=lambda x: x) -> Stats:
     """sum r, sum r^2 and n over the valid tokens of these rows: ESS = (sum r)^2 / (n sum r^2)."""
     delta = log_ratio.double().masked_fill(mask == 0, 0)  # (B, T)  float64: r^2 overflows fp32
     ratio = torch.exp(delta) * mask  # (B, T)  r_t on valid tokens, 0 on padding

@@ -12,8 +12,9 @@ Differs from grpo.py (the paper's section 3 and Algorithm 1):
 
 One step, in the order main() runs it: common/sampling.py (the rollouts, from
 common/engines/rollout.py, and their rewards, from common/tasks/rewards.py), compute_advantages,
-common/logprobs.py (the log-probs), batch_stats and compute_loss (their statistics:
-common/stats.py), common/update.py (the micro-batches and the optimizer step).
+common/logprobs.py (the log-probs), batch_stats and compute_loss (their statistics), and
+common/update.py (the micro-batches, the statistics' base class and the optimizer step): five
+files besides this one.
 
 Run:
     python snib.py --preset toy                                  # CPU, minutes
@@ -29,10 +30,9 @@ import torch
 from common.args import TrainArgs, arg
 from common.logprobs import completion_logprobs
 from common.offpolicy import importance_weights
-from common.run import end_step, finish, launch, progress_bar, setup
+from common.run import end_step, finish, launch, progress_bar, setup, sum_over_processes
 from common.sampling import log_ratio_now, old_and_reference_logprobs, sample_batch  # SNIB:
-from common.stats import BatchStats, masked_mean, per_row, sum_over_processes, this_process  # SNIB:
-from common.update import backward_share, microbatches, minibatches, rows_of, save_dumps
+from common.update import BatchStats, backward_share, masked_mean, microbatches, minibatches, rows_of, save_dumps
 
 
 @dataclass
@@ -79,10 +79,10 @@ class Stats(BatchStats):
     statistics at the current weights (a group lies whole on one process)."""
 
     num_rows: torch.Tensor  # ()  rows with a valid token, over every process
-    log_weight: torch.Tensor = per_row()  # (B,)  u_i (--dump_stats_steps: the paper's Figure 2)
-    log_wbar: torch.Tensor = per_row()  # (B,)  log wbar_g, the group's mean weight
-    fg_coeff: torch.Tensor = per_row()  # (B,)  C_g / n_g: SNIB-fg's gradient through wbar_g
-    group_ess: torch.Tensor = per_row()  # (B,)  (sum_g w)^2 / (n_g sum_g w^2)
+    log_weight: torch.Tensor = BatchStats.per_row()  # (B,)  u_i (--dump_stats_steps: the paper's Figure 2)
+    log_wbar: torch.Tensor = BatchStats.per_row()  # (B,)  log wbar_g, the group's mean weight
+    fg_coeff: torch.Tensor = BatchStats.per_row()  # (B,)  C_g / n_g: SNIB-fg's gradient through wbar_g
+    group_ess: torch.Tensor = BatchStats.per_row()  # (B,)  (sum_g w)^2 / (n_g sum_g w^2)
 
 
 def group_mean(x: torch.Tensor, n_g: torch.Tensor, G: int) -> torch.Tensor:
@@ -90,7 +90,7 @@ def group_mean(x: torch.Tensor, n_g: torch.Tensor, G: int) -> torch.Tensor:
     return (x.view(-1, G).sum(1) / n_g).repeat_interleave(G)
 
 
-def batch_stats(log_ratio, advantages, mask, args: Args, total=this_process) -> Stats:
+def batch_stats(log_ratio, advantages, mask, args: Args, total=lambda x: x) -> Stats:
     """What compute_loss needs from the whole optimizer batch when it is called per micro-batch.
     `log_ratio` (B, T): logp - old_logp at the current weights; `total` sums a tensor over the
     processes."""

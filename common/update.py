@@ -3,18 +3,49 @@
 The scripts call their estimator once per micro-batch, but the estimator's loss is the whole optimizer batch's
 (docs/estimators/conventions.md: full-batch semantics). Three rules make the micro-batched, multi-process update
 equal to one call on the whole batch:
-- `batch_stats` returns the script's `Stats` (common/stats.py): whole-batch totals, each summed over the processes,
-  and, for a few estimators, per-row values, which stay with their rows (a group never straddles processes);
+- `batch_stats` returns the script's `Stats`, a `BatchStats` dataclass (below) whose fields say what they hold:
+  whole-batch totals, each summed over the processes by the `total` function the loop passes
+  (`sum_over_processes`, common/run.py), and, for a few estimators, per-row values (fields declared with
+  `BatchStats.per_row()`), which stay with their rows: a group never straddles processes, and `for_rows` cuts them
+  to a micro-batch's rows;
 - `compute_loss` then returns each micro-batch's share of the batch loss, and `backward_share` undoes what
   accelerate does to a loss (divide by the accumulation steps, average over processes);
 - one optimizer step per mini-batch: accelerate's `accumulate` says when (`sync_gradients`).
 """
 
 import os
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
 from common.logprobs import length_buckets
+
+
+@dataclass
+class BatchStats:
+    """What an estimator's compute_loss needs from the whole optimizer batch. A script's `Stats(BatchStats)` names
+    its fields: whole-batch totals, and fields declared with `per_row()`, which hold one value per row."""
+
+    @staticmethod
+    def per_row():
+        """A field of a `Stats` dataclass holding (rows,) values of the mini-batch, cut to a micro-batch's rows:
+        `log_weight: torch.Tensor = BatchStats.per_row()`."""
+        return field(metadata={"per_row": True})
+
+    def for_rows(self, rows: torch.Tensor):
+        """The statistics of a micro-batch: the totals as they are, the per-row values of `rows` (positions within
+        the mini-batch)."""
+        cut = {f.name: getattr(self, f.name)[rows] for f in fields(self) if f.metadata.get("per_row")}
+        return replace(self, **cut)
+
+    def per_row_values(self) -> dict[str, torch.Tensor]:
+        """The per-row fields by name (--dump_stats_steps saves them; e.g. SNIB's log-weights)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("per_row")}
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of x over the tokens the loss sees."""
+    return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
 def minibatches(run) -> list[slice]:
