@@ -9,6 +9,11 @@ A page holds a generated block between two HTML comments (invisible on GitHub an
     ```diff / ```python ... ```
     <!-- end -->
 
+    <!-- begin: study TAG -->                     the table of a study's results, from docs/studies/TAG.json (what
+    | ... |                                       `python -m evals.compare ... --tag TAG` wrote as study.json: its
+    <!-- end -->                                  command, commit and every run's evaluations), so a figure of a
+                                                  study has one source: its runs' own file
+
 An excerpt (`<!-- excerpt: diff -u grpo.py gspo.py -->` before a ```diff block) is not rewritten: each of its `-` / `+`
 lines must be a line of the live diff. tests/test_docs.py runs `check()`; after changing a script, run
 
@@ -18,13 +23,15 @@ lines must be a line of the live diff. tests/test_docs.py runs `check()`; after 
 
 import difflib
 import glob
+import json
 import os
 import re
+import statistics
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BLOCK = re.compile(r"(<!-- begin: (diff -u grpo\.py (\w+)\.py|algo (\w+)\.py|layout common) -->\n)(.*?)(<!-- end -->)",
-                   re.S)
+BLOCK = re.compile(r"(<!-- begin: (diff -u grpo\.py (\w+)\.py|algo (\w+)\.py|layout common|study ([\w.-]+)) -->\n)"
+                   r"(.*?)(<!-- end -->)", re.S)
 # The layout block's folders, in order: the step's own parts first, then the machinery by role.
 FOLDER_ORDER = ["common", "common/engines", "common/tasks", "common/models", "common/run_folder", "common/rails"]
 EXCERPT = re.compile(r"<!-- excerpt: diff -u grpo\.py (\w+)\.py -->\n```diff\n(.*?)```", re.S)
@@ -85,15 +92,54 @@ def layout(block: str) -> list[str]:
     return body
 
 
+def percent(x: float) -> str:
+    return f"{100 * x:.1f}"
+
+
+def mean_and_runs(finals: list[float]) -> str:
+    """"80.1 +- 1.8% | 81.2%, 78.0%, 81.0%": the mean and sample std over seeds, then each seed's, in percent."""
+    std = statistics.stdev(finals) if len(finals) > 1 else 0.0
+    runs = ", ".join(f"{percent(x)}%" for x in finals)
+    return f"{percent(statistics.mean(finals))} +- {percent(std)}% | {runs}"
+
+
+def study_table(tag: str) -> list[str]:
+    """A study's table from docs/studies/TAG.json: held-out greedy accuracy at the first and last evaluation of each
+    estimator (and, with --vary, of each value of the varied flag), mean +- std over seeds and each seed's."""
+    with open(os.path.join(ROOT, "docs", "studies", f"{tag}.json")) as f:
+        study = json.load(f)
+    results = study["results"]
+    algos = list(dict.fromkeys(r["algo"] for r in results))
+    values = list(dict.fromkeys(r["value"] for r in results))
+    first, last = results[0]["evals"][0][0], results[0]["evals"][-1][0]
+    flag = study.get("vary")
+    head = [f"`{study['command']}` (commit {study['commit'][:7]}); held-out greedy accuracy over seeds "
+            f"{', '.join(str(s) for s in sorted({r['seed'] for r in results}))}:", ""]
+    lines = ["| estimator" + (f" | {flag}" if flag else "") + f" | step {first} | step {last}, mean +- std | "
+             "each seed's | minutes per run |", "| --- " * (5 + bool(flag)) + "|"]
+    for algo in algos:
+        for value in values:
+            runs = sorted((r for r in results if r["algo"] == algo and r["value"] == value), key=lambda r: r["seed"])
+            warm = statistics.mean(r["evals"][0][1] for r in runs)
+            minutes = statistics.mean(r["seconds"] for r in runs) / 60
+            cells = [algo] + ([value] if flag else []) + [f"{percent(warm)}%",
+                                                          mean_and_runs([r["evals"][-1][1] for r in runs]),
+                                                          f"{minutes:.1f}"]
+            lines.append("| " + " | ".join(cells) + " |")
+    return head + lines
+
+
 def rendered(match: re.Match) -> str:
-    diff_of, algo_of = match.group(3), match.group(4)
+    diff_of, algo_of, study = match.group(3), match.group(4), match.group(5)
+    if study:
+        return match.group(1) + "\n".join(study_table(study)) + "\n" + match.group(7)
     if match.group(2) == "layout common":
-        body, lang = layout(match.group(5)), "text"
+        body, lang = layout(match.group(6)), "text"
     else:
         body, lang = (live_diff(diff_of), "diff") if diff_of else (algo_section(algo_of), "python")
     while body and not body[-1].strip():
         body.pop()
-    return match.group(1) + f"```{lang}\n" + "\n".join(body) + "\n```\n" + match.group(6)
+    return match.group(1) + f"```{lang}\n" + "\n".join(body) + "\n```\n" + match.group(7)
 
 
 def pages() -> list[str]:
@@ -109,6 +155,9 @@ def check() -> list[str]:
             text = f.read()
         rel = os.path.relpath(path, ROOT)
         for match in BLOCK.finditer(text):
+            if match.group(5) and not os.path.exists(os.path.join(ROOT, "docs", "studies", f"{match.group(5)}.json")):
+                problems.append(f"{rel}: the study '{match.group(5)}' has no docs/studies/{match.group(5)}.json")
+                continue
             if match.group(0) != rendered(match):
                 problems.append(f"{rel}: the block '{match.group(2)}' is stale: run python docs/make_diffs.py")
             if "UNDESCRIBED" in rendered(match):

@@ -8,7 +8,8 @@
 Each run is `python <algo>.py --preset ... --seed S` in its own process (`--jobs` at a time, `--threads`
 torch threads each, default 1), written to runs/compare[-TAG]/<algo>__s<S> (with --vary: <algo>__<FLAG><V>__s<S>).
 Writes summary.md (mean +- std over seeds of the warm-start and final held-out accuracy and of wall time),
-summary.json and accuracy.png; with --vary, the final accuracy by algorithm and value, each seed's, and
+summary.json, study.json (the command, its commit and every run's evaluations: copied to docs/studies/TAG.json, the
+source of the study's table in the docs) and accuracy.png; with --vary, the final accuracy by algorithm and value, each seed's, and
 accuracy_vs_<FLAG>.png.
 
 A study survives interruptions: each finished run writes its result beside its folder (<run>.result.json),
@@ -162,6 +163,16 @@ def run_one(algo: str, seed: int, args: CompareArgs, out_dir: str, value: str | 
     return result
 
 
+def write_study(results: list[dict], flag: str | None, out_dir: str, command: str) -> None:
+    """study.json: the command, the commit it ran at and every run's evaluations. Copied to docs/studies/TAG.json, it
+    is the one source of the study's table in the docs (`<!-- begin: study TAG -->`, docs/make_diffs.py)."""
+    done = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True)
+    commit = done.stdout.strip() if done.returncode == 0 else "unknown"
+    study = {"command": command, "commit": commit, "vary": flag, "results": results}
+    with open(os.path.join(out_dir, "study.json"), "w") as f:
+        json.dump(study, f, indent=1)
+
+
 def mean_std(values: list[float]) -> str:
     return f"{statistics.mean(values):.3f} +- {statistics.stdev(values) if len(values) > 1 else 0.0:.3f}"
 
@@ -265,6 +276,7 @@ def main(args: CompareArgs) -> str:
                 process.terminate()
             raise
     command = "python -m evals.compare " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    write_study(results, flag, out_dir, command)
     if flag is not None:
         table = summarize_vary(results, algos, flag, values, out_dir, command)
         plot_vary(results, algos, flag, values, out_dir)

@@ -9,6 +9,7 @@ neither mkdocs nor the network.
 import glob
 import gzip
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -160,15 +161,56 @@ def test_relative_links_resolve(page):
 
 
 def test_quoted_code_is_the_live_code():
-    """The `diff -u grpo.py X.py` blocks and grpo.py's ALGO LOGIC on the estimator pages, the README's excerpt."""
-    spec = importlib.util.spec_from_file_location("make_diffs", os.path.join(DOCS, "make_diffs.py"))
-    make_diffs = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(make_diffs)
+    """The `diff -u grpo.py X.py` blocks and grpo.py's ALGO LOGIC on the estimator pages, the README's excerpt, the
+    layout of common/ and the studies' tables."""
+    make_diffs = load_make_diffs()
     problems = make_diffs.check()
     assert not problems, "\n".join(problems)
     for name in ("gspo", "snib", "ctpo", "p3o"):
         page = read(os.path.join(DOCS, "estimators", f"{name}.md"))
         assert f"<!-- begin: diff -u grpo.py {name}.py -->" in page, f"docs/estimators/{name}.md quotes no diff"
+
+
+def load_make_diffs():
+    spec = importlib.util.spec_from_file_location("make_diffs", os.path.join(DOCS, "make_diffs.py"))
+    make_diffs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_diffs)
+    return make_diffs
+
+
+def test_a_study_block_is_the_table_of_its_runs_file(tmp_path, monkeypatch):
+    """Issue 52, item 7: a study's figures have one source, the study.json its runs wrote (docs/studies/TAG.json);
+    the page's block is rendered from it (hand-computed here), and a block whose file is missing is named."""
+    make_diffs = load_make_diffs()
+    monkeypatch.setattr(make_diffs, "ROOT", str(tmp_path))
+    os.makedirs(tmp_path / "docs" / "studies")
+
+    def run(algo, seed, final, value=None):
+        return {"algo": algo, "seed": seed, "value": value, "seconds": 60.0 * seed,
+                "evals": [[0, 0.4], [50, 0.5], [100, final]]}
+
+    results = [run("grpo", 1, 0.6), run("grpo", 2, 0.7), run("grpo", 3, 0.8), run("ipo", 1, 0.5), run("ipo", 2, 0.5)]
+    study = {"command": "python -m evals.compare --tag t", "commit": "0123456789abcdef", "vary": None,
+             "results": results}
+    (tmp_path / "docs" / "studies" / "t.json").write_text(json.dumps(study))
+    assert make_diffs.study_table("t") == [
+        "`python -m evals.compare --tag t` (commit 0123456); held-out greedy accuracy over seeds 1, 2, 3:", "",
+        "| estimator | step 0 | step 100, mean +- std | each seed's | minutes per run |",
+        "| --- | --- | --- | --- | --- |",
+        "| grpo | 40.0% | 70.0 +- 10.0% | 60.0%, 70.0%, 80.0% | 2.0 |",
+        "| ipo | 40.0% | 50.0 +- 0.0% | 50.0%, 50.0% | 1.5 |"]
+    study.update(vary="rollout_lag", results=[run("grpo", 1, 0.6, "0"), run("grpo", 1, 0.3, "2")])
+    (tmp_path / "docs" / "studies" / "v.json").write_text(json.dumps(study))
+    assert make_diffs.study_table("v")[2:] == [
+        "| estimator | rollout_lag | step 0 | step 100, mean +- std | each seed's | minutes per run |",
+        "| --- | --- | --- | --- | --- | --- |",
+        "| grpo | 0 | 40.0% | 60.0 +- 0.0% | 60.0% | 1.0 |",
+        "| grpo | 2 | 40.0% | 30.0 +- 0.0% | 30.0% | 1.0 |"]
+    page = tmp_path / "page.md"
+    page.write_text("<!-- begin: study t -->\nold\n<!-- end -->\n<!-- begin: study gone -->\n<!-- end -->\n")
+    monkeypatch.setattr(make_diffs, "pages", lambda: [str(page)])
+    assert make_diffs.check() == ["page.md: the block 'study t' is stale: run python docs/make_diffs.py",
+                                  "page.md: the study 'gone' has no docs/studies/gone.json"]
 
 
 def differ_table(path: str) -> list[str]:

@@ -426,3 +426,9 @@ def test_a_compare_study_resumes_where_it_stopped(in_toy_workdir):
     stamp = os.stat(os.path.join(run, "metrics.jsonl")).st_mtime_ns
     study(2, resume=True)  # finished: read, not run again
     assert os.stat(os.path.join(run, "metrics.jsonl")).st_mtime_ns == stamp
+    with open(os.path.join("runs", "compare-resume", "study.json")) as f:
+        written = json.load(f)  # the source of the study's table in the docs (docs/make_diffs.py)
+    with open(run + ".result.json") as f:
+        assert written["results"] == [json.load(f)]
+    assert written["command"].startswith("python -m evals.compare") and written["vary"] is None
+    assert len(written["commit"]) == 40 or written["commit"] == "unknown"
