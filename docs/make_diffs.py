@@ -9,8 +9,8 @@ A page holds a generated block between two HTML comments (invisible on GitHub an
     ```diff / ```python ... ```
     <!-- end -->
 
-    <!-- begin: study TAG -->                     the table of a study's results, from docs/studies/TAG.json (what
-    | ... |                                       `python -m evals.compare ... --tag TAG` wrote as study.json: its
+    <!-- begin: study tag -->                     the table of a study's results, from docs/studies/tag.json (what
+    | ... |                                       `python -m evals.compare ... --tag tag` wrote as study.json: its
     <!-- end -->                                  command, commit and every run's evaluations), so a figure of a
                                                   study has one source: its runs' own file
 
@@ -30,7 +30,7 @@ import statistics
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BLOCK = re.compile(r"(<!-- begin: (diff -u grpo\.py (\w+)\.py|algo (\w+)\.py|layout common|study ([\w.-]+)) -->\n)"
+BLOCK = re.compile(r"(<!-- begin: (diff -u grpo\.py (\w+)\.py|algo (\w+)\.py|layout common|study ([a-z0-9_.-]+)) -->\n)"
                    r"(.*?)(<!-- end -->)", re.S)
 # The layout block's folders, in order: the step's own parts first, then the machinery by role.
 FOLDER_ORDER = ["common", "common/engines", "common/tasks", "common/models", "common/run_folder", "common/rails"]
