@@ -10,6 +10,7 @@ global generator in both)."""
 
 import dataclasses
 import math
+import os
 import types
 from dataclasses import replace
 
@@ -17,7 +18,7 @@ import pytest
 import torch
 from conftest import learning_bar, read_metrics, run_script
 from test_reinforcepp import verl_core_algos  # noqa: F401  the `peer` fixture: verl 0.5.0's core_algos.py
-from test_snib import STALE, assert_stale_updates_agree
+from test_snib import STALE, STALE_LR, assert_stale_updates_agree
 from test_train import SMALL, assert_same_gradient, sgd_gradient
 
 import covpo
@@ -404,20 +405,45 @@ def test_micro_batch_size_does_not_change_the_on_policy_gradient(in_toy_workdir,
 
 @pytest.mark.slow
 @pytest.mark.precondition
-@pytest.mark.parametrize("method", ["clip", "kl"])
-def test_stale_updates_do_not_depend_on_micro_batches_or_processes(in_toy_workdir, method):
-    """Two passes over each batch in two mini-batches: the selection (over both processes' rows, at the current
-    weights) and the token mean are the optimizer batch's, whatever the micro-batches and processes. Clip-Cov: a
-    fifth of the tokens the clip leaves alone (lb -100), drawn at random. KL-Cov: the top 1% (4 or 5 tokens of a
-    mini-batch): the toy's many near-certain tokens have near-equal covariances, so a top 20% would end inside that
-    cluster, where the float rounding of another micro-batch size reorders ties and picks other tokens. KL-Cov is
-    anchored on the sampler's log-probs: with the trainer's, the first optimizer step has logp - old_logp at rounding
-    level, and the penalty's gradient, kappa sign(logp - old_logp), takes the sign of that rounding (as in verl)."""
-    ratio = {"clip": ["--clip_cov_ratio", "0.2", "--clip_cov_lb", "-100"],
-             "kl": ["--kl_cov_ratio", "0.01", "--old_logp_source", "sampler"]}[method]
-    flags = STALE + ["--cov_method", method, *ratio, "--epsilon", "0.02", "--epsilon_high", "0.02"]
-    assert_stale_updates_agree(in_toy_workdir, "covpo.py", f"covpo_{method}", flags,
+def test_stale_clip_cov_updates_do_not_depend_on_micro_batches_or_processes(in_toy_workdir):
+    """Two passes over each batch in two mini-batches: Clip-Cov's selection (over both processes' rows, at the current
+    weights) and the token mean are the optimizer batch's, whatever the micro-batches and processes: a fifth of the
+    tokens the clip leaves alone (lb -100), drawn at random."""
+    flags = STALE + ["--cov_method", "clip", "--clip_cov_ratio", "0.2", "--clip_cov_lb", "-100", "--epsilon", "0.02",
+                     "--epsilon_high", "0.02"]
+    assert_stale_updates_agree(in_toy_workdir, "covpo.py", "covpo_clip", flags,
                                lambda m: m["covpo/selected_frac"] > 0.005 and m["policy/ratio_mean"] != 1.0)
+
+
+def first_selection(run_dir: str, num_processes: int, mini_rows: int) -> torch.Tensor:
+    """(rows, T) the tokens KL-Cov picked in the first optimizer step of a run (--dump_stats_steps 1), the processes'
+    rows put back in the batch's order: each process holds a contiguous share of each mini-batch."""
+    parts = [torch.load(os.path.join(run_dir, "stats", f"step_000001.rank{p}.pt"))[0]["selected"]
+             for p in range(num_processes)]
+    assert all(len(part) == mini_rows // num_processes for part in parts)
+    width = max(part.shape[1] for part in parts)
+    return torch.cat([torch.nn.functional.pad(part, (0, width - part.shape[1])) for part in parts])
+
+
+@pytest.mark.slow
+@pytest.mark.precondition
+def test_kl_covs_selection_is_the_optimizer_batchs_whatever_the_micro_batches_or_processes(in_toy_workdir):
+    """KL-Cov picks the top covariance tokens of the whole optimizer batch (over both processes' rows): the first
+    optimizer step's selection, at the weights that sampled the batch, is the same with one micro-batch, with
+    micro-batches of one row and with 2 processes. The updates themselves are not compared: at that step every
+    logp - old_logp is at rounding level, and the penalty's gradient, kappa sign(logp - old_logp), takes the sign of
+    the rounding (as in verl), which another micro-batch size changes."""
+    flags = STALE + ["--cov_method", "kl", "--kl_cov_ratio", "0.01", "--old_logp_source", "sampler",
+                     "--dump_stats_steps", "1"]
+    selections = []
+    for name, processes, micro in [("kl_m8", 1, 8), ("kl_m1", 1, 1), ("kl_p2", 2, 2)]:
+        sgd_gradient(in_toy_workdir, name, flags + ["--micro_batch_size", str(micro)], processes, "covpo.py", STALE_LR)
+        selections.append(first_selection(os.path.join(in_toy_workdir, "runs", name), processes, 8))
+        assert read_metrics(os.path.join(in_toy_workdir, "runs", name))[-1]["covpo/selected_frac"] > 0
+    width = max(selection.shape[1] for selection in selections)  # each run pads to its own longest completion
+    selections = [torch.nn.functional.pad(selection, (0, width - selection.shape[1])) for selection in selections]
+    assert selections[0].sum() >= 1  # precondition: a token was picked
+    assert torch.equal(selections[1], selections[0]) and torch.equal(selections[2], selections[0])
 
 
 @pytest.mark.slow
