@@ -388,6 +388,33 @@ def test_every_mean_and_spread_is_that_of_the_runs_beside_it():
     assert checked > 40, checked
 
 
+QUOTED_GAINS = re.compile(r"gained \+(\d\.\d{3}) \+- (\d\.\d{3}) on the seed-0 toy and "
+                          r"\+(\d\.\d{3}) \+- (\d\.\d{3}) on the seed-1 toy "
+                          r"\(\+(\d\.\d{3}) \+- (\d\.\d{3}) over the six runs\)")
+
+
+def test_an_estimator_pages_learning_gains_are_the_learning_bars_file():
+    """Issue 52, item 7: the gains an estimator's page quotes from its learning test's runs are those of
+    tests/data/learning_bars.json, which benchmarks/learning_bars.py wrote (so a new sampler's bars update them)."""
+    with open(os.path.join(REPO, "tests", "data", "learning_bars.json")) as f:
+        bars = json.load(f)
+    summary = bars["summary"]
+    quoted = 0
+    for name in sorted(summary):
+        path = os.path.join(DOCS, "estimators", f"{name}.md")
+        if not os.path.exists(path):
+            continue
+        for match in QUOTED_GAINS.finditer(" ".join(read(path).split())):
+            want = [summary[name][toy][key] for toy in ("seed0", "seed1", "all") for key in ("mean", "std")]
+            assert [float(x) for x in match.groups()] == [round(x, 3) for x in want], (name, match[0])
+            quoted += 1
+    assert quoted >= 3, quoted
+    gains = {toy: [f"{r['gain']:.3f}" for r in bars["runs"] if r["name"] == "grpo" and r["toy"] == toy]
+             for toy in ("seed0", "seed1")}
+    said = "GRPO gained {}, {} and {}; on the seed-1 toy, {}, {} and {}.".format(*gains["seed0"], *gains["seed1"])
+    assert said in " ".join(read(os.path.join(DOCS, "install.md")).split()), said
+
+
 def test_the_readme_quotes_the_pages_that_measured_its_figures():
     """Issue 52, item 7: the README's two learning figures are the ones of the pages that measured them (the real
     model's mean row, whose seeds the test above holds it to; the quick start's timed runs)."""
