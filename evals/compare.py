@@ -9,8 +9,8 @@ Each run is `python <algo>.py --preset ... --seed S` in its own process (`--jobs
 torch threads each, default 1), written to runs/compare[-TAG]/<algo>__s<S> (with --vary: <algo>__<FLAG><V>__s<S>).
 Writes summary.md (mean +- std over seeds of the warm-start and final held-out accuracy and of wall time),
 summary.json, study.json (the command, its commit and every run's evaluations: copied to docs/studies/TAG.json, the
-source of the study's table in the docs) and accuracy.png; with --vary, the final accuracy by algorithm and value, each seed's, and
-accuracy_vs_<FLAG>.png.
+source of the study's table in the docs) and accuracy.png; with --vary, the final accuracy by algorithm and value,
+each seed's, and accuracy_vs_<FLAG>.png.
 
 A study survives interruptions: each finished run writes its result beside its folder (<run>.result.json),
 and --resume (with the study's own flags) reads those instead of running them again, resumes an

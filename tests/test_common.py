@@ -181,7 +181,7 @@ def test_a_uniform_next_to_1_draws_the_last_token_that_can_be_drawn():
     logits = torch.tensor([[0.0, 3.0, 1.0, -2.0, 2.5]])
     for top_p, last_kept in [(1.0, 4), (0.8, 4), (0.5, 1)]:
         sampler = SeededSampler([0], 1.0, top_p, tokens=1)
-        sampler.uniforms.fill_(1 - 2**-53)
+        sampler.uniforms.fill_(1 - 2**-53)  # (tokens, rows)
         assert draw(sampler, logits).item() == last_kept
         sampler = SeededSampler([0], 1.0, top_p, tokens=1)
         sampler.uniforms.fill_(0.0)

@@ -51,7 +51,7 @@ class SeededSampler(LogitsProcessor):
 
     def __init__(self, seeds: list[int], temperature: float, top_p: float, tokens: int,
                  device: torch.device | str = "cpu"):
-        self.uniforms = row_uniforms(seeds, tokens).to(device)  # (B, tokens)
+        self.uniforms = row_uniforms(seeds, tokens).T.contiguous().to(device)  # (tokens, B): a token's row contiguous
         self.temperature, self.top_p = temperature, top_p
         self.position = 0  # the index of the token being drawn
         self.last_logp = None  # (B, V) log-probs of the previous step, to look up its chosen token
@@ -77,7 +77,7 @@ class SeededSampler(LogitsProcessor):
         # finds a first entry above it, and that entry is never a token of zero probability (dropped by top_p, or
         # below float range), whose entry equals the one before it.
         cdf = cdf / cdf[:, -1:]  # (B, V)
-        u = self.uniforms[:, self.position, None]  # (B, 1)
+        u = self.uniforms[self.position, :, None]  # (B, 1)
         self.position += 1
         token = torch.searchsorted(cdf, u, right=True)  # (B, 1) the first entry above u
         return torch.full_like(scores, float("-inf")).scatter_(-1, token, 0.0)
