@@ -24,7 +24,7 @@ from common.logprobs import length_buckets
 @dataclass
 class BatchStats:
     """What an estimator's compute_loss needs from the whole optimizer batch. A script's `Stats(BatchStats)` names
-    its fields: whole-batch totals, and fields declared with `per_row()`, which hold one value per row."""
+    its fields: whole-batch totals, and fields declared with `BatchStats.per_row()`, which hold one value per row."""
 
     @staticmethod
     def per_row():

@@ -35,7 +35,7 @@ def row_uniforms(seeds: list[int], tokens: int) -> torch.Tensor:
 
     Made once per `generate` call, on the host, so the draws are the same on any device and a row's are its own."""
     return torch.stack([torch.rand(tokens, generator=torch.Generator().manual_seed(s), dtype=torch.float64)
-                        for s in seeds]) if seeds else torch.zeros(0, tokens, dtype=torch.float64)
+                        for s in seeds])
 
 
 class SeededSampler(LogitsProcessor):
