@@ -12,7 +12,8 @@ A page holds a generated block between two HTML comments (invisible on GitHub an
     <!-- begin: study tag -->                     the table of a study's results, from docs/studies/tag.json (what
     | ... |                                       `python -m evals.compare ... --tag tag` wrote as study.json: its
     <!-- end -->                                  command, commit and every run's evaluations), so a figure of a
-                                                  study has one source: its runs' own file
+                                                  study has one source: its runs' own file; `study tag grpo,ipo`:
+                                                  those estimators' rows only
 
 An excerpt (`<!-- excerpt: diff -u grpo.py gspo.py -->` before a ```diff block) is not rewritten: each of its `-` / `+`
 lines must be a line of the live diff. tests/test_docs.py runs `check()`; after changing a script, run
@@ -30,8 +31,9 @@ import statistics
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BLOCK = re.compile(r"(<!-- begin: (diff -u grpo\.py (\w+)\.py|algo (\w+)\.py|layout common|study ([a-z0-9_.-]+)) -->\n)"
-                   r"(.*?)(<!-- end -->)", re.S)
+BLOCK = re.compile(r"(?P<begin><!-- begin: (?P<what>diff -u grpo\.py (?P<diff>\w+)\.py|algo (?P<algo>\w+)\.py"
+                   r"|layout common|study (?P<study>[a-z0-9_.-]+)(?: (?P<only>[a-z0-9_,]+))?) -->\n)"
+                   r"(?P<body>.*?)(?P<end><!-- end -->)", re.S)
 # The layout block's folders, in order: the step's own parts first, then the machinery by role.
 FOLDER_ORDER = ["common", "common/engines", "common/tasks", "common/models", "common/run_folder", "common/rails"]
 EXCERPT = re.compile(r"<!-- excerpt: diff -u grpo\.py (\w+)\.py -->\n```diff\n(.*?)```", re.S)
@@ -103,43 +105,58 @@ def mean_and_runs(finals: list[float]) -> str:
     return f"{percent(statistics.mean(finals))} +- {percent(std)}% | {runs}"
 
 
-def study_table(tag: str) -> list[str]:
+def study_table(tag: str, only: str | None = None) -> list[str]:
     """A study's table from docs/studies/TAG.json: held-out greedy accuracy at the first and last evaluation of each
-    estimator (and, with --vary, of each value of the varied flag), mean +- std over seeds and each seed's."""
+    estimator (`only`: these, comma-separated, in the study's order), mean +- std over seeds and each seed's. With
+    --vary, a column per value of the varied flag, each cell the last evaluation's mean +- std (each seed's)."""
     with open(os.path.join(ROOT, "docs", "studies", f"{tag}.json")) as f:
         study = json.load(f)
     results = study["results"]
-    algos = list(dict.fromkeys(r["algo"] for r in results))
+    algos = [a for a in dict.fromkeys(r["algo"] for r in results) if only is None or a in only.split(",")]
     values = list(dict.fromkeys(r["value"] for r in results))
     first, last = results[0]["evals"][0][0], results[0]["evals"][-1][0]
     flag = study.get("vary")
     head = [f"`{study['command']}` (commit {study['commit'][:7]}); held-out greedy accuracy over seeds "
             f"{', '.join(str(s) for s in sorted({r['seed'] for r in results}))}:", ""]
-    lines = ["| estimator" + (f" | {flag}" if flag else "") + f" | step {first} | step {last}, mean +- std | "
-             "each seed's | minutes per run |", "| --- " * (5 + bool(flag)) + "|"]
+
+    def runs_of(algo, value):
+        return sorted((r for r in results if r["algo"] == algo and r["value"] == value), key=lambda r: r["seed"])
+
+    def minutes(runs):
+        return f"{statistics.mean(r['seconds'] for r in runs) / 60:.1f}"
+
+    if flag:
+        lines = [f"| estimator | step {first} | " + " | ".join(f"{flag} {v}, step {last}" for v in values)
+                 + " | minutes per run |", "| --- " * (3 + len(values)) + "|"]
+        for algo in algos:
+            every = [r for v in values for r in runs_of(algo, v)]
+            cells = [algo, f"{percent(statistics.mean(r['evals'][0][1] for r in every))}%"]
+            for value in values:
+                mean, each = mean_and_runs([r["evals"][-1][1] for r in runs_of(algo, value)]).split(" | ")
+                cells.append(f"{mean} ({each})")
+            lines.append("| " + " | ".join(cells + [minutes(every)]) + " |")
+        return head + lines
+    lines = [f"| estimator | step {first} | step {last}, mean +- std | each seed's | minutes per run |",
+             "| --- " * 5 + "|"]
     for algo in algos:
-        for value in values:
-            runs = sorted((r for r in results if r["algo"] == algo and r["value"] == value), key=lambda r: r["seed"])
-            warm = statistics.mean(r["evals"][0][1] for r in runs)
-            minutes = statistics.mean(r["seconds"] for r in runs) / 60
-            cells = [algo] + ([value] if flag else []) + [f"{percent(warm)}%",
-                                                          mean_and_runs([r["evals"][-1][1] for r in runs]),
-                                                          f"{minutes:.1f}"]
-            lines.append("| " + " | ".join(cells) + " |")
+        runs = runs_of(algo, None if values == [None] else values[0])
+        warm = statistics.mean(r["evals"][0][1] for r in runs)
+        cells = [algo, f"{percent(warm)}%", mean_and_runs([r["evals"][-1][1] for r in runs]), minutes(runs)]
+        lines.append("| " + " | ".join(cells) + " |")
     return head + lines
 
 
 def rendered(match: re.Match) -> str:
-    diff_of, algo_of, study = match.group(3), match.group(4), match.group(5)
+    diff_of, algo_of, study = match.group("diff"), match.group("algo"), match.group("study")
     if study:
-        return match.group(1) + "\n".join(study_table(study)) + "\n" + match.group(7)
-    if match.group(2) == "layout common":
-        body, lang = layout(match.group(6)), "text"
+        return match.group("begin") + "\n".join(study_table(study, match.group("only"))) + "\n" + match.group("end")
+    if match.group("what") == "layout common":
+        body, lang = layout(match.group("body")), "text"
     else:
         body, lang = (live_diff(diff_of), "diff") if diff_of else (algo_section(algo_of), "python")
     while body and not body[-1].strip():
         body.pop()
-    return match.group(1) + f"```{lang}\n" + "\n".join(body) + "\n```\n" + match.group(7)
+    return match.group("begin") + f"```{lang}\n" + "\n".join(body) + "\n```\n" + match.group("end")
 
 
 def pages() -> list[str]:
@@ -155,13 +172,14 @@ def check() -> list[str]:
             text = f.read()
         rel = os.path.relpath(path, ROOT)
         for match in BLOCK.finditer(text):
-            if match.group(5) and not os.path.exists(os.path.join(ROOT, "docs", "studies", f"{match.group(5)}.json")):
-                problems.append(f"{rel}: the study '{match.group(5)}' has no docs/studies/{match.group(5)}.json")
+            tag = match.group("study")
+            if tag and not os.path.exists(os.path.join(ROOT, "docs", "studies", f"{tag}.json")):
+                problems.append(f"{rel}: the study '{tag}' has no docs/studies/{tag}.json")
                 continue
             if match.group(0) != rendered(match):
-                problems.append(f"{rel}: the block '{match.group(2)}' is stale: run python docs/make_diffs.py")
+                problems.append(f"{rel}: the block '{match.group('what')}' is stale: run python docs/make_diffs.py")
             if "UNDESCRIBED" in rendered(match):
-                problems.append(f"{rel}: a module in the block '{match.group(2)}' has no description")
+                problems.append(f"{rel}: a module in the block '{match.group('what')}' has no description")
         for name, excerpt in EXCERPT.findall(text):
             diff = set(live_diff(name))
             for line in excerpt.splitlines():

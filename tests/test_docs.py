@@ -199,13 +199,20 @@ def test_a_study_block_is_the_table_of_its_runs_file(tmp_path, monkeypatch):
         "| --- | --- | --- | --- | --- |",
         "| grpo | 40.0% | 70.0 +- 10.0% | 60.0%, 70.0%, 80.0% | 2.0 |",
         "| ipo | 40.0% | 50.0 +- 0.0% | 50.0%, 50.0% | 1.5 |"]
-    study.update(vary="rollout_lag", results=[run("grpo", 1, 0.6, "0"), run("grpo", 1, 0.3, "2")])
+    assert make_diffs.study_table("t", only="ipo")[2:] == [
+        "| estimator | step 0 | step 100, mean +- std | each seed's | minutes per run |",
+        "| --- | --- | --- | --- | --- |",
+        "| ipo | 40.0% | 50.0 +- 0.0% | 50.0%, 50.0% | 1.5 |"]
+    # --vary: a column per value, each cell the mean +- std over seeds and each seed's
+    study.update(vary="rollout_lag", results=[run("grpo", 1, 0.6, "0"), run("grpo", 2, 0.8, "0"),
+                                              run("grpo", 1, 0.3, "2"), run("grpo", 2, 0.3, "2"),
+                                              run("ipo", 1, 0.5, "0"), run("ipo", 1, 0.5, "2")])
     (tmp_path / "docs" / "studies" / "v.json").write_text(json.dumps(study))
     assert make_diffs.study_table("v")[2:] == [
-        "| estimator | rollout_lag | step 0 | step 100, mean +- std | each seed's | minutes per run |",
-        "| --- | --- | --- | --- | --- | --- |",
-        "| grpo | 0 | 40.0% | 60.0 +- 0.0% | 60.0% | 1.0 |",
-        "| grpo | 2 | 40.0% | 30.0 +- 0.0% | 30.0% | 1.0 |"]
+        "| estimator | step 0 | rollout_lag 0, step 100 | rollout_lag 2, step 100 | minutes per run |",
+        "| --- | --- | --- | --- | --- |",
+        "| grpo | 40.0% | 70.0 +- 14.1% (60.0%, 80.0%) | 30.0 +- 0.0% (30.0%, 30.0%) | 1.5 |",
+        "| ipo | 40.0% | 50.0 +- 0.0% (50.0%) | 50.0 +- 0.0% (50.0%) | 1.0 |"]
     page = tmp_path / "page.md"
     page.write_text("<!-- begin: study t -->\nold\n<!-- end -->\n<!-- begin: study gone -->\n<!-- end -->\n")
     monkeypatch.setattr(make_diffs, "pages", lambda: [str(page)])

@@ -3,8 +3,11 @@ order), and the share of lines past 100 columns (issue 51, item 3)."""
 
 import glob
 import os
+import re
 import subprocess
 import sys
+
+import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -110,3 +113,31 @@ def test_every_mutant_is_still_a_line_of_its_script():
         with open(os.path.join(REPO, f"{name}.py")) as f:
             assert f.read().count(line) == 1, (name, what, line)
         assert wrong != line
+    # docs/install.md states the count twice: held to the list
+    with open(os.path.join(REPO, "docs", "install.md")) as f:
+        page = f.read()
+    assert re.findall(r"(\d+) one-line mutants", page) == [str(len(MUTANTS))]
+    assert re.findall(r"all (\d+) were caught", page) == [str(len(MUTANTS))]
+
+
+@pytest.mark.slow  # two pytest runs in a copy of the repository: 24 s
+def test_the_mutant_run_tells_a_caught_mutant_from_a_missed_one(capsys):
+    """scripts/mutants.py on two mutants of rloo.py: its leave-one-out divisor made wrong (caught by
+    tests/test_rloo.py) and the same line with a comment added (no test can catch it: it must say MISSED and exit 1,
+    so a run that catches everything is not a run that cannot miss)."""
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import mutants
+
+    line = "/ (args.num_generations - 1)"
+    real = ("rloo", line, "/ args.num_generations", "the divisor")
+    harmless = ("rloo", line, line + "  # a comment changes nothing", "a comment")
+    original = mutants.MUTANTS
+    mutants.MUTANTS = [real, harmless]
+    try:
+        assert mutants.main([]) == 1
+    finally:
+        mutants.MUTANTS = original
+    out = capsys.readouterr().out
+    assert "CAUGHT rloo         the divisor" in out
+    assert "MISSED rloo         a comment" in out
+    assert "1 of 2 mutants caught" in out
