@@ -32,7 +32,7 @@ from typing import Literal
 import torch
 
 from common.args import TrainArgs, arg
-from common.logprobs import completion_logprobs
+from common.logprobs import completion_logprobs, logprob_metrics
 from common.offpolicy import importance_weights
 from common.run import end_step, finish, launch, progress_bar, setup, sum_over_processes
 from common.sampling import log_ratio_now, old_and_reference_logprobs, sample_batch  # P3O:
@@ -210,7 +210,7 @@ def main(args: Args):
                             grad_norms.append(grad_norm)
                             optimizer.step()
                             optimizer.zero_grad()
-                    loss_metrics["policy/entropy"] = masked_mean(entropy, mask[rows])
+                    loss_metrics.update(logprob_metrics(entropy, logp, old_logp, mask[rows]))
                     update_metrics.append(loss_metrics)
                 scheduler.step()
         metrics["time/update"] = time.time() - update_start

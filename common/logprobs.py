@@ -322,6 +322,30 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     return torch.nn.functional.pad(logp, pad), torch.nn.functional.pad(entropy, pad)
 
 
+def logprob_metrics(entropy: torch.Tensor, logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> dict:
+    """A micro-batch's policy entropy, and how far the policy being trained has moved from the one whose log-probs
+    are `old_logp` (the first pass on-policy: not at all), over its valid tokens (mask 1), (b, T) each:
+
+        policy/entropy         the mean entropy
+        policy/log_ratio_std   the std of the token log-ratios logp - old_logp: 0 on-policy
+        policy/ess             the token ratios' effective sample size, (sum r)^2 / (n sum r^2), in log space: 1 when
+                               every ratio is equal (on-policy), near 0 when a few tokens hold the weight
+
+    The same for every estimator, whatever ratio its own loss takes (a sequence's, a prefix's): the regime's
+    distance from on-policy, comparable across scripts (docs/metrics.md)."""
+    with torch.no_grad():
+        valid = mask > 0  # (b, T)
+        n = valid.sum()  # ()
+        log_ratio = torch.where(valid, logp - old_logp, 0.0)  # (b, T)  0 at padding, whatever old_logp holds there
+        mean = log_ratio.sum() / n.clamp(min=1)  # ()
+        std = (torch.where(valid, log_ratio - mean, 0.0).square().sum() / n.clamp(min=1)).sqrt()  # ()
+        kept = torch.where(valid, log_ratio, -torch.inf)  # (b, T)
+        log_ess = 2 * kept.logsumexp((0, 1)) - (2 * kept).logsumexp((0, 1)) - n.clamp(min=1).log()  # ()
+        ess = torch.where(n > 0, log_ess.exp(), 1.0)  # ()  a micro-batch without a valid token: nothing moved
+        entropy = (entropy * mask).sum() / mask.sum().clamp(min=1)  # ()
+    return {"policy/entropy": entropy, "policy/log_ratio_std": std, "policy/ess": ess}
+
+
 def padded_width(used: int, step: int) -> int:
     """The width a forward runs on for `used` columns: with a step of 1, `used`; else the next power of two up to
     `step`, then the next multiple of `step` (0 stays 0)."""

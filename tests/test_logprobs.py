@@ -5,6 +5,7 @@ both paths: "head" (hidden states x head weight, common.logprobs.HeadLogprobs) a
 path for heads fused_head turns down). Then float64 gradchecks, no (B, T, V) tensor on the head path, and rows
 bucketed by length (length_buckets) against the padded form."""
 
+import math
 import os
 
 import pytest
@@ -629,3 +630,23 @@ def test_top_p_1_runs_none_of_the_nucleus_code(monkeypatch, path):
     assert all(torch.equal(got[2][n], want[2][n]) for n in want[2])
     with pytest.raises(AssertionError, match="top_p = 1"):
         completion_logprobs(model, *batch[:2], 6, 0.8, top_p=TOP_P)
+
+
+def test_logprob_metrics_by_hand():
+    """logprob_metrics on two rows, three columns, the last a padding column whose old log-prob is NaN (a row the
+    update never reached): log-ratios ln 2 and 0 on the valid tokens, so ratios 2 and 1, ESS (2 + 1)^2 / (2 (4 + 1))
+    = 0.9, std ln 2 / 2 (over the tokens, not unbiased), entropy (1 + 3) / 2; on-policy ESS 1 and std 0; a
+    micro-batch without a valid token 1 and 0, never NaN."""
+    logp = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, -0.5, 0.0]])
+    old = torch.tensor([[-1.0 - math.log(2), -2.0, float("nan")], [0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0]])
+    entropy = torch.tensor([[1.0, 3.0, 100.0], [50.0, 50.0, 50.0]])
+    m = common.logprobs.logprob_metrics(entropy, logp, old, mask)
+    assert m["policy/ess"].item() == pytest.approx(0.9, rel=1e-6)
+    assert m["policy/log_ratio_std"].item() == pytest.approx(math.log(2) / 2, rel=1e-6)
+    assert m["policy/entropy"].item() == pytest.approx(2.0)
+    on_policy = common.logprobs.logprob_metrics(entropy, logp, logp, mask)
+    assert on_policy["policy/ess"].item() == pytest.approx(1.0) and on_policy["policy/log_ratio_std"].item() == 0
+    empty = common.logprobs.logprob_metrics(entropy, logp, old, torch.zeros_like(mask))
+    assert (empty["policy/ess"].item(), empty["policy/log_ratio_std"].item(), empty["policy/entropy"].item()) == (
+        1.0, 0.0, 0.0)
