@@ -439,3 +439,43 @@ def test_the_readme_quotes_the_pages_that_measured_its_figures():
             .splitlines() if "python grpo.py --preset toy" in line]
     start, end = next(found[0] for found in rows if found)
     assert f"went from {start}% to {end}% held out" in readme, (start, end)
+
+
+def test_the_2026_estimators_lag_figures_in_prose_are_their_studies():
+    """Issue 52, item 7: the figures the pages' sentences quote from the 2026 estimators' lag studies (the tables
+    themselves are study blocks) are those of docs/studies/lag_new5.json and dro_tau_lag2.json: each (page, phrase)
+    below is rebuilt from the runs and must be on its page."""
+    import statistics
+
+    def runs(tag, algo, value):
+        with open(os.path.join(DOCS, "studies", f"{tag}.json")) as f:
+            results = json.load(f)["results"]
+        finals = [100 * r["evals"][-1][1] for r in sorted(results, key=lambda r: r["seed"])
+                  if r["algo"] == algo and r["value"] == value]
+        assert len(finals) == 3, (tag, algo, value)
+        return finals
+
+    def cell(tag, algo, value):
+        finals = runs(tag, algo, value)
+        return f"{statistics.mean(finals):.1f} +- {statistics.stdev(finals):.1f}%"
+
+    def mean(tag, algo, value):
+        return f"{statistics.mean(runs(tag, algo, value)):.1f}%"
+
+    dro = [mean("lag_new5", "dro", v) for v in "0124"]
+    dro_lag2 = sorted(runs("lag_new5", "dro", "2"))
+    quoted = [
+        ("off-policy.md", f"{dro[0]} on-policy, then {dro[1]}, {dro[2]} and {dro[3]} at lag 1, 2 and 4"),
+        ("off-policy.md", f"IPO weakens ({mean('lag_new5', 'ipo', '4')} at lag 4, one seed "
+                          f"{min(runs('lag_new5', 'ipo', '2')):.1f}% at lag 2)"),
+        ("off-policy.md", f"`--tau 0.5` gives {cell('dro_tau_lag2', 'dro', '0.5')}, GRPO's level"),
+        ("estimators/ipo.md", f"one seed at lag 2 at {min(runs('lag_new5', 'ipo', '2')):.1f}%"),
+        ("estimators/dro.md", f"({dro_lag2[0]:.1f}-{dro_lag2[-1]:.1f}%), where GRPO gains "
+                              f"{statistics.mean(runs('lag_new5', 'grpo', '2')) - 41.0:.0f} points"),
+        ("estimators/dro.md", f"`--tau 0.5` matches GRPO at lag 2 ({cell('lag_new5', 'grpo', '2')} above)"),
+        ("estimators/choosing.md", f"DRO from lag 1: {cell('lag_new5', 'dro', '2')} at lag 2 against GRPO's "
+                                   f"{cell('lag_new5', 'grpo', '2')} "
+                                   f"(`--tau 0.5`: {cell('dro_tau_lag2', 'dro', '0.5')})"),
+    ]
+    for page, phrase in quoted:
+        assert phrase in " ".join(read(os.path.join(DOCS, page)).split()), (page, phrase)
