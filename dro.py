@@ -57,7 +57,8 @@ class Args(TrainArgs):
     beta: float = arg(0.0, "KL coefficient to the reference policy (k3 estimator; verl's use_kl_loss off)",
                       at_least=0)
     tau: float = arg(0.05, "coefficient of (1/2) (logp - old_logp)^2 per token (Kimi k1.5's tau, verl's "
-                     "dro_beta; 0: none, which verl refuses)", at_least=0)
+                     "dro_beta; 0: none, which verl refuses); under --rollout_lag raise it (0.5 held the toy at "
+                     "lag 2: docs/estimators/dro.md)", at_least=0)
 
 
 # ALGO LOGIC: advantages and loss
