@@ -444,7 +444,7 @@ def test_the_readme_quotes_the_pages_that_measured_its_figures():
 def test_the_2026_estimators_lag_figures_in_prose_are_their_studies():
     """Issue 52, item 7: the figures the pages' sentences quote from the 2026 estimators' lag studies (the tables
     themselves are study blocks) are those of docs/studies/lag_new5.json and dro_tau_lag2.json: each (page, phrase)
-    below is rebuilt from the runs and must be on its page."""
+    below (the README's table too) is rebuilt from the runs and must be on its page."""
     import statistics
 
     def runs(tag, algo, value):
@@ -477,5 +477,8 @@ def test_the_2026_estimators_lag_figures_in_prose_are_their_studies():
                                    f"{cell('lag_new5', 'grpo', '2')} "
                                    f"(`--tau 0.5`: {cell('dro_tau_lag2', 'dro', '0.5')})"),
     ]
+    quoted.append(("../README.md", f"DRO breaks from lag 1 (today's sampler, lag 2: {mean('lag_new5', 'dro', '2')} "
+                                   f"against GRPO's {mean('lag_new5', 'grpo', '2')}; `--tau 0.5`: "
+                                   f"{mean('dro_tau_lag2', 'dro', '0.5')})"))
     for page, phrase in quoted:
         assert phrase in " ".join(read(os.path.join(DOCS, page)).split()), (page, phrase)
