@@ -7,6 +7,8 @@ and, where the model's head allows it, no (B, T, V) logits at all.
     TokenLogprobs  from logits the model made, for heads HeadLogprobs cannot stand in for (fused_head says which).
     completion_logprobs   a batch's completion tokens: picks between them, runs the forward on the columns the rows
                           use, and (no-grad passes) shares each prompt's forward among its G completions
+    logprob_metrics       what a micro-batch's log-probs say when its gradient is taken: entropy, and how far the
+                          policy has moved from the one of `old_logp` (log-ratio std, the ratios' ESS)
 
 With top_p < 1 the policy is the distribution the sampler draws from: softmax(logits / T)
 renormalised over each position's kept set (common.nucleus). The log-prob is z_y - logsumexp(z over

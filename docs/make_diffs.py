@@ -189,6 +189,9 @@ def check() -> list[str]:
 
 
 def write() -> None:
+    missing = [p for p in check() if "has no docs/studies/" in p]
+    if missing:  # a page names a study whose file is not there yet: nothing is written
+        raise SystemExit("\n".join(f"error: {p}" for p in missing))
     for path in pages():
         with open(path) as f:
             text = f.read()

@@ -218,6 +218,9 @@ def test_a_study_block_is_the_table_of_its_runs_file(tmp_path, monkeypatch):
     monkeypatch.setattr(make_diffs, "pages", lambda: [str(page)])
     assert make_diffs.check() == ["page.md: the block 'study t' is stale: run python docs/make_diffs.py",
                                   "page.md: the study 'gone' has no docs/studies/gone.json"]
+    with pytest.raises(SystemExit, match="has no docs/studies/gone.json"):  # writing stops, in one line, and
+        make_diffs.write()  # writes nothing
+    assert page.read_text().startswith("<!-- begin: study t -->\nold\n")
 
 
 def differ_table(path: str) -> list[str]:
