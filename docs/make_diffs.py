@@ -99,10 +99,12 @@ def percent(x: float) -> str:
 
 
 def mean_and_runs(finals: list[float]) -> str:
-    """"80.1 +- 1.8% | 81.2%, 78.0%, 81.0%": the mean and sample std over seeds, then each seed's, in percent."""
-    std = statistics.stdev(finals) if len(finals) > 1 else 0.0
+    """"80.1 +- 1.8% | 81.2%, 78.0%, 81.0%": the mean and sample std over seeds, then each seed's, in percent; one
+    seed has no std: "59.0% | 59.0%"."""
     runs = ", ".join(f"{percent(x)}%" for x in finals)
-    return f"{percent(statistics.mean(finals))} +- {percent(std)}% | {runs}"
+    if len(finals) == 1:
+        return f"{percent(finals[0])}% | {runs}"
+    return f"{percent(statistics.mean(finals))} +- {percent(statistics.stdev(finals))}% | {runs}"
 
 
 def study_table(tag: str, only: str | None = None) -> list[str]:
@@ -116,8 +118,9 @@ def study_table(tag: str, only: str | None = None) -> list[str]:
     values = list(dict.fromkeys(r["value"] for r in results))
     first, last = results[0]["evals"][0][0], results[0]["evals"][-1][0]
     flag = study.get("vary")
-    head = [f"`{study['command']}` (commit {study['commit'][:7]}); held-out greedy accuracy over seeds "
-            f"{', '.join(str(s) for s in sorted({r['seed'] for r in results}))}:", ""]
+    seeds = sorted({r["seed"] for r in results})
+    head = [f"`{study['command']}` (commit {study['commit'][:7]}); held-out greedy accuracy over seed"
+            f"{'s' if len(seeds) > 1 else ''} {', '.join(str(s) for s in seeds)}:", ""]
 
     def runs_of(algo, value):
         return sorted((r for r in results if r["algo"] == algo and r["value"] == value), key=lambda r: r["seed"])
