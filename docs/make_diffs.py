@@ -98,13 +98,16 @@ def percent(x: float) -> str:
     return f"{100 * x:.1f}"
 
 
-def mean_and_runs(finals: list[float]) -> str:
-    """"80.1 +- 1.8% | 81.2%, 78.0%, 81.0%": the mean and sample std over seeds, then each seed's, in percent; one
-    seed has no std: "59.0% | 59.0%"."""
-    runs = ", ".join(f"{percent(x)}%" for x in finals)
+def mean_std(finals: list[float]) -> str:
+    """"80.1 +- 1.8%": the mean and sample std over seeds, in percent; one seed has no std: "59.0%"."""
     if len(finals) == 1:
-        return f"{percent(finals[0])}% | {runs}"
-    return f"{percent(statistics.mean(finals))} +- {percent(statistics.stdev(finals))}% | {runs}"
+        return f"{percent(finals[0])}%"
+    return f"{percent(statistics.mean(finals))} +- {percent(statistics.stdev(finals))}%"
+
+
+def each_seed(finals: list[float]) -> str:
+    """"81.2%, 78.0%, 81.0%": each seed's, in percent."""
+    return ", ".join(f"{percent(x)}%" for x in finals)
 
 
 def study_table(tag: str, only: str | None = None) -> list[str]:
@@ -135,16 +138,17 @@ def study_table(tag: str, only: str | None = None) -> list[str]:
             every = [r for v in values for r in runs_of(algo, v)]
             cells = [algo, f"{percent(statistics.mean(r['evals'][0][1] for r in every))}%"]
             for value in values:
-                mean, each = mean_and_runs([r["evals"][-1][1] for r in runs_of(algo, value)]).split(" | ")
-                cells.append(f"{mean} ({each})")
+                finals = [r["evals"][-1][1] for r in runs_of(algo, value)]
+                cells.append(f"{mean_std(finals)} ({each_seed(finals)})")
             lines.append("| " + " | ".join(cells + [minutes(every)]) + " |")
         return head + lines
     lines = [f"| estimator | step {first} | step {last}, mean +- std | each seed's | minutes per run |",
              "| --- " * 5 + "|"]
     for algo in algos:
-        runs = runs_of(algo, None if values == [None] else values[0])
+        runs = runs_of(algo, None)  # no --vary: every run's value is None
         warm = statistics.mean(r["evals"][0][1] for r in runs)
-        cells = [algo, f"{percent(warm)}%", mean_and_runs([r["evals"][-1][1] for r in runs]), minutes(runs)]
+        finals = [r["evals"][-1][1] for r in runs]
+        cells = [algo, f"{percent(warm)}%", mean_std(finals), each_seed(finals), minutes(runs)]
         lines.append("| " + " | ".join(cells) + " |")
     return head + lines
 

@@ -8,9 +8,8 @@ A mutant is a line of a script and the same line made wrong in one way a careles
 direction of the k3 estimator, a normaliser, a stop-gradient, a mask, a rule for groups without signal. Each must
 make `python -m pytest -m "not slow" tests/test_<estimator>.py` fail: a green fast check of one estimator then means
 that estimator is whole. The mutants are applied in a temporary copy of the repository, never to these files, so the
-script can run beside anything else (CI runs it beside its other stages: .ci/run); the toy some tests read is
-built once (TOY_CACHE, or a folder of the run's own). It prints CAUGHT or MISSED per mutant and exits 1 if one is
-missed. tests/test_lint.py checks that each mutant's line is still in its script.
+script can run beside anything else (CI runs it beside its other stages: .ci/run). It prints CAUGHT or MISSED per
+mutant and exits 1 if one is missed. tests/test_lint.py checks that each mutant's line is still in its script.
 """
 
 import argparse
@@ -99,15 +98,16 @@ def copy_of_repository(folder: str) -> str:
     return root
 
 
-def fast_tests(names, root: str, env: dict) -> subprocess.CompletedProcess:
-    """`python -m pytest -m "not slow"` on these estimators' test files, in the copy at `root` with the environment
-    `env`, stopping at the first failure."""
+def fast_tests(names, root: str) -> subprocess.CompletedProcess:
+    """`python -m pytest -m "not slow"` on these estimators' test files, in the copy at `root`, stopping at the
+    first failure."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "pytest", "-q", "-x", "-m", "not slow", "-p", "no:cacheprovider",
                *[f"tests/test_{name}.py" for name in names]]
     return subprocess.run(command, cwd=root, env=env, capture_output=True, text=True)
 
 
-def run(mutant, root: str, env: dict) -> bool:
+def run(mutant, root: str) -> bool:
     """Apply a mutant in the copy at `root`, run its estimator's fast tests there, restore the script; True when
     a test failed. Anything else that stops pytest (the mutant's line no longer parses, a collection error) is an
     error of the mutant, never a catch."""
@@ -120,7 +120,7 @@ def run(mutant, root: str, env: dict) -> bool:
     try:
         with open(path, "w") as f:
             f.write(source.replace(line, wrong))
-        done = fast_tests([name], root, env)
+        done = fast_tests([name], root)
     finally:
         with open(path, "w") as f:
             f.write(source)
@@ -147,17 +147,15 @@ def main(argv=None) -> int:
     missed = 0
     with tempfile.TemporaryDirectory() as folder:
         root = copy_of_repository(folder)
-        # Every run reads one build of the toy (tests/conftest.py): TOY_CACHE's, or one made here by the control.
-        env = {"TOY_CACHE": os.path.join(folder, "toy"), **os.environ, "OMP_NUM_THREADS": "1"}
         # The control: unmutated, the same test files pass in the copy, so a failure below is the mutant's.
         names = sorted({m[0] for m in chosen})
-        control = fast_tests(names, root, env)
+        control = fast_tests(names, root)
         if control.returncode != 0:
             raise SystemExit(f"error: the unmutated fast tests of {', '.join(names)} fail in the copy (exit "
                              f"{control.returncode}); fix them first:\n{control.stdout[-3000:]}")
         print(f"control: the unmutated fast tests of {len(names)} estimators pass", flush=True)
         for mutant in chosen:
-            caught = run(mutant, root, env)
+            caught = run(mutant, root)
             missed += not caught
             print(f"{'CAUGHT' if caught else 'MISSED'} {mutant[0]:12s} {mutant[3]}", flush=True)
     print(f"{len(chosen) - missed} of {len(chosen)} mutants caught")
