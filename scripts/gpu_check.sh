@@ -100,7 +100,8 @@ else
             -- --dtype bfloat16 --batch_size 64 --micro_batch_size 16 > "$report/step_time_nocudnn.txt" 2>&1
         echo "- step_time.py --shape qwen3 --no_cudnn_sdp against TRL: exit $?, see step_time_nocudnn.txt" >> "$md"
     fi
-    for spec in "0.6b 0 2048 8 --profile" "4b 16 2048 8 --profile" "0.6b 0 16384 1" "4b 16 16384 1" "1.7b 0 2048 8"; do
+    for spec in "0.6b 0 2048 8 --profile" "4b 16 2048 8 --profile --gradient_checkpointing" "0.6b 0 16384 1" \
+        "4b 16 16384 1 --gradient_checkpointing" "1.7b 0 2048 8"; do
         set -- $spec
         timeout "$part" python3 benchmarks/update_mfu.py --size "$1" --lora_r "$2" --tokens "$3" --rows "$4" \
             "${@:5}" --out "$report/update_mfu_$1_r$2_$3.json" >> "$report/update_mfu.txt" 2>&1

@@ -13,6 +13,7 @@ from common.args import parse_args
 from common.batch import pad_rows
 from common.engines.rollout import HFEngine, SeededSampler, row_uniforms, sample_seed
 from common.logprobs import completion_logprobs
+from common.models.devices import padding_safe_attention, prepare_policy
 from common.sampling import step_prompts
 from common.tasks.data import load_prompts, resolve_dataset
 from common.tasks.toy import TOY_DIR
@@ -224,6 +225,22 @@ def test_the_samplers_work_per_token_does_not_grow_with_the_batch(top_p):
             sampler(input_ids, logits)  # a later token: records the previous one's log-prob, then draws
         counts.append(count.ops)
     assert counts[0] == counts[1] and counts[0] <= 30, counts
+
+
+def test_the_trainer_and_the_engine_turn_off_the_attention_kernel_that_padding_breaks(monkeypatch):
+    """cuDNN's attention returns NaN for left padding's query rows (docs/gpu.md): the HF engine and prepare_policy
+    (every script calls it before its first forward) turn it off; the flag is global, so it is read on the CPU."""
+    class Accelerator:
+        state = None  # no DeepSpeed
+
+        def prepare(self, *objects):
+            return objects
+
+    for turn_off in [lambda: HFEngine(None, None), lambda: prepare_policy(Accelerator(), 1, 1.0, None, None, None),
+                     padding_safe_attention]:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        turn_off()
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
 
 
 def test_step_prompts_partition_the_global_batch():

@@ -139,3 +139,24 @@ def test_chunked_head_logprobs_match_naive_in_bf16_and_use_less_memory(V):
         torch.testing.assert_close(grad_c[n], grad_n[n], atol=2e-2, rtol=2e-2, msg=n)
     assert peak_c < peak_n, (peak_c, peak_n)
     print(f"V={V}: peak CUDA memory above the model, naive {peak_n / 2**20:.0f} MiB, chunked {peak_c / 2**20:.0f} MiB")
+
+
+def test_left_padded_rows_give_finite_logprobs_and_gradients_in_bf16():
+    """Two layers (a NaN at a padding position reaches real tokens only through a second layer), left-padded
+    prompts and widths of 64 (where torch 2.11 picks cuDNN's attention, which returns NaN for query rows with no
+    key): after padding_safe_attention, every log-prob and gradient is finite (an H100 run stopped at step 1 with a
+    NaN gradient norm before it)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from common.models.devices import padding_safe_attention
+
+    padding_safe_attention()
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, pad_token_id=0, eos_token_id=1)
+    model = Qwen3ForCausalLM(config).to(torch.bfloat16).cuda()
+    input_ids, attention_mask, mask = (t.cuda() for t in make_batch(512, 8, 64, 128))
+    logp, _ = completion_logprobs(model, input_ids, attention_mask, 128, 1.0)
+    (logp * mask).sum().backward()
+    assert torch.isfinite(logp).all()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

@@ -18,7 +18,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteriaList
 
 from common.logprobs import shared_prompt_cache
-from common.models.devices import sharded_parameters
+from common.models.devices import padding_safe_attention, sharded_parameters
 
 # HFEngine: rows x (longest prompt + max_tokens) per `generate` call. Bounds the KV cache (Qwen3-4B in bf16:
 # ~19 GB at 2**17 tokens); short sequences go in one call, which is what makes a CPU run fast.
@@ -88,6 +88,7 @@ class HFEngine:
 
     def __init__(self, tokenizer, accelerator):
         self.tokenizer, self.accelerator = tokenizer, accelerator
+        padding_safe_attention()  # left-padded prompts: no NaN from cuDNN's attention (common.models.devices)
 
     @torch.no_grad()
     def generate(self, model, prompt_ids: list[list[int]], seeds: list[int], *, max_tokens: int | list[int],
