@@ -25,11 +25,12 @@ def on_cpu() -> bool:
 
 
 def padding_safe_attention() -> None:
-    """Turn off cuDNN's scaled-dot-product attention, process-wide. Left-padded prompts give the padding's query
-    positions no key to attend to; PyTorch's other attention kernels return 0 there, but cuDNN's returns NaN, which
-    the next layer spreads to every real token (0 x NaN in the attention's weighted sum). Measured on an H100
-    (torch 2.11): every script's first step stopped with a NaN gradient norm while cuDNN's kernel was on, and ran
-    finite with it off (docs/gpu.md). A no-op on machines without CUDA."""
+    """Turn off cuDNN's scaled-dot-product attention, process-wide. Left-padded prompts give the
+    padding's query positions no key to attend to; PyTorch's other attention kernels return 0
+    there, but cuDNN's returns NaN, which the next layer spreads to every real token (0 x NaN in
+    the attention's weighted sum). Measured on an H100 (torch 2.11): every script's first step
+    stopped with a NaN gradient norm while cuDNN's kernel was on, and ran finite with it off
+    (docs/gpu.md). Without CUDA the flag is set and nothing reads it."""
     torch.backends.cuda.enable_cudnn_sdp(False)
 
 
@@ -57,8 +58,8 @@ def sharded_parameters(accelerator) -> bool:
 def prepare_policy(accelerator, micro_batch_size: int, max_grad_norm: float, model, optimizer,
                    scheduler):
     """accelerator.prepare; under DeepSpeed, after giving its config the micro-batch size and
-    --max_grad_norm (common/models/sharding.py). Also turns off the attention kernel that padding breaks
-    (padding_safe_attention)."""
+    --max_grad_norm (common/models/sharding.py). Also turns off the attention kernel that padding
+    breaks (padding_safe_attention)."""
     padding_safe_attention()
     if getattr(accelerator.state, "deepspeed_plugin", None) is not None:
         from common.models.sharding import configure_deepspeed
