@@ -14,6 +14,10 @@ A page holds a generated block between two HTML comments (invisible on GitHub an
     <!-- end -->                                  command, commit and every run's evaluations), so a figure of a
                                                   study has one source: its runs' own file; `study tag grpo,ipo`:
                                                   those estimators' rows only
+    <!-- begin: study-vs tag grpo -->             each estimator of the study against grpo: the difference of final
+                                                  accuracy, its exact permutation p over seeds (evals/stats.py), and
+                                                  the runs' mean ESS, log-ratio std, clip fraction, entropy, KL and
+                                                  training minutes (what evals.compare's run_record kept)
 
 An excerpt (`<!-- excerpt: diff -u grpo.py gspo.py -->` before a ```diff block) is not rewritten: each of its `-` / `+`
 lines must be a line of the live diff. tests/test_docs.py runs `check()`; after changing a script, run
@@ -31,8 +35,10 @@ import statistics
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # run as `python docs/make_diffs.py`: the repository's evals/ (evals.stats) on the path
 BLOCK = re.compile(r"(?P<begin><!-- begin: (?P<what>diff -u grpo\.py (?P<diff>\w+)\.py|algo (?P<algo>\w+)\.py"
-                   r"|layout common|study (?P<study>[a-z0-9_.-]+)(?: (?P<only>[a-z0-9_,]+))?) -->\n)"
+                   r"|layout common|study (?P<study>[a-z0-9_.-]+)(?: (?P<only>[a-z0-9_,]+))?"
+                   r"|study-vs (?P<vs_study>[a-z0-9_.-]+) (?P<base>[a-z0-9_]+)) -->\n)"
                    r"(?P<body>.*?)(?P<end><!-- end -->)", re.S)
 # The layout block's folders, in order: the step's own parts first, then the machinery by role.
 FOLDER_ORDER = ["common", "common/engines", "common/tasks", "common/models", "common/run_folder", "common/rails"]
@@ -153,8 +159,57 @@ def study_table(tag: str, only: str | None = None) -> list[str]:
     return head + lines
 
 
+def study_against(tag: str, base: str) -> list[str]:
+    """Each estimator of docs/studies/TAG.json against `base` (no --vary): the last evaluation's mean +- std, its
+    difference from base's mean in points with the exact two-sided permutation p-value over seeds, then the mean
+    over seeds of each run's mean over steps of the regime's diagnostics, and the training minutes to the last
+    evaluation (a run recorded before run_record existed shows "-")."""
+    from evals.stats import permutation_p, smallest_p
+
+    with open(os.path.join(ROOT, "docs", "studies", f"{tag}.json")) as f:
+        study = json.load(f)
+    results = study["results"]
+    algos = list(dict.fromkeys(r["algo"] for r in results))
+    finals = {a: [r["evals"][-1][1] for r in sorted(results, key=lambda r: r["seed"]) if r["algo"] == a]
+              for a in algos}
+    if base not in finals:
+        raise SystemExit(f"error: docs/studies/{tag}.json has no runs of {base} to compare against")
+    last = results[0]["evals"][-1][0]
+    sizes = sorted({len(v) for a, v in finals.items() if a != base})
+    floor = ", ".join(f"{smallest_p(n, len(finals[base])):.3g} with {n} seeds against {len(finals[base])}"
+                      for n in sizes)
+    head = [f"`{study['command']}` (commit {study['commit'][:7]}). Step {last}: the held-out greedy accuracy, its "
+            f"difference from {base}'s mean and the exact permutation p-value of that difference over seeds (the "
+            f"smallest p these seeds can give: {floor}); then each run's mean over its steps, averaged over seeds:",
+            "", "| estimator | accuracy, mean +- std | vs " + base + " | p | ESS | log-ratio std | clip | entropy | "
+            "KL | training minutes |", "| --- " * 10 + "|"]
+
+    def diagnostic(algo, name, form):
+        values = [r.get("diagnostics", {}).get(name) for r in results if r["algo"] == algo]
+        return "-" if None in values else form(statistics.mean(values))
+
+    lines = []
+    for algo in algos:
+        runs = [r for r in results if r["algo"] == algo]
+        gap = 100 * (statistics.mean(finals[algo]) - statistics.mean(finals[base]))
+        versus, p = ("", "") if algo == base else (f"{gap:+.1f}", f"{permutation_p(finals[algo], finals[base]):.2f}")
+        minutes = "-" if any("minutes" not in r for r in runs) else \
+            f"{statistics.mean(r['minutes'][-1] for r in runs):.1f}"
+        cells = [algo, mean_std(finals[algo]), versus, p,
+                 diagnostic(algo, "policy/ess", lambda x: f"{x:.3f}"),
+                 diagnostic(algo, "policy/log_ratio_std", lambda x: f"{x:.3f}"),
+                 diagnostic(algo, "policy/clip_frac", lambda x: f"{100 * x:.1f}%"),
+                 diagnostic(algo, "policy/entropy", lambda x: f"{x:.3f}"),
+                 diagnostic(algo, "policy/kl", lambda x: f"{x:.2g}"), minutes]
+        lines.append("| " + " | ".join(cells) + " |")
+    return head + lines
+
+
 def rendered(match: re.Match) -> str:
     diff_of, algo_of, study = match.group("diff"), match.group("algo"), match.group("study")
+    if match.group("vs_study"):
+        body = study_against(match.group("vs_study"), match.group("base"))
+        return match.group("begin") + "\n".join(body) + "\n" + match.group("end")
     if study:
         return match.group("begin") + "\n".join(study_table(study, match.group("only"))) + "\n" + match.group("end")
     if match.group("what") == "layout common":
@@ -179,7 +234,7 @@ def check() -> list[str]:
             text = f.read()
         rel = os.path.relpath(path, ROOT)
         for match in BLOCK.finditer(text):
-            tag = match.group("study")
+            tag = match.group("study") or match.group("vs_study")
             if tag and not os.path.exists(os.path.join(ROOT, "docs", "studies", f"{tag}.json")):
                 problems.append(f"{rel}: the study '{tag}' has no docs/studies/{tag}.json")
                 continue

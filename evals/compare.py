@@ -8,8 +8,9 @@
 Each run is `python <algo>.py --preset ... --seed S` in its own process (`--jobs` at a time, `--threads`
 torch threads each, default 1), written to runs/compare[-TAG]/<algo>__s<S> (with --vary: <algo>__<FLAG><V>__s<S>).
 Writes summary.md (mean +- std over seeds of the warm-start and final held-out accuracy and of wall time),
-summary.json, study.json (the command, its commit and every run's evaluations: copied to docs/studies/TAG.json, the
-source of the study's table in the docs) and accuracy.png; with --vary, the final accuracy by algorithm and value,
+summary.json, study.json (the command, its commit and every run's evaluations, training minutes and diagnostics:
+copied to docs/studies/TAG.json, the source of the study's tables in the docs) and accuracy.png (against steps and
+training minutes); with --vary, the final accuracy by algorithm and value,
 each seed's, and accuracy_vs_<FLAG>.png.
 
 A study survives interruptions: each finished run writes its result beside its folder (<run>.result.json),
@@ -135,7 +136,12 @@ def run_one(algo: str, seed: int, args: CompareArgs, out_dir: str, value: str | 
 
         if os.path.exists(result_path):  # finished: read, not run again
             with open(result_path) as f:
-                return json.load(f)
+                result = json.load(f)
+            if "minutes" not in result and os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+                result.update(run_record(run_dir))  # a result written before run_record existed
+                with open(result_path, "w") as f:
+                    json.dump(result, f)
+            return result
         if os.path.isdir(run_dir) and latest_checkpoint(run_dir):  # interrupted: from its last checkpoint
             cmd += ["--resume_from", run_dir]
         elif os.path.isdir(run_dir):  # interrupted before its first checkpoint: anew
@@ -153,14 +159,34 @@ def run_one(algo: str, seed: int, args: CompareArgs, out_dir: str, value: str | 
             lines = [line.strip() for line in f if line.strip()]
         cause = next((line for line in reversed(lines) if line.startswith("error:")), lines[-1] if lines else "")
         raise SystemExit(f"error: {algo} seed {seed} failed (exit {code}): {cause[:300]} (log: {log_path})")
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        evals = [(m["step"], m["eval/accuracy"]) for m in map(json.loads, f) if "eval/accuracy" in m]
-    result = {"algo": algo, "seed": seed, "value": value, "seconds": time.time() - start, "evals": evals}
+    result = {"algo": algo, "seed": seed, "value": value, "seconds": time.time() - start, **run_record(run_dir)}
     if not args.keep_checkpoints:  # the disk: a real model's checkpoint with its optimizer is about 1 GB
         shutil.rmtree(os.path.join(run_dir, "checkpoints"), ignore_errors=True)
     with open(result_path, "w") as f:  # last: a run with a result file is finished
         json.dump(result, f)
     return result
+
+
+# How far each step's optimisation ran from the data's policy, and what it did to the policy: the mean over steps of
+# each of these that a run logs (docs/metrics.md), kept in its result beside its evaluations.
+DIAGNOSTICS = ("policy/ess", "policy/log_ratio_std", "policy/clip_frac", "policy/entropy", "policy/kl")
+
+
+def run_record(run_dir: str) -> dict:
+    """From a run's metrics.jsonl: its evaluations [(step, accuracy)], the training minutes before each (time/step
+    summed over the steps up to it: the evaluations' own time left out), and the mean over steps of each DIAGNOSTICS
+    metric it logs."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    evals = [(m["step"], m["eval/accuracy"]) for m in records if "eval/accuracy" in m]
+    step_seconds = {m["step"]: m["time/step"] for m in records if "time/step" in m}
+    minutes = [sum(t for k, t in step_seconds.items() if k <= step) / 60 for step, _ in evals]
+    diagnostics = {}
+    for name in DIAGNOSTICS:
+        values = [m[name] for m in records if name in m]
+        if values:
+            diagnostics[name] = statistics.mean(values)
+    return {"evals": evals, "minutes": minutes, "diagnostics": diagnostics}
 
 
 def write_study(results: list[dict], flag: str | None, out_dir: str, command: str) -> None:
@@ -243,18 +269,26 @@ def plot(results: list[dict], algos: list[str], out_dir: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    timed = all("minutes" in r for r in results)
+    fig, axes = plt.subplots(1, 2 if timed else 1, figsize=(11 if timed else 6, 4), squeeze=False)
+    colors = plt.get_cmap("tab20" if len(algos) > 10 else "tab10")
     for i, algo in enumerate(algos):
         rs = [r for r in results if r["algo"] == algo]
         steps = [s for s, _ in rs[0]["evals"]]
         mean = [statistics.mean(r["evals"][k][1] for r in rs) for k in range(len(steps))]
-        ax.plot(steps, mean, label=algo, color=f"C{i}")
+        axes[0, 0].plot(steps, mean, label=algo, color=colors(i))
         for r in rs:
-            ax.plot(steps, [a for _, a in r["evals"]], color=f"C{i}", alpha=0.2, linewidth=0.8)
-    ax.set_xlabel("RL step")
-    ax.set_ylabel("held-out greedy accuracy")
-    ax.legend()
-    ax.grid(alpha=0.3)
+            axes[0, 0].plot(steps, [a for _, a in r["evals"]], color=colors(i), alpha=0.2, linewidth=0.8)
+        if timed:  # against the training minutes (each run's own clock, its evaluations left out)
+            minutes = [statistics.mean(r["minutes"][k] for r in rs) for k in range(len(steps))]
+            axes[0, 1].plot(minutes, mean, label=algo, color=colors(i))
+    axes[0, 0].set_xlabel("RL step")
+    if timed:
+        axes[0, 1].set_xlabel("training minutes (mean over seeds)")
+    for ax in axes[0]:
+        ax.set_ylabel("held-out greedy accuracy (mean over seeds)")
+        ax.grid(alpha=0.3)
+    axes[0, -1].legend(fontsize=7, ncol=2 if len(algos) > 8 else 1)
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "accuracy.png"), dpi=120)
 

@@ -178,6 +178,39 @@ def load_make_diffs():
     return make_diffs
 
 
+def test_a_study_against_a_baseline_by_hand(tmp_path, monkeypatch):
+    """Issue 53: `study-vs TAG grpo`. IPO's two finals (50%, 50%) against GRPO's three (60, 70, 80%): -20.0 points;
+    of the 10 ways to pick 2 of the 5 pooled values, {50, 50} (the observed, 0.20 apart) and {70, 80} (0.217)
+    are as extreme: p = 0.20, also the smallest 2 seeds against 3 can give. Diagnostics and minutes: GRPO's runs'
+    means (ESS 0.9, 0.8, 0.7: 0.800; minutes 10, 12, 14: 12.0); IPO's runs were recorded without them: "-"."""
+    make_diffs = load_make_diffs()
+    monkeypatch.setattr(make_diffs, "ROOT", str(tmp_path))
+    os.makedirs(tmp_path / "docs" / "studies")
+
+    def run(algo, seed, final, ess=None):
+        r = {"algo": algo, "seed": seed, "value": None, "seconds": 60.0, "evals": [[0, 0.4], [10, final]]}
+        if ess is not None:
+            r.update(minutes=[0.0, 8.0 + 2 * seed], diagnostics={"policy/ess": ess, "policy/clip_frac": 0.05,
+                                                                 "policy/entropy": 0.5, "policy/log_ratio_std": 0.25})
+        return r
+
+    results = [run("grpo", 1, 0.6, 0.9), run("grpo", 2, 0.7, 0.8), run("grpo", 3, 0.8, 0.7), run("ipo", 1, 0.5),
+               run("ipo", 2, 0.5)]
+    study = {"command": "python -m evals.compare --tag t", "commit": "0123456789abcdef", "vary": None,
+             "results": results}
+    (tmp_path / "docs" / "studies" / "t.json").write_text(json.dumps(study))
+    lines = make_diffs.study_against("t", "grpo")
+    assert "(the smallest p these seeds can give: 0.2 with 2 seeds against 3)" in lines[0]
+    assert lines[2:] == [
+        "| estimator | accuracy, mean +- std | vs grpo | p | ESS | log-ratio std | clip | entropy | KL | "
+        "training minutes |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| grpo | 70.0 +- 10.0% |  |  | 0.800 | 0.250 | 5.0% | 0.500 | - | 12.0 |",
+        "| ipo | 50.0 +- 0.0% | -20.0 | 0.20 | - | - | - | - | - | - |"]
+    with pytest.raises(SystemExit, match="has no runs of dro"):
+        make_diffs.study_against("t", "dro")
+
+
 def test_a_study_block_is_the_table_of_its_runs_file(tmp_path, monkeypatch):
     """Issue 52, item 7: a study's figures have one source, the study.json its runs wrote (docs/studies/TAG.json);
     the page's block is rendered from it (hand-computed here), and a block whose file is missing is named."""

@@ -424,7 +424,14 @@ def test_a_compare_study_resumes_where_it_stopped(in_toy_workdir):
     assert steps == [0, 1, 2], steps  # the evaluation before training, step 1 as it was, step 2 resumed
     assert not os.path.exists(os.path.join(run, "checkpoints")) and os.path.exists(run + ".result.json")
     stamp = os.stat(os.path.join(run, "metrics.jsonl")).st_mtime_ns
-    study(2, resume=True)  # finished: read, not run again
+    with open(run + ".result.json") as f:
+        result = json.load(f)
+    assert len(result["minutes"]) == 3 and result["minutes"][0] == 0 and "policy/ess" in result["diagnostics"]
+    with open(run + ".result.json", "w") as f:  # as an older version wrote it: evaluations only
+        json.dump({k: v for k, v in result.items() if k not in ("minutes", "diagnostics")}, f)
+    study(2, resume=True)  # finished: read, not run again (and its record completed from its metrics.jsonl)
+    with open(run + ".result.json") as f:
+        assert json.load(f) == result
     assert os.stat(os.path.join(run, "metrics.jsonl")).st_mtime_ns == stamp
     with open(os.path.join("runs", "compare-resume", "study.json")) as f:
         written = json.load(f)  # the source of the study's table in the docs (docs/make_diffs.py)
@@ -432,3 +439,39 @@ def test_a_compare_study_resumes_where_it_stopped(in_toy_workdir):
         assert written["results"] == [json.load(f)]
     assert written["command"].startswith("python -m evals.compare") and written["vary"] is None
     assert len(written["commit"]) == 40 or written["commit"] == "unknown"
+
+
+def test_the_permutation_test_by_hand():
+    """3 against 3: 20 splits. Fully apart, only the observed split and its mirror are as extreme (p = 2/20); equal
+    groups: every split is at least as extreme as a difference of 0 (p = 1); [1, 2, 3] against [2, 3, 4]: means 1
+    apart, pooled sum 15, so a split is as extreme when its first group sums to at most 6 or at least 9; counted by
+    hand from the 20 sums (5, 6, 6, 6, 6, 7, 7, 7, 7, 7, 8, 8, 8, 8, 8, 9, 9, 9, 9, 10): 5 + 5 of 20."""
+    from evals.stats import permutation_p, smallest_p, splits
+
+    assert splits(3, 3) == 20
+    assert permutation_p([0.1, 0.2, 0.3], [0.7, 0.8, 0.9]) == pytest.approx(2 / 20)
+    assert smallest_p(3, 3) == pytest.approx(0.1)
+    assert smallest_p(5, 5) == pytest.approx(2 / 252)
+    assert permutation_p([0.5, 0.5, 0.5], [0.5, 0.5, 0.5]) == 1.0
+    assert permutation_p([1, 2, 3], [2, 3, 4]) == pytest.approx(10 / 20)
+    assert smallest_p(1, 1) == 1.0  # one run a side: any test is blind
+    with pytest.raises(ValueError):
+        permutation_p([], [1.0])
+
+
+def test_a_runs_record_by_hand(tmp_path):
+    """run_record (a step's evaluation in its own row or in the step's): evaluations at steps 0, 2 and 3; minutes
+    the time/step summed up to each (0, 3 + 9 s, + 6 s); diagnostics the mean over the training steps of what the
+    run logs (ESS (0.9 + 0.7 + 0.8) / 3), none for what it does not (no policy/kl)."""
+    from evals.compare import run_record
+
+    rows = [{"step": 0, "eval/accuracy": 0.25},
+            {"step": 1, "time/step": 3.0, "policy/ess": 0.9, "policy/clip_frac": 0.0},
+            {"step": 2, "time/step": 9.0, "policy/ess": 0.7, "policy/clip_frac": 0.1},
+            {"step": 2, "eval/accuracy": 0.5},
+            {"step": 3, "time/step": 6.0, "policy/ess": 0.8, "policy/clip_frac": 0.2, "eval/accuracy": 0.75}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    record = run_record(str(tmp_path))
+    assert record["evals"] == [(0, 0.25), (2, 0.5), (3, 0.75)]
+    assert record["minutes"] == pytest.approx([0.0, 12 / 60, 18 / 60])
+    assert record["diagnostics"] == pytest.approx({"policy/ess": 0.8, "policy/clip_frac": 0.1})
