@@ -100,6 +100,11 @@ def layout(block: str) -> list[str]:
     return body
 
 
+def short(commits: str) -> str:
+    """"0123456" for a study run at one commit; "0123456, 89abcde" for runs of several."""
+    return ", ".join(c[:7] for c in commits.split(","))
+
+
 def percent(x: float) -> str:
     return f"{100 * x:.1f}"
 
@@ -128,7 +133,7 @@ def study_table(tag: str, only: str | None = None) -> list[str]:
     first, last = results[0]["evals"][0][0], results[0]["evals"][-1][0]
     flag = study.get("vary")
     seeds = sorted({r["seed"] for r in results})
-    head = [f"`{study['command']}` (commit {study['commit'][:7]}); held-out greedy accuracy over seed"
+    head = [f"`{study['command']}` (commit {short(study['commit'])}); held-out greedy accuracy over seed"
             f"{'s' if len(seeds) > 1 else ''} {', '.join(str(s) for s in seeds)}:", ""]
 
     def runs_of(algo, value):
@@ -178,7 +183,7 @@ def study_against(tag: str, base: str) -> list[str]:
     sizes = sorted({len(v) for a, v in finals.items() if a != base})
     floor = ", ".join(f"{smallest_p(n, len(finals[base])):.3g} with {n} seeds against {len(finals[base])}"
                       for n in sizes)
-    head = [f"`{study['command']}` (commit {study['commit'][:7]}). Step {last}: the held-out greedy accuracy, its "
+    head = [f"`{study['command']}` (commit {short(study['commit'])}). Step {last}: the held-out greedy accuracy, its "
             f"difference from {base}'s mean and the exact permutation p-value of that difference over seeds (the "
             f"smallest p these seeds can give: {floor}); then each run's mean over its steps, averaged over seeds:",
             "", "| estimator | accuracy, mean +- std | vs " + base + " | p | ESS | log-ratio std | clip | entropy | "

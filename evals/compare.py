@@ -159,7 +159,8 @@ def run_one(algo: str, seed: int, args: CompareArgs, out_dir: str, value: str | 
             lines = [line.strip() for line in f if line.strip()]
         cause = next((line for line in reversed(lines) if line.startswith("error:")), lines[-1] if lines else "")
         raise SystemExit(f"error: {algo} seed {seed} failed (exit {code}): {cause[:300]} (log: {log_path})")
-    result = {"algo": algo, "seed": seed, "value": value, "seconds": time.time() - start, **run_record(run_dir)}
+    result = {"algo": algo, "seed": seed, "value": value, "seconds": time.time() - start, "commit": head_commit(),
+              **run_record(run_dir)}
     if not args.keep_checkpoints:  # the disk: a real model's checkpoint with its optimizer is about 1 GB
         shutil.rmtree(os.path.join(run_dir, "checkpoints"), ignore_errors=True)
     with open(result_path, "w") as f:  # last: a run with a result file is finished
@@ -189,13 +190,25 @@ def run_record(run_dir: str) -> dict:
     return {"evals": evals, "minutes": minutes, "diagnostics": diagnostics}
 
 
-def write_study(results: list[dict], flag: str | None, out_dir: str, command: str) -> None:
-    """study.json: the command, the commit it ran at and every run's evaluations. Copied to docs/studies/TAG.json, it
-    is the one source of the study's table in the docs (`<!-- begin: study TAG -->`, docs/make_diffs.py)."""
+def head_commit() -> str:
     done = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True)
-    commit = done.stdout.strip() if done.returncode == 0 else "unknown"
-    study = {"command": command, "commit": commit, "vary": flag, "results": results}
-    with open(os.path.join(out_dir, "study.json"), "w") as f:
+    return done.stdout.strip() if done.returncode == 0 else "unknown"
+
+
+def write_study(results: list[dict], flag: str | None, out_dir: str, command: str) -> None:
+    """study.json: the command, the commit its runs ran at and every run's evaluations. Copied to
+    docs/studies/TAG.json, it is the one source of the study's table in the docs (`<!-- begin: study TAG -->`,
+    docs/make_diffs.py). Each run records its commit; a run recorded before that takes the commit of the study.json
+    it was first written into, so a study finished (or completed by run_record) from a later checkout still names
+    the code its runs ran; runs of several commits are named together, comma-separated."""
+    path = os.path.join(out_dir, "study.json")
+    earlier = None
+    if os.path.exists(path):
+        with open(path) as f:
+            earlier = json.load(f).get("commit")
+    commits = [r.get("commit") or earlier or head_commit() for r in results]
+    study = {"command": command, "commit": ",".join(dict.fromkeys(commits)), "vary": flag, "results": results}
+    with open(path, "w") as f:
         json.dump(study, f, indent=1)
 
 

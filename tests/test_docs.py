@@ -209,6 +209,7 @@ def test_a_study_against_a_baseline_by_hand(tmp_path, monkeypatch):
         "| ipo | 50.0 +- 0.0% | -20.0 | 0.20 | - | - | - | - | - | - |"]
     with pytest.raises(SystemExit, match="has no runs of dro"):
         make_diffs.study_against("t", "dro")
+    assert make_diffs.short("a" * 40 + "," + "b" * 40) == "aaaaaaa, bbbbbbb"  # a study whose runs span two commits
 
 
 def test_a_study_block_is_the_table_of_its_runs_file(tmp_path, monkeypatch):

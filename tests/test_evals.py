@@ -475,3 +475,18 @@ def test_a_runs_record_by_hand(tmp_path):
     assert record["evals"] == [(0, 0.25), (2, 0.5), (3, 0.75)]
     assert record["minutes"] == pytest.approx([0.0, 12 / 60, 18 / 60])
     assert record["diagnostics"] == pytest.approx({"policy/ess": 0.8, "policy/clip_frac": 0.1})
+
+
+def test_a_study_names_the_commits_its_runs_ran_at(tmp_path):
+    """write_study: each run's own commit; a run recorded before runs had one takes the commit of the study.json it
+    was first written into (not the checkout that finishes the study); several commits are named together."""
+    from evals.compare import write_study
+
+    def study(results):
+        write_study(results, None, str(tmp_path), "python -m evals.compare")
+        return json.loads((tmp_path / "study.json").read_text())["commit"]
+
+    (tmp_path / "study.json").write_text(json.dumps({"commit": "a" * 40}))
+    assert study([{"algo": "grpo", "seed": 1}]) == "a" * 40
+    assert study([{"algo": "grpo", "seed": 1}, {"algo": "grpo", "seed": 2, "commit": "b" * 40}]) == \
+        "a" * 40 + "," + "b" * 40
