@@ -77,6 +77,25 @@ def path_parameters(model) -> int:
     return total if head is embedding else total - embedding.numel()
 
 
+def timed(step, a) -> tuple[float, float | None]:
+    """Seconds per call of `step` (the mean of a.steps calls after a.warmup, the device synchronised around each), and
+    with a.profile the GPU's idle share in one more call."""
+    cuda = a.device.startswith("cuda")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for i in range(a.warmup + a.steps):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+        if i >= a.warmup:
+            times.append(time.perf_counter() - start)
+    return sum(times) / len(times), gpu_idle_fraction(step) if a.profile else None
+
+
 def gpu_idle_fraction(step) -> float | None:
     """1 - (the union of the CUDA kernels' time) / (the step's wall time), from torch.profiler, for one call of
     `step`; None without CUDA."""
@@ -116,6 +135,9 @@ def main(argv=None):
     p.add_argument("--gradient_checkpointing", action="store_true")
     p.add_argument("--peak_tflops", type=float, default=989.0, help="the device's dense bf16 peak (H100/H200: 989)")
     p.add_argument("--profile", action="store_true", help="one more step under torch.profiler: the GPU's idle share")
+    p.add_argument("--chunk_elements", type=int, default=0,
+                   help="positions x vocabulary of one chunk of the LM head's log-probs (common.logprobs "
+                        "LOGPROB_CHUNK_ELEMENTS; 0: as the scripts have it), to time larger chunks on a GPU")
     p.add_argument("--out", default="", help="write the result as JSON here")
     p.add_argument("--save", default="", help="only save the random-weight model (and no LoRA) to this folder")
     p.add_argument("--tokenizer_from", default="", help="with --save: the tokenizer of this folder saved beside it")
@@ -123,6 +145,7 @@ def main(argv=None):
     if a.prompt_tokens >= a.tokens:
         raise SystemExit(f"--prompt_tokens {a.prompt_tokens} must be under --tokens {a.tokens}")
 
+    import common.logprobs
     import grpo
     from common.logprobs import completion_logprobs
 
@@ -158,21 +181,12 @@ def main(argv=None):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    def sync():
-        if a.device.startswith("cuda"):
-            torch.cuda.synchronize()
-
-    if a.device.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats()
-    times = []
-    for i in range(a.warmup + a.steps):
-        sync()
-        start = time.perf_counter()
-        step()
-        sync()
-        if i >= a.warmup:
-            times.append(time.perf_counter() - start)
-    seconds = sum(times) / len(times)
+    default_chunk = common.logprobs.LOGPROB_CHUNK_ELEMENTS
+    common.logprobs.LOGPROB_CHUNK_ELEMENTS = a.chunk_elements or default_chunk
+    try:
+        seconds, idle = timed(step, a)
+    finally:  # the module's value again for whoever imports it next (tests run this in-process)
+        common.logprobs.LOGPROB_CHUNK_ELEMENTS = default_chunk
     tokens_per_s = a.rows * a.tokens / seconds
     n = path_parameters(model)
     result = {
@@ -184,7 +198,7 @@ def main(argv=None):
         "seconds_per_step": seconds, "tokens_per_s": tokens_per_s,
         "mfu": 6 * n * tokens_per_s / (a.peak_tflops * 1e12) if a.device.startswith("cuda") else None,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if a.device.startswith("cuda") else None,
-        "gpu_idle_fraction": gpu_idle_fraction(step) if a.profile else None,
+        "gpu_idle_fraction": idle, "chunk_elements": a.chunk_elements or default_chunk,
     }
     mfu = "-" if result["mfu"] is None else f"{100 * result['mfu']:.1f}%"
     memory = "-" if result["peak_memory_gib"] is None else f"{result['peak_memory_gib']:.1f} GiB"

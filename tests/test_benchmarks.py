@@ -153,7 +153,7 @@ def test_qwen3_shape_builds_its_task(tmp_path, monkeypatch):
     assert json.load(open(os.path.join(path, "model", "config.json")))["vocab_size"] == qwen3_shape.QWEN3_VOCAB
 
 
-def test_update_mfu_runs_small_full_and_lora(tmp_path):
+def test_update_mfu_runs_small_full_and_lora(tmp_path, monkeypatch):
     """benchmarks/update_mfu.py on a tiny Qwen3 on the CPU (its GPU figures come from scripts/gpu_check.sh): one
     update step each way, with the parameters its MFU counts: all of them for a tied head (the embedding's matrix is
     the head's), the base model's too under LoRA."""
@@ -168,6 +168,22 @@ def test_update_mfu_runs_small_full_and_lora(tmp_path):
     assert full["trainable_parameters"] == full["path_parameters"]  # tied: every parameter is on the path
     assert lora["path_parameters"] == full["path_parameters"] + lora["trainable_parameters"]
     assert 0 < lora["trainable_parameters"] < full["trainable_parameters"] / 4
+    import common.logprobs
+
+    default = common.logprobs.LOGPROB_CHUNK_ELEMENTS
+    chunks, plain = [], common.logprobs._chunks  # the number of chunks of each pass of the head
+
+    def counted(N, V):
+        slices = list(plain(N, V))
+        chunks.append(len(slices))
+        return iter(slices)
+
+    monkeypatch.setattr(common.logprobs, "_chunks", counted)
+
+    small_chunks = update_mfu.main(small + ["--chunk_elements", str(4 * 512)])  # 4 positions a chunk at V = 512
+    assert small_chunks["chunk_elements"] == 4 * 512 and full["chunk_elements"] == default
+    assert set(chunks) == {2 * 32 // 4}, chunks  # 2 rows x 32 completion positions, 4 a chunk, every pass
+    assert common.logprobs.LOGPROB_CHUNK_ELEMENTS == default  # restored for the rest of the process
 
 
 def test_learning_bars_runs_and_resumes(toy_workdir, tmp_path, monkeypatch):
