@@ -259,18 +259,21 @@ def plot_vary(results: list[dict], algos: list[str], flag: str, values: list[str
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(6 if len(algos) <= 8 else 9, 4))
+    colors = plt.get_cmap("tab20" if len(algos) > 10 else "tab10")
     xs = [float(v) for v in values]
+    spread = 0.32 / max(len(algos) - 1, 1)  # the estimators side by side within a third of a step, seeds visible
     for i, algo in enumerate(algos):
         finals = [[r["evals"][-1][1] for r in results if r["algo"] == algo and r["value"] == v] for v in values]
-        offset = (i - (len(algos) - 1) / 2) * 0.04 * (max(xs) - min(xs) or 1)  # side by side, seeds visible
-        ax.plot([x + offset for x in xs], [statistics.mean(f) for f in finals], "-o", color=f"C{i}", label=algo)
+        offset = (i - (len(algos) - 1) / 2) * spread * (max(xs) - min(xs) or 1) / max(len(xs) - 1, 1)
+        ax.plot([x + offset for x in xs], [statistics.mean(f) for f in finals], "-o", color=colors(i), label=algo,
+                markersize=3 if len(algos) > 8 else 6)
         for x, f in zip(xs, finals):
-            ax.scatter([x + offset] * len(f), f, color=f"C{i}", alpha=0.35, s=12)
+            ax.scatter([x + offset] * len(f), f, color=colors(i), alpha=0.35, s=12)
     ax.set_xlabel(flag)
     ax.set_xticks(xs)
     ax.set_ylabel("final held-out greedy accuracy")
-    ax.legend()
+    ax.legend(fontsize=7, ncol=2 if len(algos) > 8 else 1)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, f"accuracy_vs_{flag}.png"), dpi=120)

@@ -490,3 +490,19 @@ def test_a_study_names_the_commits_its_runs_ran_at(tmp_path):
     assert study([{"algo": "grpo", "seed": 1}]) == "a" * 40
     assert study([{"algo": "grpo", "seed": 1}, {"algo": "grpo", "seed": 2, "commit": "b" * 40}]) == \
         "a" * 40 + "," + "b" * 40
+
+
+def test_a_studys_figures_are_drawn_for_many_estimators(tmp_path):
+    """plot and plot_vary with 12 estimators (more than the 10 default colours), with and without training minutes:
+    each writes its file."""
+    from evals.compare import plot, plot_vary
+
+    algos = [f"e{i}" for i in range(12)]
+    results = [{"algo": a, "seed": s, "value": v, "evals": [[0, 0.4], [10, 0.5 + 0.01 * i + 0.001 * s]],
+                "minutes": [0.0, 3.0 + s]} for i, a in enumerate(algos) for s in (1, 2) for v in ("0", "2")]
+    plot_vary(results, algos, "rollout_lag", ["0", "2"], str(tmp_path))
+    plot([r for r in results if r["value"] == "0"], algos, str(tmp_path))
+    assert (tmp_path / "accuracy_vs_rollout_lag.png").stat().st_size > 0 and (tmp_path / "accuracy.png").stat().st_size
+    for r in results:
+        del r["minutes"]  # runs recorded before the minutes were: the figure against steps alone
+    plot([r for r in results if r["value"] == "0"], algos, str(tmp_path))
