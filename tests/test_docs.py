@@ -519,3 +519,19 @@ def test_the_2026_estimators_lag_figures_in_prose_are_their_studies():
                                    f"{mean('dro_tau_lag2', 'dro', '0.5')})"))
     for page, phrase in quoted:
         assert phrase in " ".join(read(os.path.join(DOCS, page)).split()), (page, phrase)
+
+
+def test_the_2026_estimators_real_model_prose_is_their_study():
+    """Issue 54, item 4: the sentences about the 2026 estimators on the real model quote docs/studies/smollm2_new5.json:
+    VESPO's and GDPO's runs are one run (the same reward at every step is in their metrics, not in the study file;
+    here their held-out evaluations are equal), and the range of the five at step 20 is the study's."""
+    with open(os.path.join(DOCS, "studies", "smollm2_new5.json")) as f:
+        results = {r["algo"]: r["evals"] for r in json.load(f)["results"]}
+    assert sorted(results) == ["dro", "gdpo", "ipo", "luspo", "vespo"]
+    assert results["vespo"] == results["gdpo"]
+    (_, at10), (_, at20) = results["vespo"][1], results["vespo"][2]
+    finals = [100 * evals[-1][1] for evals in results.values()]
+    with open(os.path.join(DOCS, "real-model.md")) as f:
+        assert f"({100 * at10:.1f}% at step 10, {100 * at20:.1f}% at step 20)" in f.read()
+    with open(os.path.join(DOCS, "estimators", "choosing.md")) as f:
+        assert f"in the same range, {min(finals):.1f}-{max(finals):.1f}%, one seed each" in f.read()
