@@ -164,6 +164,10 @@ class TrainArgs:
     logprob_batch_size: int = arg(
         0, "completions per no-grad forward on each process; 0: micro_batch_size",
     )
+    share_prompts: bool = arg(
+        True, "the completions of a prompt share one forward of it (the HF engine's prefill, the no-grad "
+        "log-prob passes); false: each row's whole prompt in the pass's one forward, as TRL",
+    )
     num_iterations: int = arg(1, "passes over each batch of rollouts (mu)")
     learning_rate: float = arg(1e-6, "AdamW learning rate")
     lr_scheduler_type: str = arg("constant", "transformers scheduler name")

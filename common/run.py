@@ -319,7 +319,7 @@ def rollout_engine(args, accelerator, tokenizer, model, run_dir: str):
         # a resumed or LoRA-wrapped policy differs from the files on disk
         engine.push_weights(model)
         return engine
-    return HFEngine(tokenizer, accelerator)
+    return HFEngine(tokenizer, accelerator, share_prompts=args.share_prompts)
 
 
 def evaluate(run: Run) -> dict:

@@ -99,6 +99,13 @@ else
             --no_cudnn_sdp --output_dir "$report/bench_nocudnn" --out "$report/step_time_nocudnn.json" \
             -- --dtype bfloat16 --batch_size 64 --micro_batch_size 16 > "$report/step_time_nocudnn.txt" 2>&1
         echo "- step_time.py --shape qwen3 --no_cudnn_sdp against TRL: exit $?, see step_time_nocudnn.txt" >> "$md"
+        # the same with each row's whole prompt in one forward (TRL's way): the shared prompts' extra forward costs
+        # launches, which a model this small may not earn back in FLOPs
+        timeout "$part" python3 benchmarks/step_time.py --shape qwen3 --algo grpo --trl --steps 3 --repeat 1 \
+            --no_cudnn_sdp --output_dir "$report/bench_noshare" --out "$report/step_time_noshare.json" \
+            -- --dtype bfloat16 --batch_size 64 --micro_batch_size 16 --share_prompts false \
+            > "$report/step_time_noshare.txt" 2>&1
+        echo "- step_time.py --shape qwen3 --no_cudnn_sdp -- --share_prompts false against TRL: exit $?" >> "$md"
     fi
     # the LM head's chunk at 2^28 elements (1,766 positions of Qwen3's vocabulary) beside the scripts' 2^24 (110)
     for spec in "0.6b 0 2048 8 --profile" "4b 16 2048 8 --profile --gradient_checkpointing" "0.6b 0 16384 1" \

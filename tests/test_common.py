@@ -117,11 +117,9 @@ def test_default_generate_batch_is_a_token_budget(toy, monkeypatch):
     assert calls == [2, 2, 1]
 
 
-def test_repeated_prompts_are_prefilled_once(toy, monkeypatch):
+def test_repeated_prompts_are_prefilled_once(toy):
     """G samples of a prompt share one prefill of it (common.logprobs.shared_prompt_cache); the samples and their
-    log-probs are those of a plain `generate`, left padding included."""
-    import common.engines.rollout
-
+    log-probs are those of a plain `generate` (--share_prompts false), left padding included."""
     tokenizer, model = toy
     engine = HFEngine(tokenizer, Accelerator(cpu=True))
     distinct = [tokenizer(p)["input_ids"] for p in ["1+2=", "45+67=", "9+9="]]  # lengths 4, 6, 4: left padding
@@ -133,8 +131,8 @@ def test_repeated_prompts_are_prefilled_once(toy, monkeypatch):
         shared, shared_logp = engine.generate(model, prompts, seeds, **kw)
         assert shapes[0] == (3, 5) and shapes[1] == (13, 1)  # 3 distinct prompts less their last token, then 1 token
         shapes.clear()
-        monkeypatch.setattr(common.engines.rollout, "shared_prompt_cache", lambda *a: None)
-        plain, plain_logp = engine.generate(model, prompts, seeds, **kw)
+        plain, plain_logp = HFEngine(tokenizer, Accelerator(cpu=True), share_prompts=False).generate(
+            model, prompts, seeds, **kw)  # --share_prompts false
         assert shapes[0] == (13, 6)  # every row's whole prompt
     finally:
         hook.remove()

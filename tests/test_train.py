@@ -69,6 +69,29 @@ def test_micro_batch_size_does_not_change_the_gradient(in_toy_workdir):
     assert_same_gradient(grads[4], grads[16])
 
 
+def test_sharing_prompts_changes_no_step(in_toy_workdir, monkeypatch):
+    """--share_prompts false (each row's whole prompt in one forward, as TRL) against the default (a prompt's rows
+    share one forward of it): the same completions and rewards, the same KL to the reference within rounding, over
+    two stale steps that need every no-grad pass (old, reference); and the shared forwards happen only by default."""
+    import common.logprobs
+
+    calls = []
+    plain = common.logprobs.shared_prompt_cache
+    monkeypatch.setattr(common.logprobs, "shared_prompt_cache", lambda *a, **k: calls.append(1) or plain(*a, **k))
+    import common.engines.rollout
+
+    monkeypatch.setattr(common.engines.rollout, "shared_prompt_cache", common.logprobs.shared_prompt_cache)
+    argv = SMALL + ["--total_steps", "2", "--beta", "0.1", "--num_iterations", "2", "--mini_batch_size", "8"]
+    runs = {}
+    for share in ("true", "false"):
+        calls.clear()
+        runs[share] = read_metrics(run_script(grpo, argv + ["--share_prompts", share, "--run_name", f"share_{share}"]))
+        assert bool(calls) == (share == "true"), (share, len(calls))
+    for a, b in zip(runs["true"], runs["false"]):
+        assert a["reward/mean"] == b["reward/mean"] and a["completion/tokens"] == b["completion/tokens"]
+        assert a["policy/kl"] == pytest.approx(b["policy/kl"], rel=1e-4, abs=1e-7)
+
+
 @pytest.mark.slow
 def test_two_processes_take_the_same_step_as_one(in_toy_workdir):
     argv = SMALL + ["--micro_batch_size", "2", "--beta", "0.1"]

@@ -86,8 +86,9 @@ class SeededSampler(LogitsProcessor):
 class HFEngine:
     """transformers `generate` on the training model itself, so new weights need no push."""
 
-    def __init__(self, tokenizer, accelerator):
+    def __init__(self, tokenizer, accelerator, share_prompts: bool = True):
         self.tokenizer, self.accelerator = tokenizer, accelerator
+        self.share_prompts = share_prompts  # the rows of a prompt share one prefill of it (--share_prompts)
         padding_safe_attention()  # left-padded prompts: no NaN from cuDNN's attention (common.models.devices)
 
     @torch.no_grad()
@@ -136,7 +137,9 @@ class HFEngine:
 
                     criteria.append(StopRows(self.tokenizer, stop or [], budgets[i : i + batch_size], width))
                 # each distinct prompt, but its last token, prefilled once for all its rows (vLLM: prefix caching)
-                cache = None if self.sharded() else shared_prompt_cache(unwrapped, input_ids, attention_mask, width - 1)
+                cache = None
+                if self.share_prompts and not self.sharded():
+                    cache = shared_prompt_cache(unwrapped, input_ids, attention_mask, width - 1)
                 out = unwrapped.generate(
                     input_ids=input_ids,
                     attention_mask=attention_mask,
