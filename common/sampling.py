@@ -143,9 +143,9 @@ def logprobs_of(run, net, batch: Batch, rows: slice | None = None,
                 top_p: float | None = None) -> torch.Tensor:
     """(rows, T) log-probs of the completions under `net`, without gradient: --logprob_batch_size
     rows per forward, of similar lengths; the rows of a prompt share one forward of it (unless the
-    weights are sharded, or --share_prompts false). `top_p` (default --top_p): the policy's log-probs are those of the
-    distribution sampled, renormalised over each position's kept set when top_p < 1; the
-    reference's are its full softmax's (top_p=1.0: docs/rollouts.md says why)."""
+    weights are sharded, or --share_prompts false). `top_p` (default --top_p): the policy's
+    log-probs are those of the distribution sampled, renormalised over each position's kept set
+    when top_p < 1; the reference's are its full softmax's (top_p=1.0: docs/rollouts.md says why)."""
     rows = slice(0, run.local_rows) if rows is None else rows
     top_p = run.args.top_p if top_p is None else top_p
     share = run.args.share_prompts and not sharded_parameters(run.accelerator)
