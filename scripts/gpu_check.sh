@@ -67,7 +67,9 @@ if [ "${GPU_CHECK_TESTS:-1}" = 1 ]; then
     } >> "$md"
 fi
 
-if [ "$rehearsal" != 1 ] && python3 -c "import trl" 2>/dev/null; then
+steps=${GPU_CHECK_STEPS:-1}    # 0: leave out the whole steps against TRL (a lease split in two calls)
+update=${GPU_CHECK_UPDATE:-1}  # 0: leave out the update's sizes (benchmarks/update_mfu.py)
+if [ "$steps" = 1 ] && [ "$rehearsal" != 1 ] && python3 -c "import trl" 2>/dev/null; then
     # Qwen3's vocabulary and varied lengths (benchmarks/qwen3_shape.py), in bf16 with a GPU-sized batch; the body
     # stays the shape's small one (hidden 128, 2 layers): the step is dominated by the 151,936-token head
     timeout "${GPU_CHECK_BENCH_TIMEOUT:-480}" python3 benchmarks/step_time.py --shape qwen3 --algo grpo --trl --steps 3 --repeat 1 \
@@ -77,16 +79,18 @@ if [ "$rehearsal" != 1 ] && python3 -c "import trl" 2>/dev/null; then
 else
     echo "- not run: the benchmark against TRL ($([ "$rehearsal" = 1 ] && echo rehearsal || echo 'trl not importable'))" >> "$md"
 fi
-# Issue 50: a whole GRPO step of Qwen3-0.6B against TRL's, the Qwen3-shaped step with cuDNN's attention off, then
-# the update at the sizes users train (Qwen3 with random weights, benchmarks/update_mfu.py), in that order of need. Each part has its own
-# time limit (GPU_CHECK_PART_TIMEOUT, s), so a part that does not fit leaves the others their time.
+# Issue 50: a whole GRPO step of Qwen3-0.6B against TRL's, the Qwen3-shaped step with cuDNN's attention off in TRL
+# too and with --share_prompts false, then the update at the sizes users train (Qwen3 with random weights,
+# benchmarks/update_mfu.py), in that order of need. Each part has its own time limit (GPU_CHECK_PART_TIMEOUT, s), so
+# a part that does not fit leaves the others their time; GPU_CHECK_STEPS=0 / GPU_CHECK_UPDATE=0 split a lease's
+# 600-s calls between the steps and the update.
 part=${GPU_CHECK_PART_TIMEOUT:-150}
 if [ "$rehearsal" = 1 ]; then
     python3 benchmarks/update_mfu.py --size tiny --device cpu --vocab 512 --dtype float32 --tokens 48 \
         --prompt_tokens 16 --rows 2 --steps 1 --out "$report/update_mfu_tiny.json" > "$report/update_mfu.txt" 2>&1
     echo "- benchmarks/update_mfu.py (rehearsal, tiny on the CPU): exit $?" >> "$md"
 else
-    if python3 -c "import trl" 2>/dev/null; then
+    if [ "$steps" = 1 ] && python3 -c "import trl" 2>/dev/null; then
         python3 benchmarks/qwen3_shape.py > /dev/null  # its tokenizer (Qwen3's vocabulary) for the 0.6B model
         timeout "$part" python3 benchmarks/update_mfu.py --size 0.6b --save runs/qwen3_0.6b \
             --tokenizer_from runs/qwen3_shape/model >> "$report/update_mfu.txt" 2>&1
@@ -108,14 +112,17 @@ else
         echo "- step_time.py --shape qwen3 --no_cudnn_sdp -- --share_prompts false against TRL: exit $?" >> "$md"
     fi
     # the LM head's chunk at 2^28 elements (1,766 positions of Qwen3's vocabulary) beside the scripts' 2^24 (110)
-    for spec in "0.6b 0 2048 8 --profile" "4b 16 2048 8 --profile --gradient_checkpointing" "0.6b 0 16384 1" \
-        "0.6b 0 16384 1 --chunk_elements 268435456" "4b 16 16384 1 --gradient_checkpointing" "1.7b 0 2048 8"; do
+    specs=("0.6b 0 2048 8 --profile" "4b 16 2048 8 --profile --gradient_checkpointing" "0.6b 0 16384 1"
+           "0.6b 0 16384 1 --chunk_elements 268435456" "4b 16 16384 1 --gradient_checkpointing" "1.7b 0 2048 8")
+    [ "$update" = 1 ] || specs=()
+    for spec in "${specs[@]}"; do
         set -- $spec
+        name="update_mfu_$1_r$2_$3$([ "${5:-}" = --chunk_elements ] && echo "_chunk$6").json"
         timeout "$part" python3 benchmarks/update_mfu.py --size "$1" --lora_r "$2" --tokens "$3" --rows "$4" \
-            "${@:5}" --out "$report/update_mfu_$1_r$2_$3${6:+_$6}.json" >> "$report/update_mfu.txt" 2>&1
+            "${@:5}" --out "$report/$name" >> "$report/update_mfu.txt" 2>&1
         echo "- update_mfu.py --size $1 --lora_r $2 --tokens $3 --rows $4 ${*:5}: exit $?" >> "$md"
     done
-    grep -E "^Qwen3-" "$report/update_mfu.txt" | sed 's/^/  - /' >> "$md"
+    grep -E "^Qwen3-" "$report/update_mfu.txt" 2>/dev/null | sed 's/^/  - /' >> "$md"
 fi
 cat "$md"
 exit $rc
