@@ -503,7 +503,7 @@ def test_the_2026_estimators_lag_figures_in_prose_are_their_studies():
     dro_lag2 = sorted(runs("lag_new5", "dro", "2"))
     quoted = [
         ("off-policy.md", f"{dro[0]} on-policy, then {dro[1]}, {dro[2]} and {dro[3]} at lag 1, 2 and 4"),
-        ("off-policy.md", f"IPO weakens ({mean('lag_new5', 'ipo', '4')} at lag 4, one seed "
+        ("off-policy.md", f"IPO ({mean('lag_new5', 'ipo', '4')} at lag 4, one seed "
                           f"{min(runs('lag_new5', 'ipo', '2')):.1f}% at lag 2)"),
         ("off-policy.md", f"`--tau 0.5` gives {cell('dro_tau_lag2', 'dro', '0.5')}, GRPO's level"),
         ("estimators/ipo.md", f"one seed at lag 2 at {min(runs('lag_new5', 'ipo', '2')):.1f}%"),
@@ -514,8 +514,8 @@ def test_the_2026_estimators_lag_figures_in_prose_are_their_studies():
                                    f"{cell('lag_new5', 'grpo', '2')} "
                                    f"(`--tau 0.5`: {cell('dro_tau_lag2', 'dro', '0.5')})"),
     ]
-    quoted.append(("../README.md", f"DRO breaks from lag 1 (today's sampler, lag 2: {mean('lag_new5', 'dro', '2')} "
-                                   f"against GRPO's {mean('lag_new5', 'grpo', '2')}; `--tau 0.5`: "
+    quoted.append(("../README.md", f"DRO from lag 1 (lag 2: {mean('lag_new5', 'dro', '2')} "
+                                   f"against {mean('lag_new5', 'grpo', '2')}; `--tau 0.5`: "
                                    f"{mean('dro_tau_lag2', 'dro', '0.5')})"))
     for page, phrase in quoted:
         assert phrase in " ".join(read(os.path.join(DOCS, page)).split()), (page, phrase)
@@ -535,3 +535,60 @@ def test_the_2026_estimators_real_model_prose_is_their_study():
         assert f"({100 * at10:.1f}% at step 10, {100 * at20:.1f}% at step 20)" in f.read()
     with open(os.path.join(DOCS, "estimators", "choosing.md")) as f:
         assert f"in the same range, {min(finals):.1f}-{max(finals):.1f}%, one seed each" in f.read()
+
+
+def test_every_estimator_under_lag_prose_is_its_study():
+    """Issue 52, item 7: the lag tables of every estimator's page, the side-by-side page and off-policy.md are study
+    blocks of docs/studies/lag_all.json; the sentences that sum them up are rebuilt here from its runs: which
+    estimators end with every seed under (or above) every GRPO seed at a lag, which are one run at lag 0, and the
+    means the pages quote."""
+    import statistics
+
+    names = {"grpo": "GRPO", "gspo": "GSPO", "snib": "SNIB", "ctpo": "CTPO", "p3o": "P3O", "cispo": "CISPO",
+             "gmpo": "GMPO", "sapo": "SAPO", "rloo": "RLOO", "dppo": "DPPO", "reinforcepp": "REINFORCE++",
+             "maxrl": "MaxRL", "covpo": "Clip-Cov", "ipo": "IPO", "dro": "DRO", "vespo": "VESPO", "luspo": "LUSPO",
+             "gdpo": "GDPO"}
+    with open(os.path.join(DOCS, "studies", "lag_all.json")) as f:
+        results = json.load(f)["results"]
+    algos = list(dict.fromkeys(r["algo"] for r in results))
+    lags = list(dict.fromkeys(r["value"] for r in results))
+    assert sorted(algos) == sorted(names) and lags == ["0", "1", "2", "4"] and len(results) == 18 * 4 * 3
+
+    def finals(algo, lag):
+        return [100 * r["evals"][-1][1] for r in sorted(results, key=lambda r: r["seed"])
+                if r["algo"] == algo and r["value"] == lag]
+
+    def mean(algo, lag):
+        return f"{statistics.mean(finals(algo, lag)):.1f}%"
+
+    def side(apart):
+        found = [(algo, [lag for lag in lags if apart(finals(algo, lag), finals("grpo", lag))]) for algo in algos[1:]]
+        return "; ".join(f"{names[a]} at lag {', '.join(where)}" for a, where in found if where) or "none"
+
+    below = side(lambda a, g: max(a) < min(g))
+    above = side(lambda a, g: min(a) > max(g))
+    groups = []  # estimators whose lag-0 runs are one run, seed for seed, in the study's order
+    for algo in algos:
+        same = [b for b in algos if finals(b, "0") == finals(algo, "0")]
+        if len(same) > 1 and same[0] == algo:
+            groups.append(" = ".join(names[b] for b in same))
+    equal = "; ".join(groups)
+    quoted = [
+        ("off-policy.md", f"(evaluation.md#comparing-estimators)): {below}."),
+        ("off-policy.md", f"**Every seed above**: {above}."),
+        ("off-policy.md", f"SAPO at lag 4 ({mean('sapo', '4')}, against GRPO's {mean('grpo', '4')})"),
+        ("off-policy.md", f"CISPO ({mean('cispo', '4')} at lag 4"),
+        ("off-policy.md", f"MaxRL above it at lag 4 ({mean('maxrl', '4')} against {mean('grpo', '4')})"),
+        ("off-policy.md", f"**On-policy (lag 0) the reductions hold seed for seed**: {equal}."),
+        ("estimators/index.md", f"Every seed under every GRPO seed at a lag: {below}; every seed above: {above}."),
+        ("estimators/index.md", f"on-policy {equal} seed for seed"),
+        ("estimators/sapo.md", f"SAPO breaks at lag 4 ({mean('sapo', '4')} against GRPO's {mean('grpo', '4')};"),
+        ("estimators/cispo.md", f"({mean('cispo', '4')} against {mean('grpo', '4')})"),
+        ("estimators/maxrl.md", f"({mean('maxrl', '4')} against {mean('grpo', '4')})"),
+        ("estimators/ctpo.md", f"({mean('ctpo', '0')} at lag 0, {mean('ctpo', '4')} at lag 4"),
+        ("../README.md", f"SAPO breaks at lag 4 ({mean('sapo', '4')} against GRPO's {mean('grpo', '4')})"),
+        ("estimators/choosing.md", f"MaxRL above it at lag 4 ({mean('maxrl', '4')} against {mean('grpo', '4')})"),
+    ]
+    assert "GSPO at lag 2, 4" in below and "P3O at lag 2, 4" in below and "MaxRL at lag 4" in above  # the pages' prose
+    for page, phrase in quoted:
+        assert phrase in " ".join(read(os.path.join(DOCS, page)).split()), (page, phrase)
