@@ -181,8 +181,8 @@ def study_against(tag: str, base: str) -> list[str]:
         raise SystemExit(f"error: docs/studies/{tag}.json has no runs of {base} to compare against")
     last = results[0]["evals"][-1][0]
     sizes = sorted({len(v) for a, v in finals.items() if a != base})
-    floor = ", ".join(f"{smallest_p(n, len(finals[base])):.3g} with {n} seeds against {len(finals[base])}"
-                      for n in sizes)
+    floor = ", ".join(f"{smallest_p(n, len(finals[base])):.3g} with {n} seed{'s' if n > 1 else ''} against "
+                      f"{len(finals[base])}" for n in sizes)
     head = [f"`{study['command']}` (commit {short(study['commit'])}). Step {last}: the held-out greedy accuracy, its "
             f"difference from {base}'s mean and the exact permutation p-value of that difference over seeds (the "
             f"smallest p these seeds can give: {floor}); then each run's mean over its steps, averaged over seeds:",

@@ -592,3 +592,14 @@ def test_every_estimator_under_lag_prose_is_its_study():
     assert "GSPO at lag 2, 4" in below and "P3O at lag 2, 4" in below and "MaxRL at lag 4" in above  # the pages' prose
     for page, phrase in quoted:
         assert phrase in " ".join(read(os.path.join(DOCS, page)).split()), (page, phrase)
+
+
+def test_the_2026_estimators_off_policy_prose_is_its_study():
+    """Issue 54, item 4: real-model.md's reading of docs/studies/offpolicy_new5.json (one seed each, in the
+    comparison's regime): IPO, VESPO and LUSPO above GRPO's seed, GDPO level with it (within a point), DRO under it."""
+    with open(os.path.join(DOCS, "studies", "offpolicy_new5.json")) as f:
+        final = {r["algo"]: 100 * r["evals"][-1][1] for r in json.load(f)["results"]}
+    assert all(final[a] > final["grpo"] for a in ("ipo", "vespo", "luspo")), final
+    assert abs(final["gdpo"] - final["grpo"]) <= 1.0 and final["dro"] < final["grpo"], final
+    phrase = "IPO, VESPO and LUSPO ended above GRPO's seed, GDPO level with it, DRO under it"
+    assert phrase in " ".join(read(os.path.join(DOCS, "real-model.md")).split())
