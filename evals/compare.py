@@ -13,13 +13,15 @@ copied to docs/studies/TAG.json, the source of the study's tables in the docs) a
 training minutes); with --vary, the final accuracy by algorithm and value,
 each seed's, and accuracy_vs_<FLAG>.png.
 
-A study survives interruptions: each finished run writes its result beside its folder (<run>.result.json),
-and --resume (with the study's own flags) reads those instead of running them again, resumes an
+One evals.compare runs a study at a time (runs/compare-TAG/.compare.lock: a second stops at once; --jobs N runs N
+in parallel). A study survives interruptions: each finished run writes its result beside its folder
+(<run>.result.json), and --resume (with the study's own flags) reads those instead of running them again, resumes an
 interrupted run from its last checkpoint (--resume_from; one with no checkpoint yet starts anew), and
 runs the rest. A finished run keeps its metrics.jsonl and drops its checkpoints (the disk;
 --keep_checkpoints keeps them). A resumed run's wall time is its last process's.
 """
 
+import contextlib
 import importlib
 import json
 import os
@@ -77,6 +79,31 @@ def run_argv(algo: str, seed: int, args: CompareArgs, out_dir: str, value: str |
     flag, _ = varied(args)
     return ["--preset", args.preset, "--seed", str(seed), "--run_name", run_name, *shlex.split(args.extra),
             *([] if flag is None else [f"--{flag}", value])]
+
+
+@contextlib.contextmanager
+def claim_study(out_dir: str):
+    """An exclusive lock on the study's folder while the study runs: a second evals.compare on the same --tag would
+    take an unfinished run of the first for an interrupted one and start it anew, deleting its folder."""
+    import fcntl
+
+    handle = open(os.path.join(out_dir, ".compare.lock"), "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise SystemExit(f"error: {out_dir} is in use by another evals.compare ({holder}); wait for it to end, or "
+                         f"pass another --tag (--jobs N runs N at a time in one study)")
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()}")
+    handle.flush()
+    try:
+        yield
+    finally:
+        handle.close()  # the lock goes with it
 
 
 def check_compare_args(args: CompareArgs, out_dir: str) -> list[str]:
@@ -313,29 +340,30 @@ def main(args: CompareArgs) -> str:
     out_dir = os.path.join("runs", "compare" + (f"-{args.tag}" if args.tag else ""))
     algos = check_compare_args(args, out_dir)
     os.makedirs(out_dir, exist_ok=True)
-    flag, values = varied(args)
-    jobs = [(algo, seed, value) for seed in range(1, args.seeds + 1) for value in values for algo in algos]
-    with ThreadPoolExecutor(args.jobs) as pool:
-        futures = [pool.submit(run_one, algo, seed, args, out_dir, value) for algo, seed, value in jobs]
-        try:
-            results = [future.result() for future in futures]
-        except SystemExit:  # one run failed: the others would be compared against nothing
-            for future in futures:
-                future.cancel()
-            for process in list(RUNNING):
-                process.terminate()
-            raise
-    command = "python -m evals.compare " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    write_study(results, flag, out_dir, command)
-    if flag is not None:
-        table = summarize_vary(results, algos, flag, values, out_dir, command)
-        plot_vary(results, algos, flag, values, out_dir)
-        return (f"{table}\nwrote {out_dir}/summary.md, summary.json, accuracy_vs_{flag}.png "
-                f"(runs and logs: {out_dir}/)\n")
-    table = summarize(results, algos, out_dir, command)
-    plot(results, algos, out_dir)
-    return (f"{table}\nwrote {out_dir}/summary.md, summary.json, accuracy.png (runs and logs: {out_dir}/)\n"
-            f"learning curves of every run: python -m evals.plot {out_dir}/*__s*/ --out {out_dir}/plots")
+    with claim_study(out_dir):  # no second evals.compare on this study while it runs
+        flag, values = varied(args)
+        jobs = [(algo, seed, value) for seed in range(1, args.seeds + 1) for value in values for algo in algos]
+        with ThreadPoolExecutor(args.jobs) as pool:
+            futures = [pool.submit(run_one, algo, seed, args, out_dir, value) for algo, seed, value in jobs]
+            try:
+                results = [future.result() for future in futures]
+            except SystemExit:  # one run failed: the others would be compared against nothing
+                for future in futures:
+                    future.cancel()
+                for process in list(RUNNING):
+                    process.terminate()
+                raise
+        command = "python -m evals.compare " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+        write_study(results, flag, out_dir, command)
+        if flag is not None:
+            table = summarize_vary(results, algos, flag, values, out_dir, command)
+            plot_vary(results, algos, flag, values, out_dir)
+            return (f"{table}\nwrote {out_dir}/summary.md, summary.json, accuracy_vs_{flag}.png "
+                    f"(runs and logs: {out_dir}/)\n")
+        table = summarize(results, algos, out_dir, command)
+        plot(results, algos, out_dir)
+        return (f"{table}\nwrote {out_dir}/summary.md, summary.json, accuracy.png (runs and logs: {out_dir}/)\n"
+                f"learning curves of every run: python -m evals.plot {out_dir}/*__s*/ --out {out_dir}/plots")
 
 
 if __name__ == "__main__":

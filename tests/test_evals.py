@@ -506,3 +506,16 @@ def test_a_studys_figures_are_drawn_for_many_estimators(tmp_path):
     for r in results:
         del r["minutes"]  # runs recorded before the minutes were: the figure against steps alone
     plot([r for r in results if r["value"] == "0"], algos, str(tmp_path))
+
+
+def test_a_study_runs_in_one_evals_compare_at_a_time(tmp_path):
+    """A second evals.compare on a study in progress stops at once, naming the first's process: with --resume it would
+    take the first's unfinished runs for interrupted ones and delete their folders. The lock goes with the study."""
+    from evals.compare import claim_study
+
+    with claim_study(str(tmp_path)):
+        with pytest.raises(SystemExit, match=rf"in use by another evals.compare \(pid {os.getpid()}\); wait"):
+            with claim_study(str(tmp_path)):
+                pass
+    with claim_study(str(tmp_path)):  # the first one ended: free again
+        pass
