@@ -173,6 +173,9 @@ def study_against(tag: str, base: str) -> list[str]:
 
     with open(os.path.join(ROOT, "docs", "studies", f"{tag}.json")) as f:
         study = json.load(f)
+    if study.get("vary"):
+        raise SystemExit(f"error: docs/studies/{tag}.json varies --{study['vary']}: a study-vs block takes a study "
+                         f"without --vary (it would pool the values)")
     results = study["results"]
     algos = list(dict.fromkeys(r["algo"] for r in results))
     finals = {a: [r["evals"][-1][1] for r in sorted(results, key=lambda r: r["seed"]) if r["algo"] == a]

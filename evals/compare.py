@@ -233,7 +233,9 @@ def write_study(results: list[dict], flag: str | None, out_dir: str, command: st
     if os.path.exists(path):
         with open(path) as f:
             earlier = json.load(f).get("commit")
-    commits = [r.get("commit") or earlier or head_commit() for r in results]
+    if earlier is None and any("commit" not in r for r in results):
+        earlier = head_commit()
+    commits = [r.get("commit") or earlier for r in results]
     study = {"command": command, "commit": ",".join(dict.fromkeys(commits)), "vary": flag, "results": results}
     with open(path, "w") as f:
         json.dump(study, f, indent=1)

@@ -19,19 +19,13 @@ def permutation_p(a: list[float], b: list[float]) -> float:
     observed = abs(statistics.mean(a) - statistics.mean(b))
     scale = max(1.0, max(abs(x) for x in pooled))
     at_least = 0
-    splits = 0
     for chosen in itertools.combinations(range(len(pooled)), n):
         first = sum(pooled[i] for i in chosen)
         difference = abs(first / n - (total - first) / len(b))
         at_least += difference >= observed - 1e-12 * scale  # ties with the observed split count as extreme
-        splits += 1
-    return at_least / splits
+    return at_least / math.comb(len(pooled), n)
 
 
 def smallest_p(n: int, m: int) -> float:
     """The smallest p-value permutation_p can return with n and m runs: the two groups fully apart."""
     return permutation_p([float(i) for i in range(n)], [float(n + i) for i in range(m)])
-
-
-def splits(n: int, m: int) -> int:
-    return math.comb(n + m, n)

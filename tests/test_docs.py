@@ -209,6 +209,9 @@ def test_a_study_against_a_baseline_by_hand(tmp_path, monkeypatch):
         "| ipo | 50.0 +- 0.0% | -20.0 | 0.20 | - | - | - | - | - | - |"]
     with pytest.raises(SystemExit, match="has no runs of dro"):
         make_diffs.study_against("t", "dro")
+    (tmp_path / "docs" / "studies" / "v.json").write_text(json.dumps({**study, "vary": "rollout_lag"}))
+    with pytest.raises(SystemExit, match="varies --rollout_lag: a study-vs block takes a study without --vary"):
+        make_diffs.study_against("v", "grpo")
     assert make_diffs.short("a" * 40 + "," + "b" * 40) == "aaaaaaa, bbbbbbb"  # a study whose runs span two commits
 
 
