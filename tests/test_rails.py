@@ -758,14 +758,21 @@ def test_a_wrong_type_is_one_line_without_the_usage(tmp_path):
     assert proc.stderr.strip() == ("error: argument --total_steps: invalid int value: 'ten'; --help lists the flags")
 
 
-def test_a_wrong_flag_with_a_preset_is_refused_before_the_preset_builds_anything(tmp_path):
-    """`--preset toy --beta -1` in a folder without the toy: refused in one line before the toy's build starts (it
-    printed nothing for minutes while the build ran, then refused)."""
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "grpo.py"), "--preset", "toy", "--beta", "-1"],
+@pytest.mark.parametrize("flags, expected", [
+    (["--beta", "-1"], "error: --beta -1"),
+    (["--resume_from", "runs/nothere"], "error: --resume_from 'runs/nothere': no such directory"),
+    (["--dataset", "gsm8k"], "error: the hub (http://127.0.0.1:9) cannot be reached from here"),
+])
+def test_a_wrong_flag_with_a_preset_is_refused_before_the_preset_builds_anything(tmp_path, flags, expected):
+    """`--preset toy --beta -1` (or a mistyped run folder to resume, or a hub data set with no hub: a closed port
+    stands in for it) in a folder without the toy: refused in one line before the toy's build starts (it printed
+    nothing for a minute or more while the build ran, then refused)."""
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "grpo.py"), "--preset", "toy", *flags],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": REPO, "TOY_CACHE": ""})
+                          env={**os.environ, "PYTHONPATH": REPO, "TOY_CACHE": "", "HF_ENDPOINT": "http://127.0.0.1:9",
+                               "HF_HUB_OFFLINE": "0"})
     assert proc.returncode == 1 and "toy: building" not in proc.stdout, proc.stdout[-2000:]
-    assert proc.stderr.strip().splitlines()[-1].startswith("error: --beta -1"), proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(expected), proc.stderr[-2000:]
     assert not os.path.exists(tmp_path / "runs")
 
 

@@ -396,6 +396,9 @@ def argument_problems(args, num_processes: int) -> list[str]:
     if args.eval_steps > 0 and args.eval_benchmarks:
         problems += importlib.import_module("common.tasks.benchmarks").benchmark_problems(
             args.eval_benchmarks, "--eval_benchmarks")
+    # a mistyped run folder, before a preset spends a minute building anything
+    if args.resume_from and not os.path.exists(args.resume_from):
+        problems.append(f"--resume_from {args.resume_from!r}: no such directory")
     unknown = [n for n in filter(None, args.resume_overrides.split(","))
                if n not in type(args).__dataclass_fields__]
     if unknown:
@@ -553,6 +556,8 @@ def check_args(args, num_processes: int, files: bool = True) -> None:
     if state.is_main_process:
         problems = argument_problems(args, num_processes)
         notes = []
+        if not problems and not files and args.preset:  # a hub id the preset cannot reach: before it builds
+            problems = hub_problems(args)
         if not problems and files:  # the hub, files and the model only once the flags make sense
             # a typo in a local path, before the hub is asked anything
             problems = missing_path_problems(args) or hub_problems(args)
