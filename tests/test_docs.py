@@ -597,6 +597,76 @@ def test_every_estimator_under_lag_prose_is_its_study():
         assert phrase in " ".join(read(os.path.join(DOCS, page)).split()), (page, phrase)
 
 
+def test_every_estimator_on_policy_prose_is_its_study():
+    """Issue 52, item 7: the toy's on-policy tables are study blocks of docs/studies/onpolicy_all.json (eighteen
+    estimators, three seeds, 500 steps); the sentences that sum them up are rebuilt here from its runs: which runs are
+    one run seed for seed, the range of the means, GRPO's, the permutation p-values against GRPO, SAPO's rounding."""
+    import statistics
+
+    from evals.stats import permutation_p
+
+    names = {"grpo": "GRPO", "gspo": "GSPO", "snib": "SNIB", "ctpo": "CTPO", "p3o": "P3O", "cispo": "CISPO",
+             "gmpo": "GMPO", "sapo": "SAPO", "rloo": "RLOO", "dppo": "DPPO", "reinforcepp": "REINFORCE++",
+             "maxrl": "MaxRL", "covpo": "Clip-Cov", "ipo": "IPO", "dro": "DRO", "vespo": "VESPO", "luspo": "LUSPO",
+             "gdpo": "GDPO"}
+    with open(os.path.join(DOCS, "studies", "onpolicy_all.json")) as f:
+        results = json.load(f)["results"]
+    algos = list(dict.fromkeys(r["algo"] for r in results))
+    assert sorted(algos) == sorted(names) and len(results) == 18 * 3
+    finals = {a: [100 * r["evals"][-1][1] for r in sorted(results, key=lambda r: r["seed"]) if r["algo"] == a]
+              for a in algos}
+
+    def cell(algo):
+        return f"{statistics.mean(finals[algo]):.1f} +- {statistics.stdev(finals[algo]):.1f}%"
+
+    groups = []  # runs that are one run, seed for seed, in the study's order
+    for algo in algos:
+        same = [b for b in algos if finals[b] == finals[algo]]
+        if len(same) > 1 and same[0] == algo:
+            groups.append(" = ".join(names[b] for b in same))
+    equal = "; ".join(groups)
+    means = [statistics.mean(v) for v in finals.values()]
+    span = f"between {min(means):.1f}% and {max(means):.1f}%"
+    p = {a: permutation_p(finals[a], finals["grpo"]) for a in algos[1:]}
+    closest = min(p, key=p.get)
+    lead = statistics.mean(finals[closest]) - statistics.mean(finals["grpo"])
+    apart = [a for a in algos[1:] if max(finals[a]) < min(finals["grpo"]) or min(finals[a]) > max(finals["grpo"])]
+    assert apart == [] and closest == "covpo" and max(p.values()) == 1.0, (apart, p)
+    quoted = [
+        ("toy.md", f"The reductions hold seed for seed: {equal} (the first pair"),
+        ("toy.md", f"All eighteen end {span} (means over seeds), GRPO at {cell('grpo')}."),
+        ("toy.md", f"gives p from {p[closest]:.1f} (Clip-Cov, +{lead:.1f} points) to 1"),
+        ("estimators/index.md", f"On-policy the reductions hold seed for seed: {equal} ([conventions]"),
+        ("estimators/index.md", f"All eighteen end {span} (means over seeds), GRPO at {cell('grpo')}:"),
+        ("estimators/choosing.md", f"all eighteen end {span} (means over seeds), GRPO at {cell('grpo')}"),
+        ("../README.md", f"on the toy all eighteen ended at {min(means):.1f}-{max(means):.1f}%"),
+        ("estimators/sapo.md", f"{cell('sapo')} against GSPO's {cell('gspo')} and GRPO's {cell('grpo')}"),
+        ("estimators/gspo.md", f"{cell('gspo')} against GRPO's {cell('grpo')}, and GMPO's runs are GSPO's seed for "
+                               f"seed"),
+        ("estimators/reinforcepp.md", f"REINFORCE++ ends at {cell('reinforcepp')} against GRPO's {cell('grpo')} "
+                                      f"(exact permutation p = {p['reinforcepp']:.1f})"),
+        ("estimators/maxrl.md", f"MaxRL ends at {cell('maxrl')} against GRPO's {cell('grpo')} (exact permutation "
+                                f"p = {p['maxrl']:.1f})"),
+        ("estimators/covpo.md", f"Clip-Cov ends at {cell('covpo')} against GRPO's {cell('grpo')} (exact permutation "
+                                f"p = {p['covpo']:.1f}, the smallest of the eighteen"),
+    ]
+    assert "GSPO = GMPO" in equal and "CISPO = DPPO" in equal and "SAPO" not in equal  # the pages' prose
+    for page, phrase in quoted:
+        assert phrase in " ".join(read(os.path.join(DOCS, page)).split()), (page, phrase)
+
+
+def test_the_kl_defaults_the_choice_page_lists_are_the_scripts():
+    """docs/estimators/choosing.md names the scripts whose default --beta is not 0 (each costs a reference model, or
+    a KL in the reward), held to the scripts' own Args."""
+    from evals import ALGORITHMS
+
+    defaults = {name: importlib.import_module(name).Args().beta for name in ALGORITHMS}
+    assert {k: v for k, v in defaults.items() if v} == {"grpo": 0.04, "gdpo": 0.04, "snib": 0.1, "rloo": 0.05,
+                                                      "reinforcepp": 0.01}
+    phrase = "the defaults: GRPO and GDPO 0.04, SNIB 0.1, RLOO 0.05 and REINFORCE++ 0.01 (in the reward), the others 0"
+    assert phrase in " ".join(read(os.path.join(DOCS, "estimators", "choosing.md")).split())
+
+
 def test_the_2026_estimators_off_policy_prose_is_its_study():
     """Issue 54, item 4: real-model.md's reading of docs/studies/offpolicy_new5.json (one seed each, in the
     comparison's regime): IPO, VESPO and LUSPO above GRPO's seed, GDPO level with it (within a point), DRO under it."""
