@@ -603,7 +603,7 @@ def test_every_estimator_on_policy_prose_is_its_study():
     one run seed for seed, the range of the means, GRPO's, the permutation p-values against GRPO, SAPO's rounding."""
     import statistics
 
-    from evals.stats import permutation_p
+    from evals.stats import permutation_p, shift_for_chance
 
     names = {"grpo": "GRPO", "gspo": "GSPO", "snib": "SNIB", "ctpo": "CTPO", "p3o": "P3O", "cispo": "CISPO",
              "gmpo": "GMPO", "sapo": "SAPO", "rloo": "RLOO", "dppo": "DPPO", "reinforcepp": "REINFORCE++",
@@ -651,6 +651,14 @@ def test_every_estimator_on_policy_prose_is_its_study():
                                 f"p = {p['covpo']:.1f}, the smallest of the eighteen"),
     ]
     assert "GSPO = GMPO" in equal and "CISPO = DPPO" in equal and "SAPO" not in equal  # the pages' prose
+    shift = shift_for_chance(3, 3, 0.8)
+    seen = shift * statistics.stdev(finals["grpo"])
+    assert all(abs(statistics.mean(v) - statistics.mean(finals["grpo"])) < seen for v in finals.values())
+    quoted.append(("evaluation.md", f"differ by {shift:.1f} standard deviations of a run (`evals/stats.py` "
+                                    f"`shift_for_chance(3, 3, 0.8)`). On the toy, on-policy, GRPO's three seeds have "
+                                    f"a standard deviation of {statistics.stdev(finals['grpo']):.1f} points"))
+    quoted.append(("evaluation.md", f"see a difference of about {seen:.1f} points four times in five; none of the "
+                                    f"eighteen was that far from GRPO there."))
     for page, phrase in quoted:
         assert phrase in " ".join(read(os.path.join(DOCS, page)).split()), (page, phrase)
 

@@ -458,6 +458,24 @@ def test_the_permutation_test_by_hand():
         permutation_p([], [1.0])
 
 
+def test_the_chance_that_few_seeds_separate_two_estimators():
+    """separation_chance: at shift 0 every order of the pooled runs is equally likely, so all n above all m has chance
+    1 / C(n + m, n); one run a side: P(A > B) = Phi(shift / sqrt 2), the difference of two normals; it grows with the
+    shift toward 1. shift_for_chance inverts it (docs/evaluation.md quotes it for 3 seeds a side)."""
+    import math
+
+    from evals.stats import normal_cdf, separation_chance, shift_for_chance
+
+    assert separation_chance(3, 3, 0.0) == pytest.approx(1 / 20, abs=1e-9)
+    assert separation_chance(5, 5, 0.0) == pytest.approx(1 / 252, abs=1e-9)
+    assert separation_chance(1, 1, 1.0) == pytest.approx(normal_cdf(1 / math.sqrt(2)), abs=1e-9)
+    chances = [separation_chance(3, 3, shift) for shift in (0.5, 1.0, 2.0, 4.0, 8.0)]
+    assert chances == sorted(chances) and chances[-1] == pytest.approx(1.0, abs=1e-6)
+    shift = shift_for_chance(3, 3, 0.8)
+    assert separation_chance(3, 3, shift) == pytest.approx(0.8, abs=1e-6)
+    assert 2.4 < shift < 2.7  # a simulation of 20,000 draws a side gave 0.78 at a shift of 2.5
+
+
 def test_a_runs_record_by_hand(tmp_path):
     """run_record (a step's evaluation in its own row or in the step's): evaluations at steps 0, 2 and 3; minutes
     the time/step summed up to each (0, 3 + 9 s, + 6 s); diagnostics the mean over the training steps of what the
