@@ -540,7 +540,8 @@ def model_length_notes(args, config) -> list[str]:
 
 def check_args(args, num_processes: int, files: bool = True) -> None:
     """Fail before any weights load, one line per problem naming the flag and the fix; warn about
-    ignored settings (files=False: the flags alone). The main process checks (no race on the
+    ignored settings (files=False: the flags alone, and with a preset whether the hub ids it would
+    need answer, before the preset builds). The main process checks (no race on the
     datasets cache) and broadcasts the verdict, so every process stops together and none waits for
     one that left; every process has the same flags."""
     state = PartialState()
