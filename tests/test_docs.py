@@ -651,6 +651,10 @@ def test_every_estimator_on_policy_prose_is_its_study():
                                 f"p = {p['covpo']:.1f}, the smallest of the eighteen"),
     ]
     assert "GSPO = GMPO" in equal and "CISPO = DPPO" in equal and "SAPO" not in equal  # the pages' prose
+    seed_1 = next(r for r in results if r["algo"] == "grpo" and r["seed"] == 1)  # the quick start's run
+    accuracies = ", ".join(f"{100 * value:.1f}" for _, value in seed_1["evals"])
+    quoted.append(("toy.md", f"Held-out accuracy at steps 0, 50, ..., 500: {accuracies}%."))
+    quoted.append(("toy.md", f"(`step 50: held-out accuracy {100 * seed_1['evals'][1][1]:.1f}%`"))
     shift = shift_for_chance(3, 3, 0.8)
     seen = shift * statistics.stdev(finals["grpo"])
     assert all(abs(statistics.mean(v) - statistics.mean(finals["grpo"])) < seen for v in finals.values())
