@@ -679,6 +679,47 @@ def test_the_kl_defaults_the_choice_page_lists_are_the_scripts():
     assert phrase in " ".join(read(os.path.join(DOCS, "estimators", "choosing.md")).split())
 
 
+def test_the_siblings_cost_figures_are_their_measurement():
+    """Issue 53 item 4: every script's CPU time a step against grpo.py's at equal beta, on-policy and stale, is one
+    measurement (docs/benchmarks/siblings_cpu.json, from the two step_time.py commands docs/performance.md gives);
+    performance.md's table and the figures that choosing.md and the README quote are rebuilt here from it."""
+    with open(os.path.join(DOCS, "benchmarks", "siblings_cpu.json")) as f:
+        measured = json.load(f)
+    on, stale = measured["cpu_per_step"]["on-policy"], measured["cpu_per_step"]["stale"]
+    ratio = {"on": {a: t / on["grpo"] for a, t in on.items()},
+             "stale": {a: t / stale["grpo"] for a, t in stale.items()}}
+    performance = read(os.path.join(DOCS, "performance.md"))
+    for algo in on:
+        row = (f"| {algo} | {on[algo]:.3f} s | {ratio['on'][algo]:.2f} | {stale[algo]:.3f} s | "
+               f"{ratio['stale'][algo]:.2f} |")
+        assert row in performance, row
+    for command in measured["commands"].values():
+        assert command.replace("grpo,gspo,snib,ctpo,p3o,cispo,gmpo,sapo,rloo,dppo,reinforcepp,maxrl,covpo,ipo,dro,"
+                               "vespo,luspo,gdpo", "$ALL") in performance, command
+    paying = {"snib", "p3o", "covpo"}  # a no-grad pass at the current weights off-policy (Clip-Cov's on-policy too)
+    # the pages quote the table's ratios, rounded to two decimals
+    others_on = max(abs(round(r, 2) - 1) for a, r in ratio["on"].items() if a != "covpo")
+    others_stale = [round(r, 2) for a, r in ratio["stale"].items() if a not in paying]
+    within = round(100 * max(others_on, *(abs(r - 1) for r in others_stale)))
+    gib = [g for setting in measured["peak_gib"].values() for g in setting.values()]
+    x = {a: f"{ratio['stale'][a]:.2f}" for a in paying}
+    quoted = [
+        ("performance.md", f"On-policy, every sibling is within {round(100 * others_on)}% of `grpo.py` "
+                           f"but Clip-Cov / KL-Cov ({ratio['on']['covpo']:.2f}:"),
+        ("performance.md", f"Stale, SNIB ({x['snib']}), P3O ({x['p3o']}) and Clip-Cov ({x['covpo']}) pay"),
+        ("performance.md", f"the rest are within {round(100 * max(abs(r - 1) for r in others_stale))}% of"),
+        ("performance.md", f"the peak RSS was {min(gib):.2f}-{max(gib):.2f} GiB for every script"),
+        ("estimators/choosing.md", f"SNIB {x['snib']}x, P3O {x['p3o']}x grpo.py's; the others but Clip-Cov "
+                                   f"{min(others_stale):.2f}-{max(others_stale):.2f}x"),
+        ("estimators/choosing.md", f"{ratio['on']['covpo']:.2f}x grpo.py's on-policy, {x['covpo']}x stale"),
+        ("../README.md", f"stale: SNIB {x['snib']}x, P3O {x['p3o']}x, Clip-Cov {x['covpo']}x grpo.py's (a no-grad "
+                         f"pass per optimizer step; Clip-Cov's on-policy too: {ratio['on']['covpo']:.2f}x); the others "
+                         f"within {within}%"),
+    ]
+    for page, phrase in quoted:
+        assert phrase in " ".join(read(os.path.join(DOCS, page)).split()), (page, phrase)
+
+
 def test_the_2026_estimators_off_policy_prose_is_its_study():
     """Issue 54, item 4: real-model.md's reading of docs/studies/offpolicy_new5.json (one seed each, in the
     comparison's regime): IPO, VESPO and LUSPO above GRPO's seed, GDPO level with it (within a point), DRO under it."""
