@@ -720,6 +720,32 @@ def test_the_siblings_cost_figures_are_their_measurement():
         assert phrase in " ".join(read(os.path.join(DOCS, page)).split()), (page, phrase)
 
 
+def test_the_sapo_ablation_prose_is_its_studies():
+    """docs/off-policy.md's SAPO ablation at lag 4 is three studies (a narrow gate, a KL term, GRPO without its KL
+    term); the figures that off-policy.md, SAPO's page and choosing.md quote are rebuilt here from them."""
+    import statistics
+
+    def cell(tag, algo):
+        with open(os.path.join(DOCS, "studies", f"{tag}.json")) as f:
+            finals = [100 * r["evals"][-1][1] for r in json.load(f)["results"] if r["algo"] == algo]
+        assert len(finals) == 3
+        return f"{statistics.mean(finals):.1f} +- {statistics.stdev(finals):.1f}%"
+
+    narrow, anchored = cell("sapo_lag4_tau4", "sapo"), cell("sapo_lag4_beta", "sapo")
+    grpo = cell("grpo_lag4_beta0", "grpo")
+    quoted = [
+        ("off-policy.md", f"**A narrow gate does not help** ({narrow})."),
+        ("off-policy.md", f"lifts SAPO to {anchored} (KL to the reference"),
+        ("off-policy.md", f"without it, {grpo} (its clip removed"),
+        ("estimators/sapo.md", f"does not help ({narrow}), GRPO's KL term does (`--beta 0.04`: {anchored}), and GRPO "
+                               f"without its KL term holds ({grpo})."),
+        ("estimators/choosing.md", f"did not help ({narrow}); a KL term (`--beta 0.04`) lifted it to {anchored}, still "
+                                   f"below GRPO; GRPO without its KL term held ({grpo})"),
+    ]
+    for page, phrase in quoted:
+        assert phrase in " ".join(read(os.path.join(DOCS, page)).split()), (page, phrase)
+
+
 def test_the_2026_estimators_off_policy_prose_is_its_study():
     """Issue 54, item 4: real-model.md's reading of docs/studies/offpolicy_new5.json (one seed each, in the
     comparison's regime): IPO, VESPO and LUSPO above GRPO's seed, GDPO level with it (within a point), DRO under it."""
