@@ -33,24 +33,19 @@ def smallest_p(n: int, m: int) -> float:
     return permutation_p([float(i) for i in range(n)], [float(n + i) for i in range(m)])
 
 
-def normal_cdf(x: float) -> float:
-    """The standard normal distribution's cumulative probability at x."""
-    return 0.5 * (1 + math.erf(x / math.sqrt(2)))
-
-
 def separation_chance(n: int, m: int, shift: float, points: int = 4001) -> float:
     """The chance that each of n runs ends above each of m runs when the runs' results are normal with one standard
     deviation, the n runs' mean `shift` of them above the m runs': P(min of n > max of m), the integral over x of the
     density of the n runs' minimum at x times the chance that all m runs are below x (trapezoids on +-10 around both
     means). At shift 0 it is 1 / C(n + m, n): every order of the pooled runs is equally likely."""
+    unit = statistics.NormalDist()
     low, high = min(0.0, shift) - 10, max(0.0, shift) + 10
     width = (high - low) / (points - 1)
     total = 0.0
     for i in range(points):
         x = low + i * width
-        minimum = n * math.exp(-0.5 * (x - shift) ** 2) / math.sqrt(2 * math.pi)  # the density of the n runs' least
-        minimum *= (1 - normal_cdf(x - shift)) ** (n - 1)
-        value = minimum * normal_cdf(x) ** m
+        minimum = n * unit.pdf(x - shift) * (1 - unit.cdf(x - shift)) ** (n - 1)  # the density of the n runs' least
+        value = minimum * unit.cdf(x) ** m
         total += value * (0.5 if i in (0, points - 1) else 1.0)
     return total * width
 

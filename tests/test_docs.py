@@ -540,6 +540,23 @@ def test_the_2026_estimators_real_model_prose_is_their_study():
         assert f"in the same range, {min(finals):.1f}-{max(finals):.1f}%, one seed each" in f.read()
 
 
+# the estimators' names as the pages write them, for the prose the study tests rebuild
+NAMES = {"grpo": "GRPO", "gspo": "GSPO", "snib": "SNIB", "ctpo": "CTPO", "p3o": "P3O", "cispo": "CISPO", "gmpo": "GMPO",
+         "sapo": "SAPO", "rloo": "RLOO", "dppo": "DPPO", "reinforcepp": "REINFORCE++", "maxrl": "MaxRL",
+         "covpo": "Clip-Cov", "ipo": "IPO", "dro": "DRO", "vespo": "VESPO", "luspo": "LUSPO", "gdpo": "GDPO"}
+
+
+def same_runs(algos: list[str], finals) -> str:
+    """"GSPO = GMPO; CTPO = P3O": the estimators whose runs end the same, seed for seed (finals(algo): each seed's
+    final accuracy), each group once, in the study's order."""
+    groups = []
+    for algo in algos:
+        same = [b for b in algos if finals(b) == finals(algo)]
+        if len(same) > 1 and same[0] == algo:
+            groups.append(" = ".join(NAMES[b] for b in same))
+    return "; ".join(groups)
+
+
 def test_every_estimator_under_lag_prose_is_its_study():
     """Issue 52, item 7: the lag tables of every estimator's page, the side-by-side page and off-policy.md are study
     blocks of docs/studies/lag_all.json; the sentences that sum them up are rebuilt here from its runs: which
@@ -547,15 +564,11 @@ def test_every_estimator_under_lag_prose_is_its_study():
     means the pages quote."""
     import statistics
 
-    names = {"grpo": "GRPO", "gspo": "GSPO", "snib": "SNIB", "ctpo": "CTPO", "p3o": "P3O", "cispo": "CISPO",
-             "gmpo": "GMPO", "sapo": "SAPO", "rloo": "RLOO", "dppo": "DPPO", "reinforcepp": "REINFORCE++",
-             "maxrl": "MaxRL", "covpo": "Clip-Cov", "ipo": "IPO", "dro": "DRO", "vespo": "VESPO", "luspo": "LUSPO",
-             "gdpo": "GDPO"}
     with open(os.path.join(DOCS, "studies", "lag_all.json")) as f:
         results = json.load(f)["results"]
     algos = list(dict.fromkeys(r["algo"] for r in results))
     lags = list(dict.fromkeys(r["value"] for r in results))
-    assert sorted(algos) == sorted(names) and lags == ["0", "1", "2", "4"] and len(results) == 18 * 4 * 3
+    assert sorted(algos) == sorted(NAMES) and lags == ["0", "1", "2", "4"] and len(results) == 18 * 4 * 3
 
     def finals(algo, lag):
         return [100 * r["evals"][-1][1] for r in sorted(results, key=lambda r: r["seed"])
@@ -566,16 +579,11 @@ def test_every_estimator_under_lag_prose_is_its_study():
 
     def side(apart):
         found = [(algo, [lag for lag in lags if apart(finals(algo, lag), finals("grpo", lag))]) for algo in algos[1:]]
-        return "; ".join(f"{names[a]} at lag {', '.join(where)}" for a, where in found if where) or "none"
+        return "; ".join(f"{NAMES[a]} at lag {', '.join(where)}" for a, where in found if where) or "none"
 
     below = side(lambda a, g: max(a) < min(g))
     above = side(lambda a, g: min(a) > max(g))
-    groups = []  # estimators whose lag-0 runs are one run, seed for seed, in the study's order
-    for algo in algos:
-        same = [b for b in algos if finals(b, "0") == finals(algo, "0")]
-        if len(same) > 1 and same[0] == algo:
-            groups.append(" = ".join(names[b] for b in same))
-    equal = "; ".join(groups)
+    equal = same_runs(algos, lambda algo: finals(algo, "0"))  # one run at lag 0
     quoted = [
         ("off-policy.md", f"(evaluation.md#comparing-estimators)): {below}."),
         ("off-policy.md", f"**Every seed above**: {above}."),
@@ -605,26 +613,17 @@ def test_every_estimator_on_policy_prose_is_its_study():
 
     from evals.stats import permutation_p, shift_for_chance
 
-    names = {"grpo": "GRPO", "gspo": "GSPO", "snib": "SNIB", "ctpo": "CTPO", "p3o": "P3O", "cispo": "CISPO",
-             "gmpo": "GMPO", "sapo": "SAPO", "rloo": "RLOO", "dppo": "DPPO", "reinforcepp": "REINFORCE++",
-             "maxrl": "MaxRL", "covpo": "Clip-Cov", "ipo": "IPO", "dro": "DRO", "vespo": "VESPO", "luspo": "LUSPO",
-             "gdpo": "GDPO"}
     with open(os.path.join(DOCS, "studies", "onpolicy_all.json")) as f:
         results = json.load(f)["results"]
     algos = list(dict.fromkeys(r["algo"] for r in results))
-    assert sorted(algos) == sorted(names) and len(results) == 18 * 3
+    assert sorted(algos) == sorted(NAMES) and len(results) == 18 * 3
     finals = {a: [100 * r["evals"][-1][1] for r in sorted(results, key=lambda r: r["seed"]) if r["algo"] == a]
               for a in algos}
 
     def cell(algo):
         return f"{statistics.mean(finals[algo]):.1f} +- {statistics.stdev(finals[algo]):.1f}%"
 
-    groups = []  # runs that are one run, seed for seed, in the study's order
-    for algo in algos:
-        same = [b for b in algos if finals[b] == finals[algo]]
-        if len(same) > 1 and same[0] == algo:
-            groups.append(" = ".join(names[b] for b in same))
-    equal = "; ".join(groups)
+    equal = same_runs(algos, finals.get)
     means = [statistics.mean(v) for v in finals.values()]
     span = f"between {min(means):.1f}% and {max(means):.1f}%"
     p = {a: permutation_p(finals[a], finals["grpo"]) for a in algos[1:]}

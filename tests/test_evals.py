@@ -463,12 +463,13 @@ def test_the_chance_that_few_seeds_separate_two_estimators():
     1 / C(n + m, n); one run a side: P(A > B) = Phi(shift / sqrt 2), the difference of two normals; it grows with the
     shift toward 1. shift_for_chance inverts it (docs/evaluation.md quotes it for 3 seeds a side)."""
     import math
+    import statistics
 
-    from evals.stats import normal_cdf, separation_chance, shift_for_chance
+    from evals.stats import separation_chance, shift_for_chance
 
     assert separation_chance(3, 3, 0.0) == pytest.approx(1 / 20, abs=1e-9)
     assert separation_chance(5, 5, 0.0) == pytest.approx(1 / 252, abs=1e-9)
-    assert separation_chance(1, 1, 1.0) == pytest.approx(normal_cdf(1 / math.sqrt(2)), abs=1e-9)
+    assert separation_chance(1, 1, 1.0) == pytest.approx(statistics.NormalDist().cdf(1 / math.sqrt(2)), abs=1e-9)
     chances = [separation_chance(3, 3, shift) for shift in (0.5, 1.0, 2.0, 4.0, 8.0)]
     assert chances == sorted(chances) and chances[-1] == pytest.approx(1.0, abs=1e-6)
     shift = shift_for_chance(3, 3, 0.8)

@@ -560,8 +560,8 @@ def check_args(args, num_processes: int, files: bool = True) -> None:
         if not problems and not files and args.preset:  # a hub id the preset cannot reach: before it builds
             problems = hub_problems(args)
         if not problems and files:  # the hub, files and the model only once the flags make sense
-            # a typo in a local path, before the hub is asked anything
-            problems = missing_path_problems(args) or hub_problems(args)
+            # a typo in a local path, before the hub is asked anything (with a preset it was asked before it built)
+            problems = missing_path_problems(args) or ([] if args.preset else hub_problems(args))
             config = None
             if not problems:
                 problems, config = resource_problems(args)

@@ -24,9 +24,8 @@ SCHEDULES_WITHOUT_END = {"constant", "constant_with_warmup"}
 
 
 def resume_problems(args) -> list[str]:
-    """Before any weights load: --resume_from exists and holds an intact checkpoint."""
-    if not os.path.exists(args.resume_from):
-        return [f"--resume_from {args.resume_from!r}: no such directory"]
+    """Before any weights load: --resume_from (which common/rails/checks.py argument_problems found to exist) holds
+    an intact checkpoint."""
     try:
         ckpt = find_checkpoint(args.resume_from)  # a damaged checkpoint, or none
     except SystemExit as e:
