@@ -711,6 +711,7 @@ def test_the_siblings_cost_figures_are_their_measurement():
         ("estimators/choosing.md", f"SNIB {x['snib']}x, P3O {x['p3o']}x grpo.py's; the others but Clip-Cov "
                                    f"{min(others_stale):.2f}-{max(others_stale):.2f}x"),
         ("estimators/choosing.md", f"{ratio['on']['covpo']:.2f}x grpo.py's on-policy, {x['covpo']}x stale"),
+        ("estimators/p3o.md", f"(the ESS), {x['p3o']}x grpo.py's step on the toy"),
         ("../README.md", f"stale: SNIB {x['snib']}x, P3O {x['p3o']}x, Clip-Cov {x['covpo']}x grpo.py's (a no-grad "
                          f"pass per optimizer step; Clip-Cov's on-policy too: {ratio['on']['covpo']:.2f}x); the others "
                          f"within {within}%"),
