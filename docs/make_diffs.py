@@ -105,6 +105,12 @@ def short(commits: str) -> str:
     return ", ".join(c[:7] for c in commits.split(","))
 
 
+def provenance(study: dict) -> str:
+    """"commit 0123456" and, for runs that recorded it (evals.compare's machine()), the machines they ran on."""
+    machines = study.get("machines") or []
+    return f"commit {short(study['commit'])}" + (f"; {' and '.join(machines)}" if machines else "")
+
+
 def percent(x: float) -> str:
     return f"{100 * x:.1f}"
 
@@ -133,7 +139,7 @@ def study_table(tag: str, only: str | None = None) -> list[str]:
     first, last = results[0]["evals"][0][0], results[0]["evals"][-1][0]
     flag = study.get("vary")
     seeds = sorted({r["seed"] for r in results})
-    head = [f"`{study['command']}` (commit {short(study['commit'])}); held-out greedy accuracy over seed"
+    head = [f"`{study['command']}` ({provenance(study)}); held-out greedy accuracy over seed"
             f"{'s' if len(seeds) > 1 else ''} {', '.join(str(s) for s in seeds)}:", ""]
 
     def runs_of(algo, value):
@@ -186,7 +192,7 @@ def study_against(tag: str, base: str) -> list[str]:
     sizes = sorted({len(v) for a, v in finals.items() if a != base})
     floor = ", ".join(f"{smallest_p(n, len(finals[base])):.3g} with {n} seed{'s' if n > 1 else ''} against "
                       f"{len(finals[base])}" for n in sizes)
-    head = [f"`{study['command']}` (commit {short(study['commit'])}). Step {last}: the held-out greedy accuracy, its "
+    head = [f"`{study['command']}` ({provenance(study)}). Step {last}: the held-out greedy accuracy, its "
             f"difference from {base}'s mean and the exact permutation p-value of that difference over seeds (the "
             f"smallest p these seeds can give: {floor}); then each run's mean over its steps, averaged over seeds:",
             "", "| estimator | accuracy, mean +- std | vs " + base + " | p | ESS | log-ratio std | clip | entropy | "

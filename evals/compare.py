@@ -25,6 +25,7 @@ import contextlib
 import importlib
 import json
 import os
+import platform
 import shlex
 import shutil
 import statistics
@@ -187,7 +188,7 @@ def run_one(algo: str, seed: int, args: CompareArgs, out_dir: str, value: str | 
         cause = next((line for line in reversed(lines) if line.startswith("error:")), lines[-1] if lines else "")
         raise SystemExit(f"error: {algo} seed {seed} failed (exit {code}): {cause[:300]} (log: {log_path})")
     result = {"algo": algo, "seed": seed, "value": value, "seconds": time.time() - start, "commit": head_commit(),
-              **run_record(run_dir)}
+              "machine": machine(), **run_record(run_dir)}
     if not args.keep_checkpoints:  # the disk: a real model's checkpoint with its optimizer is about 1 GB
         shutil.rmtree(os.path.join(run_dir, "checkpoints"), ignore_errors=True)
     with open(result_path, "w") as f:  # last: a run with a result file is finished
@@ -217,6 +218,25 @@ def run_record(run_dir: str) -> dict:
     return {"evals": evals, "minutes": minutes, "diagnostics": diagnostics}
 
 
+def machine() -> str:
+    """The CPU a run ran on and the instruction set torch's kernels dispatch to there, e.g. "AMD EPYC (family 25,
+    model 17), torch AVX512". A run's floats depend on both (so does the toy's build: docs/toy.md), so the runs of a
+    study are one seed for seed only on one kind of machine; a study carried across machines names each."""
+    import torch
+
+    fields = {}
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break  # the first processor's fields
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    where = f" (family {fields['cpu family']}, model {fields['model']})" if "cpu family" in fields else ""
+    return f"{name}{where}, torch {torch.backends.cpu.get_cpu_capability()}"
+
+
 def head_commit() -> str:
     done = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True)
     return done.stdout.strip() if done.returncode == 0 else "unknown"
@@ -227,7 +247,8 @@ def write_study(results: list[dict], flag: str | None, out_dir: str, command: st
     docs/studies/TAG.json, it is the one source of the study's table in the docs (`<!-- begin: study TAG -->`,
     docs/make_diffs.py). Each run records its commit; a run recorded before that takes the commit of the study.json
     it was first written into, so a study finished (or completed by run_record) from a later checkout still names
-    the code its runs ran; runs of several commits are named together, comma-separated."""
+    the code its runs ran; runs of several commits are named together, comma-separated, and the machines the runs
+    ran on (machine(); a run recorded before it names none) are listed."""
     path = os.path.join(out_dir, "study.json")
     earlier = None
     if os.path.exists(path):
@@ -236,7 +257,9 @@ def write_study(results: list[dict], flag: str | None, out_dir: str, command: st
     if earlier is None and any("commit" not in r for r in results):
         earlier = head_commit()
     commits = [r.get("commit") or earlier for r in results]
-    study = {"command": command, "commit": ",".join(dict.fromkeys(commits)), "vary": flag, "results": results}
+    machines = list(dict.fromkeys(r["machine"] for r in results if "machine" in r))  # none for runs before machine()
+    study = {"command": command, "commit": ",".join(dict.fromkeys(commits)), "machines": machines, "vary": flag,
+             "results": results}
     with open(path, "w") as f:
         json.dump(study, f, indent=1)
 

@@ -9,7 +9,9 @@
 #   bash scripts/study_carry.sh restore TAG RUNS   # and back, before `python -m evals.compare ... --tag TAG --resume`
 #
 # RUNS is the runs/ folder of the checkout the study runs from; a fourth argument names another folder to carry them
-# in (the tests'). An interrupted run is not carried: it starts anew.
+# in (the tests'). An interrupted run is not carried: it starts anew. A run's floats depend on the machine, so a run
+# whose result does not name its machine (one of a checkout older than evals.compare's machine()) is stamped with
+# this one's when saved: save on the machine that ran it, in the session it finished.
 set -euo pipefail
 if [ $# -lt 3 ] || [ $# -gt 4 ] || { [ "$1" != save ] && [ "$1" != restore ]; }; then
     echo "usage: bash scripts/study_carry.sh save|restore TAG RUNS_FOLDER [CARRIED_FOLDER]" >&2
@@ -18,14 +20,24 @@ fi
 action=$1
 tag=$2
 study="$3/compare-$tag"
-carried=${4:-"$(cd "$(dirname "$0")/.." && pwd)/docs/studies/unfinished/$tag"}
+repo=$(cd "$(dirname "$0")/.." && pwd)
+carried=${4:-"$repo/docs/studies/unfinished/$tag"}
 if [ "$action" = save ]; then
     mkdir -p "$carried"
+    carried=$(cd "$carried" && pwd)  # the stamp below runs in the repository's root
     count=0
     for result in "$study"/*.result.json; do
         [ -e "$result" ] || continue
         run=$(basename "$result" .result.json)
         cp "$result" "$carried/"
+        if ! grep -q '"machine"' "$carried/$run.result.json"; then
+            (cd "$repo" && ${PYTHON:-python} -c 'import json, sys
+from evals.compare import machine
+with open(sys.argv[1]) as f:
+    result = json.load(f)
+with open(sys.argv[1], "w") as f:
+    json.dump({**result, "machine": machine()}, f)' "$carried/$run.result.json")
+        fi
         mkdir -p "$carried/$run"
         cp "$study/$run/metrics.jsonl" "$carried/$run/"
         count=$((count + 1))

@@ -213,6 +213,12 @@ def test_a_study_against_a_baseline_by_hand(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="varies --rollout_lag: a study-vs block takes a study without --vary"):
         make_diffs.study_against("v", "grpo")
     assert make_diffs.short("a" * 40 + "," + "b" * 40) == "aaaaaaa, bbbbbbb"  # a study whose runs span two commits
+    # a study whose runs recorded their machines (evals.compare's machine()) names them beside the commit
+    carried = {**study, "machines": ["AMD EPYC (family 25, model 17), torch AVX512", "Intel Xeon, torch AVX2"]}
+    (tmp_path / "docs" / "studies" / "m.json").write_text(json.dumps(carried))
+    assert make_diffs.study_against("m", "grpo")[0].startswith(
+        "`python -m evals.compare --tag t` (commit 0123456; AMD EPYC (family 25, model 17), torch AVX512 and Intel "
+        "Xeon, torch AVX2). Step 10:")
 
 
 def test_a_study_block_is_the_table_of_its_runs_file(tmp_path, monkeypatch):

@@ -438,14 +438,18 @@ def test_a_compare_study_resumes_where_it_stopped(in_toy_workdir):
     with open(run + ".result.json") as f:
         assert written["results"] == [json.load(f)]
     assert written["command"].startswith("python -m evals.compare") and written["vary"] is None
+    assert result["machine"] == compare.machine() and written["machines"] == [result["machine"]]  # where it ran
     assert len(written["commit"]) == 40 or written["commit"] == "unknown"
     # Carried to another machine (scripts/study_carry.sh): the finished run only, read there, not run again.
     os.makedirs(os.path.join("runs", "compare-resume", "grpo__s2"))  # an interrupted run: not carried
+    with open(run + ".result.json", "w") as f:  # as a checkout older than machine() wrote it: stamped when saved
+        json.dump({k: v for k, v in result.items() if k != "machine"}, f)
     carry = [os.path.join(REPO, "scripts", "study_carry.sh"), "resume", "runs", "carried"]
-    subprocess.run(["bash", carry[0], "save", *carry[1:]], check=True, capture_output=True)
+    env = {**os.environ, "PYTHON": sys.executable}
+    subprocess.run(["bash", carry[0], "save", *carry[1:]], check=True, capture_output=True, env=env)
     assert sorted(os.listdir("carried")) == ["grpo__s1", "grpo__s1.result.json"]
     shutil.rmtree(os.path.join("runs", "compare-resume"))
-    subprocess.run(["bash", carry[0], "restore", *carry[1:]], check=True, capture_output=True)
+    subprocess.run(["bash", carry[0], "restore", *carry[1:]], check=True, capture_output=True, env=env)
     study(2, resume=True)
     assert not os.path.exists(run + ".log")  # a run's log is written only when it runs
     with open(run + ".result.json") as f:
