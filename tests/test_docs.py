@@ -761,3 +761,84 @@ def test_the_2026_estimators_off_policy_prose_is_its_study():
     assert round(abs(final["gdpo"] - final["grpo"]), 1) <= 1.0 and final["dro"] < final["grpo"], final
     phrase = "IPO, VESPO and LUSPO ended above GRPO's seed, GDPO level with it, DRO under it"
     assert phrase in " ".join(read(os.path.join(DOCS, "real-model.md")).split())
+
+
+def test_every_estimator_on_stale_data_prose_is_its_study():
+    """Issue 52, item 7: the toy's stale-data tables are study blocks of docs/studies/stale_all.json (eighteen
+    estimators at their defaults, three seeds, 250 steps, eight optimizer steps a batch), of its two KL ablations
+    (stale_grpo_beta0, stale_cispo_beta) and of KL-Cov's runs (stale_klcov); the sentences that sum them up are
+    rebuilt here from their runs: the span of the means, which estimators end with every seed under every GRPO seed,
+    which ended under the warm start, the scripts with a KL term (held to their own Args), the ablations."""
+    import statistics
+
+    from evals.stats import permutation_p
+
+    def finals(tag):
+        with open(os.path.join(DOCS, "studies", f"{tag}.json")) as f:
+            results = json.load(f)["results"]
+        runs = {}
+        for r in sorted(results, key=lambda r: r["seed"]):
+            runs.setdefault(r["algo"], []).append(100 * r["evals"][-1][1])
+        return runs, 100 * results[0]["evals"][0][1]
+
+    def cell(values):
+        return f"{statistics.mean(values):.1f} +- {statistics.stdev(values):.1f}%"
+
+    stale, start = finals("stale_all")
+    algos = list(stale)
+    assert sorted(algos) == sorted(NAMES) and all(len(v) == 3 for v in stale.values())
+    words = {6: "six", 15: "fifteen", 16: "sixteen", 17: "seventeen"}
+    means = {a: statistics.mean(v) for a, v in stale.items()}
+    others = {a: m for a, m in means.items() if a != "grpo"}
+    low, high = min(others, key=others.get), max(others, key=others.get)
+    assert means["grpo"] > means[high]  # "the highest mean of the eighteen"
+    span = f"{means[low]:.1f}% ({NAMES[low]}) to {means[high]:.1f}% ({NAMES[high]})"
+    below = [a for a in algos[1:] if max(stale[a]) < min(stale["grpo"])]
+    under = [a for a in algos if means[a] < start]
+    assert [a for a in algos[1:] if a not in below] == ["gdpo"], below  # the prose names GDPO as the one
+    beta = {a: importlib.import_module(a).Args().beta for a in algos}
+    assert all(beta[a] == 0 for a in under)  # "all ... among the thirteen without one"
+    onpolicy_start = finals("onpolicy_all")[1]
+    grpo_beta0, cispo_beta = finals("stale_grpo_beta0")[0]["grpo"], finals("stale_cispo_beta")[0]["cispo"]
+    klcov = finals("stale_klcov")[0]["covpo"]
+    without_kl = sorted((a for a in algos if not beta[a]), key=means.get, reverse=True)
+    assert "ctpo" in without_kl[:3]  # ctpo.md: "one of the three ahead" of the estimators without a KL term
+    ahead = [a for a in without_kl[:3] if a != "ctpo"]
+    # "each with every seed beyond every seed of its default"; "with GRPO's KL term CISPO still ends under GRPO"
+    assert max(grpo_beta0) < min(stale["grpo"]) and min(cispo_beta) > max(stale["cispo"])
+    assert max(cispo_beta) < min(stale["grpo"])
+    lift = statistics.mean(cispo_beta) - statistics.mean(stale["cispo"])
+    cost = statistics.mean(stale["grpo"]) - statistics.mean(grpo_beta0)
+    assert 10 <= cost <= 20 and 10 <= lift <= 20  # covpo.md: "moved GRPO and CISPO by 10-20 points"
+    snib = ", ".join(f"{v:.1f}" for v in stale["snib"])
+    quoted = [
+        ("toy.md", f"its warm start is {start:.1f}% held out, the on-policy runs' {onpolicy_start:.1f}%."),
+        ("toy.md", f"GRPO ends at {cell(stale['grpo'])}, the highest mean of the eighteen; the others' span {span}. "
+                   f"Every seed of {words[len(below)]} of the other seventeen ends under every GRPO seed"),
+        ("toy.md", f"keeps GRPO's KL term ({cell(stale['gdpo'])}, p = "
+                   f"{permutation_p(stale['gdpo'], stale['grpo']):.1f})."),
+        ("toy.md", f"**{words[len(under)].capitalize()} ended under their warm start**: "
+                   f"{', '.join(f'{NAMES[a]} {means[a]:.1f}%' for a in under)}."),
+        ("toy.md", f"GRPO without its KL term (`--beta 0`) ends at {cell(grpo_beta0)}, CISPO with GRPO's (`--beta "
+                   f"0.04`) at {cell(cispo_beta)} (at its default, {cell(stale['cispo'])})"),
+        ("toy.md", f"In the study above no SNIB seed collapsed ({snib}%)"),
+        ("estimators/index.md", f"GRPO ends at {cell(stale['grpo'])}, the highest mean; the others' span {span}, "
+                                f"and every seed of {words[len(below)]} of the other seventeen ends under every GRPO "
+                                f"seed"),
+        ("estimators/covpo.md", f"Clip-Cov {cell(stale['covpo'])}, KL-Cov {cell(klcov)}, against GRPO's "
+                                f"{cell(stale['grpo'])}"),
+        ("estimators/choosing.md", f"GRPO {cell(stale['grpo'])}, GDPO {cell(stale['gdpo'])}"),
+        ("estimators/choosing.md", f"GRPO without its KL term falls from {cell(stale['grpo'])} to {cell(grpo_beta0)}, "
+                                   f"CISPO with GRPO's rises from {cell(stale['cispo'])} to {cell(cispo_beta)}"),
+        ("estimators/choosing.md", f"a KL term lifted CISPO by about {lift:.0f} points and its absence cost GRPO "
+                                   f"{cost:.0f}."),
+        ("estimators/choosing.md", f"KL-Cov {cell(klcov)}"),
+        ("estimators/index.md", f"GRPO without its KL term falls to {cell(grpo_beta0)}, CISPO with GRPO's rises from "
+                                f"{cell(stale['cispo'])} to {cell(cispo_beta)}"),
+        ("../README.md", f"largely by their KL term (GRPO without it: {statistics.mean(grpo_beta0):.1f}%)"),
+        ("estimators/ctpo.md", f"among those it is one of the three ahead, with {NAMES[ahead[0]]} and "
+                               f"{NAMES[ahead[1]]}"),
+        ("../README.md", f"GRPO ({means['grpo']:.1f}%) and GDPO ({means['gdpo']:.1f}%) ahead of the other sixteen"),
+    ]
+    for page, phrase in quoted:
+        assert phrase in " ".join(read(os.path.join(DOCS, page)).split()), (page, phrase)
