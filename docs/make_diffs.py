@@ -108,7 +108,7 @@ def short(commits: str) -> str:
 def provenance(study: dict) -> str:
     """"commit 0123456" and, for runs that recorded it (evals.compare's machine()), the machines they ran on."""
     machines = study.get("machines") or []
-    return f"commit {short(study['commit'])}" + (f"; {' and '.join(machines)}" if machines else "")
+    return f"commit {short(study['commit'])}" + (f"; ran on {'; '.join(machines)}" if machines else "")
 
 
 def percent(x: float) -> str:

@@ -221,7 +221,7 @@ def run_record(run_dir: str) -> dict:
 def machine() -> str:
     """The CPU a run ran on and the instruction set torch's kernels dispatch to there, e.g. "AMD EPYC (family 25,
     model 17), torch AVX512". A run's floats depend on both (so does the toy's build: docs/toy.md), so the runs of a
-    study are one seed for seed only on one kind of machine; a study carried across machines names each."""
+    study match seed for seed only on one kind of machine; a study carried across machines names each."""
     import torch
 
     fields = {}
@@ -233,7 +233,7 @@ def machine() -> str:
                 key, _, value = line.partition(":")
                 fields[key.strip()] = value.strip()
     name = fields.get("model name") or platform.processor() or platform.machine()
-    where = f" (family {fields['cpu family']}, model {fields['model']})" if "cpu family" in fields else ""
+    where = f" (family {fields['cpu family']}, model {fields.get('model', '?')})" if "cpu family" in fields else ""
     return f"{name}{where}, torch {torch.backends.cpu.get_cpu_capability()}"
 
 

@@ -23,27 +23,39 @@ study="$3/compare-$tag"
 repo=$(cd "$(dirname "$0")/.." && pwd)
 carried=${4:-"$repo/docs/studies/unfinished/$tag"}
 if [ "$action" = save ]; then
+    if [ ! -d "$study" ]; then
+        echo "error: no study folder $study (RUNS is the runs/ folder the study ran in)" >&2
+        exit 1
+    fi
     mkdir -p "$carried"
-    carried=$(cd "$carried" && pwd)  # the stamp below runs in the repository's root
+    study=$(cd "$study" && pwd)  # absolute: the stamp below runs in the repository's root
+    carried=$(cd "$carried" && pwd)
     count=0
     for result in "$study"/*.result.json; do
         [ -e "$result" ] || continue
         run=$(basename "$result" .result.json)
-        cp "$result" "$carried/"
-        if ! grep -q '"machine"' "$carried/$run.result.json"; then
-            (cd "$repo" && ${PYTHON:-python} -c 'import json, sys
-from evals.compare import machine
-with open(sys.argv[1]) as f:
-    result = json.load(f)
-with open(sys.argv[1], "w") as f:
-    json.dump({**result, "machine": machine()}, f)' "$carried/$run.result.json")
+        if [ ! -f "$study/$run/metrics.jsonl" ]; then
+            echo "error: $result has no $study/$run/metrics.jsonl; nothing of it carried" >&2
+            exit 1
         fi
         mkdir -p "$carried/$run"
         cp "$study/$run/metrics.jsonl" "$carried/$run/"
+        # the result last, stamped with this machine where it names none: a carried result is a finished run
+        (cd "$repo" && ${PYTHON:-python} -c 'import json, sys
+from evals.compare import machine
+with open(sys.argv[1]) as f:
+    result = json.load(f)
+result.setdefault("machine", machine())
+with open(sys.argv[2], "w") as f:
+    json.dump(result, f)' "$result" "$carried/$run.result.json")
         count=$((count + 1))
     done
     echo "saved $count finished runs of $study in $carried"
 else
+    if [ ! -d "$carried" ]; then
+        echo "error: nothing carried for $tag ($carried does not exist)" >&2
+        exit 1
+    fi
     mkdir -p "$study"
     count=0
     for result in "$carried"/*.result.json; do

@@ -448,6 +448,10 @@ def test_a_compare_study_resumes_where_it_stopped(in_toy_workdir):
     env = {**os.environ, "PYTHON": sys.executable}
     subprocess.run(["bash", carry[0], "save", *carry[1:]], check=True, capture_output=True, env=env)
     assert sorted(os.listdir("carried")) == ["grpo__s1", "grpo__s1.result.json"]
+    missing = subprocess.run(["bash", carry[0], "save", "nothere", "runs", "elsewhere"], capture_output=True,
+                             text=True, env=env)
+    assert missing.returncode == 1 and "error: no study folder runs/compare-nothere" in missing.stderr
+    assert not os.path.exists("elsewhere")  # nothing made for a study that is not there
     shutil.rmtree(os.path.join("runs", "compare-resume"))
     subprocess.run(["bash", carry[0], "restore", *carry[1:]], check=True, capture_output=True, env=env)
     study(2, resume=True)
