@@ -113,6 +113,12 @@ def batch_stats(log_ratio, advantages, mask, args: Args, total=lambda x: x) -> S
     return Stats(num_rows, log_weight=u, log_wbar=log_wbar, fg_coeff=fg_coeff, group_ess=group_ess)
 
 
+def wbar_in_graph(args: Args) -> bool:
+    """SNIB-fg with a KL term or TIS: compute_loss takes wbar_g from the micro-batch's own rows, in the
+    graph, so a micro-batch must hold whole groups."""
+    return args.self_normalize and not args.stop_grad_norm and (args.beta > 0 or args.tis_cap > 0)
+
+
 def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=None,
                  tis_weights=None):
     """SNIB loss with full-batch semantics: sg(log wbar_g) is `stats.log_wbar` (None: these rows are
@@ -127,7 +133,7 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
     log_wbar, fg_coeff = stats.log_wbar, stats.fg_coeff  # (B,) each
     # (B,)  SNIB: u_i = sum_t mask (logp - old_logp), EOS included
     u = ((logp - old_logp) * mask).sum(-1)
-    if fg and (args.beta > 0 or tis_weights is not None):
+    if fg and (args.beta > 0 or tis_weights is not None):  # whole groups, in order (wbar_in_graph)
         if u.numel() % G:
             raise ValueError("SNIB-fg with --beta > 0 or --tis_cap > 0 needs --micro_batch_size a multiple of G")
         # (B,)  in the graph
@@ -213,7 +219,8 @@ def main(args: Args):
                 log_ratio = log_ratio_now(run, batch, mini)  # SNIB: (rows, T) at the current weights
                 stats = batch_stats(log_ratio, advantages[mini], mask[mini], args, total)  # SNIB:
                 dumps.append(stats)  # --dump_stats_steps (e.g. SNIB's Figure 2)
-                for rows in microbatches(run, batch, mini):  # (b,) indices of this process's rows
+                # SNIB: (b,) indices of this process's rows, whole groups where wbar_g is in the graph
+                for rows in microbatches(run, batch, mini, whole_groups=wbar_in_graph(args)):  # SNIB:
                     input_ids = batch.input_ids[rows]  # (b, P+T)
                     attention = batch.attention_mask[rows]  # (b, P+T)
                     with accelerator.accumulate(model):

@@ -367,12 +367,16 @@ def widen(x: torch.Tensor, P: int, T: int, P_b: int, T_b: int) -> torch.Tensor:
     right = T_b - completion.shape[1]
     return torch.nn.functional.pad(torch.cat([prompt, completion], dim=1), (left, right))
 
-def length_buckets(mask: torch.Tensor, size: int, offset: int = 0) -> list[torch.Tensor]:
+def length_buckets(mask: torch.Tensor, size: int, offset: int = 0, unit: int = 1) -> list[torch.Tensor]:
     """Rows offset + i of `mask` (rows, T) in groups of `size`, longest completions first: each group's forward
     runs on its own longest row's columns (completion_logprobs), so rows of similar length together waste little
     padding. A micro-batch's gradient adds up the same whatever rows it holds (the loss normalisers are the
-    optimizer batch's), so only the order of floating-point sums changes."""
-    order = torch.argsort(mask.sum(-1), descending=True, stable=True) + offset  # (rows,)
+    optimizer batch's), so only the order of floating-point sums changes. `unit` > 1 (`size` a multiple of it)
+    keeps consecutive runs of `unit` rows together and in order (a loss that needs whole groups in a micro-batch),
+    sorted by each run's longest row."""
+    longest = mask.sum(-1).view(-1, unit).amax(-1)  # (rows / unit,)
+    units = torch.argsort(longest, descending=True, stable=True)  # (rows / unit,)
+    order = (units[:, None] * unit + torch.arange(unit, device=mask.device)).flatten() + offset  # (rows,)
     return list(order.split(size))
 
 

@@ -53,9 +53,11 @@ def minibatches(run) -> list[slice]:
     return [slice(start, start + run.local_mini) for start in range(0, run.local_rows, run.local_mini)]
 
 
-def microbatches(run, batch, mini: slice) -> list[torch.Tensor]:
-    """The rows of `mini` in groups of --micro_batch_size, of similar completion lengths (less padding)."""
-    return length_buckets(batch.completion_tokens[mini], run.args.micro_batch_size, offset=mini.start)
+def microbatches(run, batch, mini: slice, whole_groups: bool = False) -> list[torch.Tensor]:
+    """The rows of `mini` in groups of --micro_batch_size, of similar completion lengths (less padding);
+    `whole_groups`: each micro-batch holds whole groups of G rows, in their order."""
+    unit = run.args.num_generations if whole_groups else 1
+    return length_buckets(batch.completion_tokens[mini], run.args.micro_batch_size, offset=mini.start, unit=unit)
 
 
 def rows_of(x: torch.Tensor | None, rows) -> torch.Tensor | None:

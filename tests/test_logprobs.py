@@ -252,6 +252,13 @@ def test_length_buckets_sort_rows_longest_first():
     assert [b.tolist() for b in buckets] == [[11, 13, 14, 10], [15, 12]]  # ties keep their order
 
 
+def test_length_buckets_can_keep_groups_whole_and_in_order():
+    mask = pad_rows([[1] * n for n in [3, 1, 7, 2, 5, 6]], 0)  # (6, 7): groups of 2 whose longest are 3, 7, 6
+    buckets = length_buckets(mask, 4, offset=10, unit=2)
+    assert [b.tolist() for b in buckets] == [[12, 13, 14, 15], [10, 11]]
+    assert [b.tolist() for b in length_buckets(mask, 4, offset=10)] == [[12, 15, 14, 10], [13, 11]]  # split
+
+
 def varied_batch(V: int, B: int, P: int, T: int, seed: int = 0):
     """[left-padded prompt | right-padded completion], prompt lengths 1..P and completion lengths 1..T at random."""
     g = torch.Generator().manual_seed(seed)

@@ -7,6 +7,7 @@ import math
 import os
 import shutil
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from test_train import SMALL, assert_same_weights, final_weights, sgd_gradient
 
 import grpo
 import snib
+from common.update import microbatches
 
 ARGS = snib.Args(num_generations=2, beta=0.0)
 
@@ -293,6 +295,25 @@ def test_fg_with_kl_or_tis_refuses_micro_batches_that_split_a_group():
     with pytest.raises(ValueError, match="--micro_batch_size a multiple of G"):
         snib.compute_loss(logp[rows], old[rows], ref[rows], A[rows], mask[rows], replace(args, beta=0.0),
                           tis_weights=tis[rows], stats=stats.for_rows(rows))
+
+
+@pytest.mark.parametrize("flags, whole", [
+    (dict(stop_grad_norm=False, beta=0.1), True),  # SNIB-fg with a KL term: wbar_g from the micro-batch's rows
+    (dict(stop_grad_norm=False, beta=0.0, tis_cap=2.0), True),  # with TIS
+    (dict(stop_grad_norm=False, beta=0.0), False),  # its gradient through wbar_g comes from batch_stats
+    (dict(beta=0.1), False),  # SNIB-sg
+])
+def test_the_loop_gives_fg_with_kl_or_tis_whole_groups(flags, whole):
+    """Length bucketing would mix two groups whose rows interleave by length (the toy's completions did, on one
+    machine's build); the loop's micro-batches keep them whole where compute_loss takes wbar_g from their rows."""
+    args = replace(ARGS, num_generations=4, micro_batch_size=4, **flags)
+    lengths = [1, 9, 2, 3, 8, 4, 7, 5]  # two groups, rows 0-3 and 4-7
+    batch = SimpleNamespace(completion_tokens=torch.tensor([[1] * n + [0] * (9 - n) for n in lengths]))
+    rows = microbatches(SimpleNamespace(args=args), batch, slice(0, 8), whole_groups=snib.wbar_in_graph(args))
+    groups = [sorted(set((r // 4).tolist())) for r in rows]
+    assert (groups == [[0], [1]]) == whole, groups
+    if whole:
+        assert [r.tolist() for r in rows] == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
 def test_group_ess_is_per_group_and_survives_split_micro_batches():

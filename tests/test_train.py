@@ -110,8 +110,9 @@ def test_mini_batches_and_iterations_match_across_process_counts(in_toy_workdir)
     argv = SMALL + ["--micro_batch_size", "2", "--mini_batch_size", "8", "--num_iterations", "2"]
     updates = {n: sgd_gradient(in_toy_workdir, f"mini{n}", argv, num_processes=n, lr=0.003) for n in (1, 2)}
     m1, m2 = (read_metrics(os.path.join("runs", f"mini{n}"))[-1] for n in (1, 2))
-    assert m1["policy/ratio_mean"] == pytest.approx(m2["policy/ratio_mean"], rel=1e-5)
-    assert m1["policy/ratio_mean"] != 1.0, "precondition: the second pass is not stale: its ratios are all 1"
+    # (the logged ratio mean is a mean over micro-batches, which hold other rows with 2 processes: not compared)
+    for m in (m1, m2):
+        assert m["policy/ratio_mean"] != 1.0, "precondition: the second pass is not stale: its ratios are all 1"
     assert_same_gradient(updates[1], updates[2], atol=2.4e-7)  # float32 w0 - w1: an ulp of the weights near 1
 
 
