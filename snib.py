@@ -57,6 +57,16 @@ class Args(TrainArgs):
     )
     kl_weight_grad: bool = arg(True, "the KL term w_i K_i keeps w_i's gradient; false: sg(w_i) K_i")
 
+    def problems(self) -> list[str]:
+        """Checked before anything loads: SNIB-fg with a KL term or TIS needs whole groups in a
+        micro-batch (wbar_in_graph)."""
+        if wbar_in_graph(self) and self.micro_batch_size % self.num_generations:
+            G = self.num_generations
+            return [f"--micro_batch_size {self.micro_batch_size}: SNIB-fg (--stop_grad_norm false) with a KL "
+                    f"term or TIS takes each group's mean weight from a micro-batch's own rows, so it needs a "
+                    f"multiple of --num_generations {G}, e.g. --micro_batch_size {G}"]
+        return []
+
 
 # ALGO LOGIC: advantages and loss
 def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:

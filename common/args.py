@@ -184,6 +184,11 @@ class TrainArgs:
         0, "save batch_stats' per-row tensors to run_dir/stats every this many steps (0: off)",
     )
 
+    def problems(self) -> list[str]:
+        """A script's own checks of its flags, one line each, run with the shared ones before anything
+        loads (common/rails/checks.py argument_problems); a script's Args overrides it."""
+        return []
+
 
 class ArgParser(HfArgumentParser):
     """HfArgumentParser, which passes a field's metadata to argparse, less the keys that are not

@@ -16,6 +16,7 @@ from test_train import SMALL, assert_same_weights, final_weights, sgd_gradient
 
 import grpo
 import snib
+from common.rails.checks import argument_problems
 from common.update import microbatches
 
 ARGS = snib.Args(num_generations=2, beta=0.0)
@@ -295,6 +296,21 @@ def test_fg_with_kl_or_tis_refuses_micro_batches_that_split_a_group():
     with pytest.raises(ValueError, match="--micro_batch_size a multiple of G"):
         snib.compute_loss(logp[rows], old[rows], ref[rows], A[rows], mask[rows], replace(args, beta=0.0),
                           tis_weights=tis[rows], stats=stats.for_rows(rows))
+
+
+@pytest.mark.parametrize("flags, refused", [
+    (dict(stop_grad_norm=False), True),  # SNIB-fg with its default KL term
+    (dict(stop_grad_norm=False, beta=0.0, tis_cap=2.0), True),
+    (dict(stop_grad_norm=False, beta=0.0), False),
+    (dict(), False),  # SNIB-sg
+])
+def test_fg_with_kl_or_tis_and_split_groups_is_refused_before_anything_loads(flags, refused):
+    args = snib.Args(num_generations=4, batch_size=16, micro_batch_size=2, **flags)
+    problems = argument_problems(args, num_processes=1)
+    assert bool(problems) == refused, problems
+    if refused:
+        assert problems == [args.problems()[0]] and "e.g. --micro_batch_size 4" in problems[0]
+    assert not argument_problems(replace(args, micro_batch_size=8), num_processes=1)
 
 
 @pytest.mark.parametrize("flags, whole", [

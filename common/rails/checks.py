@@ -357,7 +357,7 @@ def argument_problems(args, num_processes: int) -> list[str]:
     """Everything that needs no file, model or data: ranges, batch geometry, names."""
     problems = range_problems(args, TRAIN_RANGES) + field_bound_problems(args)
     if not problems:  # the geometry and the schedule divide and count with these
-        problems += geometry_problems(args, num_processes) + scheduler_problems(args)
+        problems += geometry_problems(args, num_processes) + scheduler_problems(args) + args.problems()
     if args.overlong_buffer >= args.max_completion_length > 0:
         problems.append(f"--overlong_buffer {args.overlong_buffer} must be below "
                         f"--max_completion_length {args.max_completion_length} (DAPO: a buffer of "
