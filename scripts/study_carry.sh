@@ -9,9 +9,10 @@
 #   bash scripts/study_carry.sh restore TAG RUNS   # and back, before `python -m evals.compare ... --tag TAG --resume`
 #
 # RUNS is the runs/ folder of the checkout the study runs from; a fourth argument names another folder to carry them
-# in (the tests'). An interrupted run is not carried: it starts anew. A run's floats depend on the machine, so a run
-# whose result does not name its machine (one of a checkout older than evals.compare's machine()) is stamped with
-# this one's when saved: save on the machine that ran it, in the session it finished.
+# in (the tests'). An interrupted run is not carried: it starts anew. A run's floats depend on the machine and the
+# code, so a run whose result does not name its machine or commit (one of a checkout older than evals.compare's
+# machine()) is stamped with this machine and with the commit of the checkout RUNS lies in when saved: save on the
+# machine that ran it, in the session it finished, from the checkout (or worktree) that ran it.
 set -euo pipefail
 if [ $# -lt 3 ] || [ $# -gt 4 ] || { [ "$1" != save ] && [ "$1" != restore ]; }; then
     echo "usage: bash scripts/study_carry.sh save|restore TAG RUNS_FOLDER [CARRIED_FOLDER]" >&2
@@ -30,6 +31,7 @@ if [ "$action" = save ]; then
     mkdir -p "$carried"
     study=$(cd "$study" && pwd)  # absolute: the stamp below runs in the repository's root
     carried=$(cd "$carried" && pwd)
+    commit=$(git -C "$study" rev-parse HEAD 2>/dev/null || true)  # the checkout the runs ran in (none: not stamped)
     count=0
     for result in "$study"/*.result.json; do
         [ -e "$result" ] || continue
@@ -46,8 +48,10 @@ from evals.compare import machine
 with open(sys.argv[1]) as f:
     result = json.load(f)
 result.setdefault("machine", machine())
+if sys.argv[3]:
+    result.setdefault("commit", sys.argv[3])
 with open(sys.argv[2], "w") as f:
-    json.dump(result, f)' "$result" "$carried/$run.result.json")
+    json.dump(result, f)' "$result" "$carried/$run.result.json" "$commit")
         count=$((count + 1))
     done
     echo "saved $count finished runs of $study in $carried"

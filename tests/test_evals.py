@@ -401,7 +401,7 @@ def test_evaluate_toy_model_from_the_command_line(toy_workdir, tmp_path):
     assert "| toy | 100 |" in (out / "results.md").read_text()
 
 
-def test_a_compare_study_resumes_where_it_stopped(in_toy_workdir):
+def test_a_compare_study_resumes_where_it_stopped(in_toy_workdir, tmp_path):
     """evals.compare --resume: a finished run (its result file written) is read, not run again; an interrupted one
     (a checkpoint, no result file) goes on from its checkpoint; a finished run's checkpoints are deleted, its
     metrics.jsonl kept."""
@@ -458,6 +458,20 @@ def test_a_compare_study_resumes_where_it_stopped(in_toy_workdir):
     assert not os.path.exists(run + ".log")  # a run's log is written only when it runs
     with open(run + ".result.json") as f:
         assert json.load(f) == result
+    # A run of a checkout older than the per-run commit, saved from that checkout (a git worktree): stamped with it.
+    checkout = tmp_path / "worktree"
+    shutil.copytree(os.path.join("runs", "compare-resume"), checkout / "runs" / "compare-resume")
+    with open(checkout / "runs" / "compare-resume" / "grpo__s1.result.json", "w") as f:
+        json.dump({k: v for k, v in result.items() if k not in ("machine", "commit")}, f)
+    git = ["git", "-C", str(checkout), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git[:3] + ["init", "-q"], check=True)
+    subprocess.run(git + ["commit", "-q", "--allow-empty", "-m", "the study's code"], check=True)
+    ran_at = subprocess.run(git[:3] + ["rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout
+    subprocess.run(["bash", carry[0], "save", "resume", str(checkout / "runs"), str(tmp_path / "carried")],
+                   check=True, capture_output=True, env=env)
+    with open(tmp_path / "carried" / "grpo__s1.result.json") as f:
+        stamped = json.load(f)
+    assert stamped["commit"] == ran_at.strip() != result["commit"] and stamped["machine"] == compare.machine()
 
 
 def test_the_permutation_test_by_hand():
