@@ -31,6 +31,8 @@ MUTANTS = [
      "return (centered / (grouped.std(dim=1, keepdim=True) + 1e-5)).flatten()", "the z-score's epsilon"),
     ("snib", "n_g = kept.sum(1).clamp(min=1).to(u.dtype)", "n_g = torch.full_like(kept.sum(1), G).to(u.dtype)",
      "SNIB's normaliser over the rows left in a group"),
+    ("snib", "return args.self_normalize and not args.stop_grad_norm and (args.beta > 0 or args.tis_cap > 0)",
+     "return False", "SNIB-fg's whole groups per micro-batch (with a KL term or TIS)"),
     ("covpo", "valid & (clipped == 0) & (cov > args.clip_cov_lb)", "valid & (cov > args.clip_cov_lb)",
      "Clip-Cov's exclusion of clipped tokens"),
     ("reinforcepp", "* n / (n - 1).clamp(min=1)", "* 1", "REINFORCE++'s unbiased variance"),
