@@ -174,7 +174,9 @@ def study_against(tag: str, base: str) -> list[str]:
     """Each estimator of docs/studies/TAG.json against `base` (no --vary): the last evaluation's mean +- std, its
     difference from base's mean in points with the exact two-sided permutation p-value over seeds, then the mean
     over seeds of each run's mean over steps of the regime's diagnostics, and the training minutes to the last
-    evaluation (a run recorded before run_record existed shows "-")."""
+    evaluation (a run recorded before run_record existed shows "-"). The clip column is `policy/clip_frac` (DPPO's:
+    masked), or P3O's `p3o/capped_frac`; where Clip-Cov ran with its `covpo/selected_frac` recorded, a last column
+    holds the share of tokens its covariance selection dropped."""
     from evals.stats import permutation_p, smallest_p
 
     with open(os.path.join(ROOT, "docs", "studies", f"{tag}.json")) as f:
@@ -197,10 +199,17 @@ def study_against(tag: str, base: str) -> list[str]:
             f"smallest p these seeds can give: {floor}); then each run's mean over its steps, averaged over seeds:",
             "", "| estimator | accuracy, mean +- std | vs " + base + " | p | ESS | log-ratio std | clip | entropy | "
             "KL | training minutes |", "| --- " * 10 + "|"]
+    dropped = any("covpo/selected_frac" in r.get("diagnostics", {}) for r in results)
+    if dropped:
+        head[-2] += " dropped (Clip-Cov) |"
+        head[-1] += " --- |"
 
     def diagnostic(algo, name, form):
         values = [r.get("diagnostics", {}).get(name) for r in results if r["algo"] == algo]
         return "-" if None in values else form(statistics.mean(values))
+
+    def percent(x):
+        return f"{100 * x:.1f}%"
 
     lines = []
     for algo in algos:
@@ -212,9 +221,13 @@ def study_against(tag: str, base: str) -> list[str]:
         cells = [algo, mean_std(finals[algo]), versus, p,
                  diagnostic(algo, "policy/ess", lambda x: f"{x:.3f}"),
                  diagnostic(algo, "policy/log_ratio_std", lambda x: f"{x:.3f}"),
-                 diagnostic(algo, "policy/clip_frac", lambda x: f"{100 * x:.1f}%"),
+                 diagnostic(algo, "policy/clip_frac", percent),
                  diagnostic(algo, "policy/entropy", lambda x: f"{x:.3f}"),
                  diagnostic(algo, "policy/kl", lambda x: f"{x:.2g}"), minutes]
+        if cells[6] == "-":  # P3O clips no ratio at 1 +- eps: it caps each at the batch's ESS
+            cells[6] = diagnostic(algo, "p3o/capped_frac", percent)
+        if dropped:
+            cells.append(diagnostic(algo, "covpo/selected_frac", percent))
         lines.append("| " + " | ".join(cells) + " |")
     return head + lines
 

@@ -198,7 +198,8 @@ def run_one(algo: str, seed: int, args: CompareArgs, out_dir: str, value: str | 
 
 # How far each step's optimisation ran from the data's policy, and what it did to the policy: the mean over steps of
 # each of these that a run logs (docs/metrics.md), kept in its result beside its evaluations.
-DIAGNOSTICS = ("policy/ess", "policy/log_ratio_std", "policy/clip_frac", "policy/entropy", "policy/kl")
+DIAGNOSTICS = ("policy/ess", "policy/log_ratio_std", "policy/clip_frac", "policy/entropy", "policy/kl",
+               "p3o/capped_frac", "covpo/selected_frac")  # P3O's clip (capped at the ESS); Clip-Cov's dropped tokens
 
 
 def run_record(run_dir: str) -> dict:

@@ -219,6 +219,18 @@ def test_a_study_against_a_baseline_by_hand(tmp_path, monkeypatch):
     assert make_diffs.study_against("m", "grpo")[0].startswith(
         "`python -m evals.compare --tag t` (commit 0123456; ran on AMD EPYC (family 25, model 17), torch AVX512; "
         "Intel Xeon, torch AVX2). Step 10:")
+    # P3O's clip column is its share capped at the ESS; Clip-Cov's dropped tokens get a column of their own
+    own = [{**r, "algo": a, "diagnostics": {**r["diagnostics"], **extra}} for r in results[:3] for a, extra in (
+        ("grpo", {}), ("p3o", {"policy/clip_frac": None, "p3o/capped_frac": 0.02}),
+        ("covpo", {"covpo/selected_frac": 0.001}))]
+    for r in own:
+        r["diagnostics"] = {k: v for k, v in r["diagnostics"].items() if v is not None}
+    (tmp_path / "docs" / "studies" / "o.json").write_text(json.dumps({**study, "results": own}))
+    lines = make_diffs.study_against("o", "grpo")
+    assert lines[2].endswith("| training minutes | dropped (Clip-Cov) |") and lines[3].count("---") == 11
+    assert [line.split(" | ")[6:] for line in lines[4:]] == [
+        ["5.0%", "0.500", "-", "12.0", "- |"], ["2.0%", "0.500", "-", "12.0", "- |"],
+        ["5.0%", "0.500", "-", "12.0", "0.1% |"]]
 
 
 def test_a_study_block_is_the_table_of_its_runs_file(tmp_path, monkeypatch):
