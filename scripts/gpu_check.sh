@@ -68,22 +68,23 @@ if [ "${GPU_CHECK_TESTS:-1}" = 1 ]; then
 fi
 
 steps=${GPU_CHECK_STEPS:-1}    # 0: leave out the whole steps against TRL (a lease split in two calls)
-update=${GPU_CHECK_UPDATE:-1}  # 0: leave out the update's sizes (benchmarks/update_mfu.py)
-if [ "$steps" = 1 ] && [ "$rehearsal" != 1 ] && python3 -c "import trl" 2>/dev/null; then
+update=${GPU_CHECK_UPDATE:-1}  # 0: leave out the update's sizes (benchmarks/update_mfu.py); chunk: only the head's chunk
+bench=${GPU_CHECK_BENCH:-1}    # 0: leave out the Qwen3-shaped step with TRL's cuDNN attention on (measured 2026-11-26/28)
+if [ "$steps" = 1 ] && [ "$bench" = 1 ] && [ "$rehearsal" != 1 ] && python3 -c "import trl" 2>/dev/null; then
     # Qwen3's vocabulary and varied lengths (benchmarks/qwen3_shape.py), in bf16 with a GPU-sized batch; the body
     # stays the shape's small one (hidden 128, 2 layers): the step is dominated by the 151,936-token head
     timeout "${GPU_CHECK_BENCH_TIMEOUT:-480}" python3 benchmarks/step_time.py --shape qwen3 --algo grpo --trl --steps 3 --repeat 1 \
         --output_dir "$report/bench" --out "$report/step_time.json" \
         -- --dtype bfloat16 --batch_size 64 --micro_batch_size 16 > "$report/step_time.txt" 2>&1
     echo "- benchmarks/step_time.py --shape qwen3 --trl: exit $?, see step_time.txt" >> "$md"
-else
+elif [ "$steps" = 1 ] && [ "$bench" = 1 ]; then
     echo "- not run: the benchmark against TRL ($([ "$rehearsal" = 1 ] && echo rehearsal || echo 'trl not importable'))" >> "$md"
 fi
-# Issue 50: a whole GRPO step of Qwen3-0.6B against TRL's, the Qwen3-shaped step with cuDNN's attention off in TRL
-# too and with --share_prompts false, then the update at the sizes users train (Qwen3 with random weights,
-# benchmarks/update_mfu.py), in that order of need. Each part has its own time limit (GPU_CHECK_PART_TIMEOUT, s), so
-# a part that does not fit leaves the others their time; GPU_CHECK_STEPS=0 / GPU_CHECK_UPDATE=0 split a lease's
-# 600-s calls between the steps and the update.
+# Issue 50: the Qwen3-shaped step with cuDNN's attention off in TRL too, with and without --share_prompts, then a
+# whole GRPO step of Qwen3-0.6B against TRL's (the longest part, last: GPU_CHECK_BIG_TIMEOUT, s), then the update at
+# the sizes users train (Qwen3 with random weights, benchmarks/update_mfu.py). Each part has its own time limit
+# (GPU_CHECK_PART_TIMEOUT, s), so a part that does not fit leaves the others their time; GPU_CHECK_STEPS=0 /
+# GPU_CHECK_UPDATE=0 split a lease's 600-s calls between the steps and the update.
 part=${GPU_CHECK_PART_TIMEOUT:-150}
 if [ "$rehearsal" = 1 ]; then
     python3 benchmarks/update_mfu.py --size tiny --device cpu --vocab 512 --dtype float32 --tokens 48 \
@@ -91,14 +92,6 @@ if [ "$rehearsal" = 1 ]; then
     echo "- benchmarks/update_mfu.py (rehearsal, tiny on the CPU): exit $?" >> "$md"
 else
     if [ "$steps" = 1 ] && python3 -c "import trl" 2>/dev/null; then
-        python3 benchmarks/qwen3_shape.py > /dev/null  # its tokenizer (Qwen3's vocabulary) for the 0.6B model
-        timeout "$part" python3 benchmarks/update_mfu.py --size 0.6b --save runs/qwen3_0.6b \
-            --tokenizer_from runs/qwen3_shape/model >> "$report/update_mfu.txt" 2>&1
-        timeout "$((2 * part))" python3 benchmarks/step_time.py --shape qwen3 --algo grpo --trl --steps 3 --repeat 1 \
-            --output_dir "$report/bench_0.6b" --out "$report/step_time_0.6b.json" \
-            -- --model runs/qwen3_0.6b --dtype bfloat16 --batch_size 64 --micro_batch_size 8 \
-            --max_completion_length 512 > "$report/step_time_0.6b.txt" 2>&1
-        echo "- step_time.py, Qwen3-0.6B (random weights), 64 x 512 tokens, against TRL: exit $?, see step_time_0.6b.txt" >> "$md"
         timeout "$part" python3 benchmarks/step_time.py --shape qwen3 --algo grpo --trl --steps 3 --repeat 1 \
             --no_cudnn_sdp --output_dir "$report/bench_nocudnn" --out "$report/step_time_nocudnn.json" \
             -- --dtype bfloat16 --batch_size 64 --micro_batch_size 16 > "$report/step_time_nocudnn.txt" 2>&1
@@ -110,11 +103,22 @@ else
             -- --dtype bfloat16 --batch_size 64 --micro_batch_size 16 --share_prompts false \
             > "$report/step_time_noshare.txt" 2>&1
         echo "- step_time.py --shape qwen3 --no_cudnn_sdp -- --share_prompts false against TRL: exit $?" >> "$md"
+        python3 benchmarks/qwen3_shape.py > /dev/null  # its tokenizer (Qwen3's vocabulary) for the 0.6B model
+        timeout "$part" python3 benchmarks/update_mfu.py --size 0.6b --save runs/qwen3_0.6b \
+            --tokenizer_from runs/qwen3_shape/model >> "$report/update_mfu.txt" 2>&1
+        # cuDNN's attention off on both sides: with it on, TRL's first steps build an execution plan per new shape
+        timeout "${GPU_CHECK_BIG_TIMEOUT:-$((2 * part))}" python3 benchmarks/step_time.py --shape qwen3 --algo grpo \
+            --trl --steps 3 --repeat 1 --no_cudnn_sdp \
+            --output_dir "$report/bench_0.6b" --out "$report/step_time_0.6b.json" \
+            -- --model runs/qwen3_0.6b --dtype bfloat16 --batch_size 64 --micro_batch_size 8 \
+            --max_completion_length 512 > "$report/step_time_0.6b.txt" 2>&1
+        echo "- step_time.py, Qwen3-0.6B (random weights), 64 x 512 tokens, against TRL: exit $?, see step_time_0.6b.txt" >> "$md"
     fi
     # the LM head's chunk at 2^28 elements (1,766 positions of Qwen3's vocabulary) beside the scripts' 2^24 (110)
     specs=("0.6b 0 2048 8 --profile" "4b 16 2048 8 --profile --gradient_checkpointing" "0.6b 0 16384 1"
            "0.6b 0 16384 1 --chunk_elements 268435456" "4b 16 16384 1 --gradient_checkpointing" "1.7b 0 2048 8")
-    [ "$update" = 1 ] || specs=()
+    [ "$update" = chunk ] && specs=("0.6b 0 16384 1" "0.6b 0 16384 1 --chunk_elements 268435456")
+    [ "$update" = 0 ] && specs=()
     for spec in "${specs[@]}"; do
         set -- $spec
         name="update_mfu_$1_r$2_$3$([ "${5:-}" = --chunk_elements ] && echo "_chunk$6").json"

@@ -860,3 +860,49 @@ def test_every_estimator_on_stale_data_prose_is_its_study():
     ]
     for page, phrase in quoted:
         assert phrase in " ".join(read(os.path.join(DOCS, page)).split()), (page, phrase)
+
+
+def test_the_h200_figures_are_their_measurement():
+    """Issue 50: the third GPU run's tables (docs/gpu.md) and the ratios that performance.md and the README quote are
+    rebuilt here from the step_time.py and update_mfu.py files the run wrote (docs/benchmarks/gpu_h200_2026-11-28)."""
+    folder = os.path.join(DOCS, "benchmarks", "gpu_h200_2026-11-28")
+
+    def load(name):
+        with open(os.path.join(folder, name)) as f:
+            return json.load(f)
+
+    def row(label, m, step_digits):
+        return (f"| {label} | {m['time/step']:.{step_digits}f} | {m['time/rollout']:.{step_digits}f} | "
+                f"{m['time/logprobs']:.{step_digits}f} | {m['time/update']:.{step_digits}f} | "
+                f"{m['time/tokens_per_s']:,.0f} | {m['memory/peak_gib']:.{1 if step_digits == 2 else 2}f} |")
+
+    gpu = read(os.path.join(DOCS, "gpu.md"))
+    flat = " ".join(gpu.split())
+    small = load("step_time_0.6b.json")
+    assert small["settings"]["no_cudnn_sdp"] and "runs/qwen3_0.6b" in small["settings"]["extra"]
+    grpo, trl = small["runs"]["grpo"]["summary"], small["runs"]["trl"]["summary"]
+    assert row("grpo.py", grpo, 2) in gpu, row("grpo.py", grpo, 2)
+    assert row("TRL 1.16 GRPOTrainer", trl, 2) in gpu
+    ratio = small["ratios"]["grpo/trl time/step"]
+    assert f"**{ratio:.2f}x TRL's step**" in flat
+    assert f"the rollout is {grpo['time/rollout'] / trl['time/rollout']:.2f}x TRL's" in flat
+    assert f"and {ratio:.2f}x TRL's on one H200 (Qwen3-0.6B" in " ".join(read(os.path.join(REPO, "README.md")).split())
+    performance = " ".join(read(os.path.join(DOCS, "performance.md")).split())
+    assert (f"took {grpo['time/step']:.1f} s against TRL's {trl['time/step']:.1f} s ({ratio:.2f}x)") in performance
+    share, noshare = load("step_time_share_r2.json"), load("step_time_noshare_r2.json")
+    assert share["settings"]["repeat"] == noshare["settings"]["repeat"] == 2
+    assert "--share_prompts" not in share["settings"]["extra"] and "--share_prompts" in noshare["settings"]["extra"]
+    for label, run in [("grpo.py (shared prompts, the default)", share["runs"]["grpo"]),
+                       ("grpo.py `--share_prompts false`", noshare["runs"]["grpo"])]:
+        m = run["summary"]
+        assert (f"| {label} | {m['time/step']:.3f} | {m['time/rollout']:.3f} | {m['time/logprobs']:.3f} | "
+                f"{m['time/update']:.3f} | {m['time/tokens_per_s']:,.0f} | {m['memory/peak_gib']:.2f} |") in gpu, label
+    r_share, r_noshare = share["ratios"]["grpo/trl time/step"], noshare["ratios"]["grpo/trl time/step"]
+    assert f"**{r_share:.2f}x TRL's step with shared prompts, {r_noshare:.2f}x without**" in flat
+    assert f"are level ({r_share:.2f}x TRL's step, median of two runs" in performance
+    for name, chunk in [("update_mfu_0.6b_r0_16384.json", "2^24"),
+                        ("update_mfu_0.6b_r0_16384_chunk268435456.json", "2^28")]:
+        u = load(name)
+        assert u["device_name"] == "NVIDIA H200" and u["tokens"] == 16384
+        assert (f"{u['seconds_per_step']:.3f} s" in flat and f"{u['tokens_per_s']:,.0f} tokens/s, MFU "
+                f"{100 * u['mfu']:.1f}%, peak {u['peak_memory_gib']:.1f} GiB" in flat), chunk
