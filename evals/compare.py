@@ -10,7 +10,7 @@ torch threads each, default 1), written to runs/compare[-TAG]/<algo>__s<S> (with
 Writes summary.md (mean +- std over seeds of the warm-start and final held-out accuracy and of wall time),
 summary.json, study.json (the command, its commit and every run's evaluations, training minutes and diagnostics:
 copied to docs/studies/TAG.json, the source of the study's tables in the docs) and accuracy.png (against steps and
-training minutes); with --vary, the final accuracy by algorithm and value,
+training minutes, and each seed's last evaluation); with --vary, the final accuracy by algorithm and value,
 each seed's, and accuracy_vs_<FLAG>.png.
 
 One evals.compare runs a study at a time (runs/compare-TAG/.compare.lock: a second stops at once; --jobs N runs N
@@ -338,8 +338,10 @@ def plot(results: list[dict], algos: list[str], out_dir: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    timed = all("minutes" in r for r in results)
-    fig, axes = plt.subplots(1, 2 if timed else 1, figsize=(11 if timed else 6, 4), squeeze=False)
+    timed = int(all("minutes" in r for r in results))  # 1: a panel against the training minutes
+    seeded = int(any(sum(r["algo"] == algo for r in results) > 1 for algo in algos))  # 1: a panel of each seed
+    panels = 1 + timed + seeded
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4), squeeze=False)
     colors = plt.get_cmap("tab20" if len(algos) > 10 else "tab10")
     for i, algo in enumerate(algos):
         rs = [r for r in results if r["algo"] == algo]
@@ -351,13 +353,22 @@ def plot(results: list[dict], algos: list[str], out_dir: str) -> None:
         if timed:  # against the training minutes (each run's own clock, its evaluations left out)
             minutes = [statistics.mean(r["minutes"][k] for r in rs) for k in range(len(steps))]
             axes[0, 1].plot(minutes, mean, label=algo, color=colors(i))
+        if seeded:  # each seed's last evaluation, and their mean: the spread the study's p-values are about
+            finals = [r["evals"][-1][1] for r in rs]
+            axes[0, -1].scatter([i] * len(finals), finals, color=colors(i), s=14, alpha=0.7)
+            axes[0, -1].plot([i - 0.3, i + 0.3], [statistics.mean(finals)] * 2, color=colors(i), linewidth=2)
     axes[0, 0].set_xlabel("RL step")
     if timed:
         axes[0, 1].set_xlabel("training minutes (mean over seeds)")
-    for ax in axes[0]:
+    for ax in axes[0][:1 + timed]:
         ax.set_ylabel("held-out greedy accuracy (mean over seeds)")
         ax.grid(alpha=0.3)
-    axes[0, -1].legend(fontsize=7, ncol=2 if len(algos) > 8 else 1)
+    axes[0, timed].legend(fontsize=7, ncol=2 if len(algos) > 8 else 1)
+    if seeded:
+        last = max(s for r in results for s, _ in r["evals"][-1:])
+        axes[0, -1].set_xticks(range(len(algos)), algos, rotation=60, fontsize=7)
+        axes[0, -1].set_ylabel(f"held out at step {last}: each seed, the mean")
+        axes[0, -1].grid(alpha=0.3, axis="y")
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "accuracy.png"), dpi=120)
 

@@ -544,8 +544,8 @@ def test_a_study_names_the_commits_its_runs_ran_at(tmp_path):
 
 
 def test_a_studys_figures_are_drawn_for_many_estimators(tmp_path):
-    """plot and plot_vary with 12 estimators (more than the 10 default colours), with and without training minutes:
-    each writes its file."""
+    """plot and plot_vary with 12 estimators (more than the 10 default colours), with and without training minutes,
+    with several seeds and with one: each writes its file."""
     from evals.compare import plot, plot_vary
 
     algos = [f"e{i}" for i in range(12)]
@@ -557,6 +557,9 @@ def test_a_studys_figures_are_drawn_for_many_estimators(tmp_path):
     for r in results:
         del r["minutes"]  # runs recorded before the minutes were: the figure against steps alone
     plot([r for r in results if r["value"] == "0"], algos, str(tmp_path))
+    (tmp_path / "accuracy.png").unlink()
+    plot([r for r in results if r["value"] == "0" and r["seed"] == 1], algos, str(tmp_path))  # one seed each
+    assert (tmp_path / "accuracy.png").stat().st_size > 0
 
 
 def test_a_study_runs_in_one_evals_compare_at_a_time(tmp_path):
