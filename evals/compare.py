@@ -165,8 +165,8 @@ def run_one(algo: str, seed: int, args: CompareArgs, out_dir: str, value: str | 
         if os.path.exists(result_path):  # finished: read, not run again
             with open(result_path) as f:
                 result = json.load(f)
-            if "minutes" not in result and os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
-                result.update(run_record(run_dir))  # a result written before run_record existed
+            if "series" not in result and os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+                result.update(run_record(run_dir))  # a result written before run_record kept all it keeps now
                 with open(result_path, "w") as f:
                     json.dump(result, f)
             return result
@@ -199,24 +199,26 @@ def run_one(algo: str, seed: int, args: CompareArgs, out_dir: str, value: str | 
 # How far each step's optimisation ran from the data's policy, and what it did to the policy: the mean over steps of
 # each of these that a run logs (docs/metrics.md), kept in its result beside its evaluations.
 DIAGNOSTICS = ("policy/ess", "policy/log_ratio_std", "policy/clip_frac", "policy/entropy", "policy/kl",
-               "p3o/capped_frac", "covpo/selected_frac")  # P3O's clip (capped at the ESS); Clip-Cov's dropped tokens
+               "p3o/capped_frac", "covpo/selected_frac",  # P3O's clip (capped at the ESS); Clip-Cov's dropped tokens
+               "p3o/ess", "snib/ess", "snib/raw_logweight_std", "reward/mean")  # the papers' claims (issue 53)
 
 
 def run_record(run_dir: str) -> dict:
     """From a run's metrics.jsonl: its evaluations [(step, accuracy)], the training minutes before each (time/step
-    summed over the steps up to it: the evaluations' own time left out), and the mean over steps of each DIAGNOSTICS
-    metric it logs."""
+    summed over the steps up to it: the evaluations' own time left out), the mean over steps of each DIAGNOSTICS
+    metric it logs, and each one's series [(step, value)] (a claim about a trend needs the steps)."""
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f if line.strip()]
     evals = [(m["step"], m["eval/accuracy"]) for m in records if "eval/accuracy" in m]
     step_seconds = {m["step"]: m["time/step"] for m in records if "time/step" in m}
     minutes = [sum(t for k, t in step_seconds.items() if k <= step) / 60 for step, _ in evals]
-    diagnostics = {}
+    diagnostics, series = {}, {}
     for name in DIAGNOSTICS:
-        values = [m[name] for m in records if name in m]
-        if values:
-            diagnostics[name] = statistics.mean(values)
-    return {"evals": evals, "minutes": minutes, "diagnostics": diagnostics}
+        steps = [(m["step"], m[name]) for m in records if name in m]
+        if steps:
+            diagnostics[name] = statistics.mean(value for _, value in steps)
+            series[name] = steps
+    return {"evals": evals, "minutes": minutes, "diagnostics": diagnostics, "series": series}
 
 
 def machine() -> str:

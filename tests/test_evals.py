@@ -427,8 +427,9 @@ def test_a_compare_study_resumes_where_it_stopped(in_toy_workdir, tmp_path):
     with open(run + ".result.json") as f:
         result = json.load(f)
     assert len(result["minutes"]) == 3 and result["minutes"][0] == 0 and "policy/ess" in result["diagnostics"]
+    assert [step for step, _ in result["series"]["policy/ess"]] == [1, 2]
     with open(run + ".result.json", "w") as f:  # as an older version wrote it: evaluations only
-        json.dump({k: v for k, v in result.items() if k not in ("minutes", "diagnostics")}, f)
+        json.dump({k: v for k, v in result.items() if k not in ("minutes", "diagnostics", "series")}, f)
     study(2, resume=True)  # finished: read, not run again (and its record completed from its metrics.jsonl)
     with open(run + ".result.json") as f:
         assert json.load(f) == result
@@ -513,7 +514,7 @@ def test_the_chance_that_few_seeds_separate_two_estimators():
 def test_a_runs_record_by_hand(tmp_path):
     """run_record (a step's evaluation in its own row or in the step's): evaluations at steps 0, 2 and 3; minutes
     the time/step summed up to each (0, 3 + 9 s, + 6 s); diagnostics the mean over the training steps of what the
-    run logs (ESS (0.9 + 0.7 + 0.8) / 3), none for what it does not (no policy/kl)."""
+    run logs (ESS (0.9 + 0.7 + 0.8) / 3), none for what it does not (no policy/kl), and each one's steps."""
     from evals.compare import run_record
 
     rows = [{"step": 0, "eval/accuracy": 0.25},
@@ -526,6 +527,8 @@ def test_a_runs_record_by_hand(tmp_path):
     assert record["evals"] == [(0, 0.25), (2, 0.5), (3, 0.75)]
     assert record["minutes"] == pytest.approx([0.0, 12 / 60, 18 / 60])
     assert record["diagnostics"] == pytest.approx({"policy/ess": 0.8, "policy/clip_frac": 0.1})
+    assert record["series"] == {"policy/ess": [(1, 0.9), (2, 0.7), (3, 0.8)],
+                                "policy/clip_frac": [(1, 0.0), (2, 0.1), (3, 0.2)]}
 
 
 def test_a_study_names_the_commits_its_runs_ran_at(tmp_path):
