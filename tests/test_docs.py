@@ -906,3 +906,150 @@ def test_the_h200_figures_are_their_measurement():
         assert u["device_name"] == "NVIDIA H200" and u["tokens"] == 16384
         assert (f"{u['seconds_per_step']:.3f} s" in flat and f"{u['tokens_per_s']:,.0f} tokens/s, MFU "
                 f"{100 * u['mfu']:.1f}%, peak {u['peak_memory_gib']:.1f} GiB" in flat), chunk
+
+
+def test_the_real_model_off_policy_prose_is_its_study():
+    """Issue 53: the thirteen off-policy on SmolLM2 (docs/studies/offpolicy13.json, three seeds each) and GRPO
+    on-policy beside them (onpolicy_ref.json). The table is a study-vs block; the sentences and the claims' rows that
+    sum it up on real-model.md, choosing.md and the README are rebuilt here from the runs: the regime's distance from
+    on-policy, GRPO's spread and what three seeds can detect with it, the separations, the seed-for-seed pairs,
+    SNIB's collapse, and each claim's figures."""
+    import statistics
+
+    from evals.stats import permutation_p, shift_for_chance
+
+    def load(tag):
+        with open(os.path.join(DOCS, "studies", f"{tag}.json")) as f:
+            runs = {}
+            for r in sorted(json.load(f)["results"], key=lambda r: r["seed"]):
+                runs.setdefault(r["algo"], []).append(r)
+        return runs
+
+    runs, on_runs = load("offpolicy13"), load("onpolicy_ref")["grpo"]
+    thirteen = "grpo gspo snib ctpo p3o cispo gmpo sapo rloo dppo reinforcepp maxrl covpo".split()
+    assert sorted(runs) == sorted(thirteen) and all(len(v) == 3 for v in runs.values())
+    final = {a: [100 * r["evals"][-1][1] for r in rs] for a, rs in runs.items()}
+    grpo, on = final["grpo"], [100 * r["evals"][-1][1] for r in on_runs]
+
+    def cell(values):
+        return f"{statistics.mean(values):.1f} +- {statistics.stdev(values):.1f}%"
+
+    def listing(values, digits=1, unit=""):
+        return ", ".join(f"{x:.{digits}f}{unit}" for x in values[:-1]) + f" and {values[-1]:.{digits}f}{unit}"
+
+    def mean_of(algo, name):
+        return statistics.mean(r["diagnostics"][name] for r in runs[algo])
+
+    def by_seed(algo, name, scale=1.0):
+        return [scale * r["diagnostics"][name] for r in runs[algo]]
+
+    def p(a, b="grpo"):
+        return f"{permutation_p(final[a], final[b]):.1f}"
+
+    def pairs_above(a, b="grpo"):
+        return sum(x > y for x, y in zip(final[a], final[b]))
+
+    ess = [mean_of(a, "policy/ess") for a in runs]
+    spread = [mean_of(a, "policy/log_ratio_std") for a in runs]
+    means = {a: statistics.mean(v) for a, v in final.items() if a != "grpo"}
+    low, high = min(means, key=means.get), max(means, key=means.get)
+    beyond = [a for a in means if max(final[a]) < min(grpo) or min(final[a]) > max(grpo)]
+    ahead = [NAMES[a] for a in means if pairs_above(a) == 3]
+    behind = [NAMES[a] for a in means if pairs_above(a) == 0]
+    snib = runs["snib"]
+    fell = min(snib, key=lambda r: r["evals"][-1][1])
+    rose = [r for r in snib if r is not fell]
+    trough = {r["seed"]: min(v for _, v in r["series"]["snib/ess"]) for r in snib}
+    under_start = [(a, r["seed"]) for a, rs in runs.items() for r in rs if r["evals"][-1][1] < r["evals"][0][1]]
+    assert ("snib", fell["seed"]) in under_start
+    snib_steps = [v for r in snib for _, v in r["series"]["policy/clip_frac"]]
+
+    def halves(r):
+        values = [v for _, v in r["series"]["policy/clip_frac"]]
+        return f"{100 * statistics.mean(values[:5]):.1f} and {100 * statistics.mean(values[5:]):.1f}%"
+
+    grpo_clip, gspo_clip = by_seed("grpo", "policy/clip_frac", 100), by_seed("gspo", "policy/clip_frac", 100)
+    ctpo_clip = by_seed("ctpo", "policy/clip_frac", 100)
+    assert max(grpo_clip) < min(ctpo_clip) and max(ctpo_clip) < min(gspo_clip)  # CTPO's clip "between": agree
+    gmpo_spread, grpo_spread = by_seed("gmpo", "policy/log_ratio_std"), by_seed("grpo", "policy/log_ratio_std")
+    assert statistics.mean(gmpo_spread) > statistics.mean(grpo_spread)  # wider on average: "leans against it"
+    assert min(gmpo_spread) < max(grpo_spread)  # "though not in every seed": cannot tell
+    p3o_start = [round(100 * r["series"]["p3o/capped_frac"][0][1]) for r in runs["p3o"]]
+    page = [
+        f"the batch ESS was {min(ess):.2f}-{max(ess):.2f} and the standard deviation of the token log-ratios "
+        f"{min(spread):.2f}-{max(spread):.2f}, where GRPO's on-policy runs had "
+        f"{statistics.mean(r['diagnostics']['policy/ess'] for r in on_runs):.3f} and "
+        f"{statistics.mean(r['diagnostics']['policy/log_ratio_std'] for r in on_runs):.3f}",
+        f"the clip column runs from CISPO's {100 * mean_of('cispo', 'policy/clip_frac'):.1f}% (the tokens whose weight "
+        f"its cap bounded; every token keeps its gradient) to GSPO's {100 * mean_of('gspo', 'policy/clip_frac'):.0f}% "
+        f"of completions, and P3O capped "
+        f"{100 * mean_of('p3o', 'p3o/capped_frac'):.0f}% of its tokens",
+        f"GRPO's own seeds ended at {listing(grpo)}% (a standard deviation of {statistics.stdev(grpo):.1f} points)",
+        f"about {shift_for_chance(3, 3, 0.8) * statistics.stdev(grpo):.0f} points here",
+        f"The means at step 10 span {means[low]:.1f}% ({NAMES[low]}) to {means[high]:.1f}% ({NAMES[high]}), "
+        f"GRPO's {cell(grpo)}",
+        "; ".join(f"every seed of {NAMES[a]} ends {'under' if max(final[a]) < min(grpo) else 'above'} every GRPO "
+                  f"seed ({cell(final[a])}, p = {p(a)})" for a in beyond) if beyond else
+        "no estimator has every seed beyond every GRPO seed",
+        f"{', '.join(ahead)} ended above GRPO in all three pairs and {', '.join(behind)} under it in all three",
+        f"SNIB's seed {fell['seed']} collapsed: {100 * fell['evals'][1][1]:.1f}% held out at step 5, "
+        f"{100 * fell['evals'][2][1]:.1f}% at step 10, its group ESS down to {trough[fell['seed']]:.2f} and its raw "
+        f"log-weights' standard deviation up to "
+        f"{max(v for _, v in fell['series']['snib/raw_logweight_std']):.1f}; its seeds {rose[0]['seed']} and "
+        f"{rose[1]['seed']} went through the same trough (group ESS {trough[rose[0]['seed']]:.2f} and "
+        f"{trough[rose[1]['seed']]:.2f} at their lowest) and came out at {100 * rose[0]['evals'][-1][1]:.1f} and "
+        f"{100 * rose[1]['evals'][-1][1]:.1f}%. Of the 39 runs, "
+        + " and ".join(f"{NAMES[a]}'s seed {seed} ({100 * runs[a][seed - 1]['evals'][-1][1]:.1f}%)"
+                       for a, seed in under_start)
+        + f" ended under their start ({100 * snib[0]['evals'][0][1]:.1f}% held out)",
+        f"GRPO on-policy (the reference, one optimizer step a batch) ended at {cell(on)}, against {cell(grpo)} "
+        f"off-policy (p = {permutation_p(on, grpo):.1f})",
+        f"| GRPO on-policy {cell(on)}, off-policy {cell(grpo)} (p = {permutation_p(on, grpo):.1f})",
+        f"| GSPO {cell(final['gspo'])}, GRPO {cell(grpo)} (p = {p('gspo')}); GSPO above GRPO's same seed in "
+        f"all three pairs ({', '.join(f'{x - y:+.1f}' for x, y in zip(final['gspo'], grpo))} points)",
+        f"| SNIB's seeds ended at {listing(final['snib'])}%, GSPO's at {listing(final['gspo'])}%",
+        f"| its 0.2 clip changed {listing(by_seed('snib', 'policy/clip_frac', 100), unit='%')} of the completions' "
+        f"weights by seed (means over steps); {sum(v < 0.05 for v in snib_steps)} of its {len(snib_steps)} steps "
+        f"clipped under 5% | disagree |",
+        f"| CTPO clipped {listing(ctpo_clip, unit='%')} of tokens by seed, between GRPO's "
+        f"{min(grpo_clip):.1f}-{max(grpo_clip):.1f}% and GSPO's {min(gspo_clip):.1f}-{max(gspo_clip):.1f}% of "
+        f"completions; its first five steps' mean against its last five: "
+        f"{', '.join(halves(r) for r in runs['ctpo'])} | agree |",
+        f"| CTPO {cell(final['ctpo'])}: under GRPO's same seed in {3 - pairs_above('ctpo')} of 3 pairs (p = "
+        f"{p('ctpo')} against GRPO) and every seed under every GSPO seed ({cell(final['gspo'])}, p = "
+        f"{p('ctpo', 'gspo')})",
+        f"| its capped share rose from {p3o_start[0]}%, {p3o_start[1]}% and {p3o_start[2]}% of tokens at step 1 to "
+        f"{listing(by_seed('p3o', 'p3o/capped_frac', 100), unit='%')} on average over the steps",
+        f"but P3O ended at {cell(final['p3o'])}",
+        f"| CISPO {cell(final['cispo'])} against GRPO's {cell(grpo)} (p = {p('cispo')}), above GRPO's same seed in "
+        f"{pairs_above('cispo')} of 3 | cannot tell |",
+        f"GMPO {listing(gmpo_spread, 3)} by seed, GRPO {listing(grpo_spread, 3)}: wider under GMPO on average "
+        f"({statistics.mean(gmpo_spread):.3f} against {statistics.mean(grpo_spread):.3f}), though not in every seed | "
+        f"cannot tell; leans against it |",
+        f"| SAPO {cell(final['sapo'])} against GRPO's {cell(grpo)} (p = {p('sapo')}) and GSPO's "
+        f"{cell(final['gspo'])} (p = {p('sapo', 'gspo')})",
+        f"| DPPO {cell(final['dppo'])} against GRPO's {cell(grpo)} (p = {p('dppo')})",
+    ]
+    assert max(final["ctpo"]) < min(final["gspo"]) and pairs_above("gspo") == 3  # the two rows' "every"/"all"
+    assert beyond == ["p3o"] and max(final["p3o"]) < min(grpo)  # choosing.md and the README name P3O alone
+    detect = f"{shift_for_chance(3, 3, 0.8) * statistics.stdev(grpo):.0f}"
+    words = {11: "eleven"}
+    elsewhere = [
+        ("estimators/choosing.md", f"GRPO's seeds ended at {listing(grpo)}% held out, so three seeds a side separate "
+                                   f"only differences of about {detect} points. P3O's did: every seed under every GRPO "
+                                   f"seed ({cell(final['p3o'])} against {cell(grpo)}, p = {p('p3o')})"),
+        ("estimators/choosing.md", f"SNIB collapsed in one seed of three ({100 * fell['evals'][-1][1]:.1f}% held out "
+                                   f"at step 10)"),
+        ("estimators/choosing.md", f"The other {words[len(means) - 1]} ended within the seeds' spread; seed for seed "
+                                   f"(the seeds share their prompts), GSPO ended above GRPO in all three pairs"),
+        ("estimators/choosing.md", f"GRPO's own seeds spread by {max(grpo) - min(grpo):.0f} points there"),
+        ("../README.md", f"the seeds' spread hides most differences (GRPO's seeds: {min(grpo):.1f}-{max(grpo):.1f}%); "
+                         f"P3O ended under GRPO in every seed ({statistics.mean(final['p3o']):.1f}% against "
+                         f"{statistics.mean(grpo):.1f}%), SNIB collapsed in one seed of three"),
+    ]
+    assert sum(r["evals"][-1][1] < 0.1 for r in snib) == 1  # "collapsed in one seed of three"
+    for page, phrase in elsewhere:
+        assert phrase in " ".join(read(os.path.join(DOCS, page)).split()), (page, phrase)
+    text = " ".join(read(os.path.join(DOCS, "real-model.md")).split())
+    for phrase in page:
+        assert phrase in text, phrase
