@@ -171,8 +171,9 @@ def study_table(tag: str, only: str | None = None) -> list[str]:
 
 
 def study_against(tag: str, base: str) -> list[str]:
-    """Each estimator of docs/studies/TAG.json against `base` (no --vary): the last evaluation's mean +- std, its
-    difference from base's mean in points with the exact two-sided permutation p-value over seeds, then the mean
+    """Each estimator of docs/studies/TAG.json against `base` (no --vary): each evaluation's mean +- std but the
+    first (the same start for all), the last one's difference from base's mean in points with the exact
+    two-sided permutation p-value over seeds, then the mean
     over seeds of each run's mean over steps of the regime's diagnostics, and the training minutes to the last
     evaluation (a run recorded before run_record existed shows "-"). The clip column is `policy/clip_frac` (DPPO's:
     masked), or P3O's `p3o/capped_frac`; where Clip-Cov ran with its `covpo/selected_frac` recorded, a last column
@@ -191,14 +192,21 @@ def study_against(tag: str, base: str) -> list[str]:
     if base not in finals:
         raise SystemExit(f"error: docs/studies/{tag}.json has no runs of {base} to compare against")
     last = results[0]["evals"][-1][0]
+    earlier = [step for step, _ in results[0]["evals"][1:-1]]  # the evaluations between the start and the last
     sizes = sorted({len(v) for a, v in finals.items() if a != base})
     floor = ", ".join(f"{smallest_p(n, len(finals[base])):.3g} with {n} seed{'s' if n > 1 else ''} against "
                       f"{len(finals[base])}" for n in sizes)
-    head = [f"`{study['command']}` ({provenance(study)}). Step {last}: the held-out greedy accuracy, its "
+    before = "".join(f" at step {step}," for step in earlier)
+    head = [f"`{study['command']}` ({provenance(study)}). The held-out greedy accuracy{before} and at step {last}, "
+            f"step {last}'s difference from {base}'s mean and the exact permutation p-value of that difference over "
+            f"seeds (the smallest p these seeds can give: {floor}); then each run's mean over its steps, averaged "
+            f"over seeds:" if earlier else
+            f"`{study['command']}` ({provenance(study)}). Step {last}: the held-out greedy accuracy, its "
             f"difference from {base}'s mean and the exact permutation p-value of that difference over seeds (the "
             f"smallest p these seeds can give: {floor}); then each run's mean over its steps, averaged over seeds:",
-            "", "| estimator | accuracy, mean +- std | vs " + base + " | p | ESS | log-ratio std | clip | entropy | "
-            "KL | training minutes |", "| --- " * 10 + "|"]
+            "", "| estimator | " + "".join(f"step {step}, mean +- std | " for step in earlier) +
+            "accuracy, mean +- std | vs " + base + " | p | ESS | log-ratio std | clip | entropy | KL | "
+            "training minutes |", "| --- " * (10 + len(earlier)) + "|"]
     dropped = any("covpo/selected_frac" in r.get("diagnostics", {}) for r in results)
     if dropped:
         head[-2] += " dropped (Clip-Cov) |"
@@ -228,6 +236,8 @@ def study_against(tag: str, base: str) -> list[str]:
             cells[6] = diagnostic(algo, "p3o/capped_frac", percent)
         if dropped:
             cells.append(diagnostic(algo, "covpo/selected_frac", percent))
+        cells[1:1] = [mean_std([r["evals"][k + 1][1] for r in sorted(runs, key=lambda r: r["seed"])])
+                      for k in range(len(earlier))]
         lines.append("| " + " | ".join(cells) + " |")
     return head + lines
 

@@ -231,6 +231,16 @@ def test_a_study_against_a_baseline_by_hand(tmp_path, monkeypatch):
     assert [line.split(" | ")[6:] for line in lines[4:]] == [
         ["5.0%", "0.500", "-", "12.0", "- |"], ["2.0%", "0.500", "-", "12.0", "- |"],
         ["5.0%", "0.500", "-", "12.0", "0.1% |"]]
+    # an evaluation between the start and the last gets a column of its own, before the last's
+    for r in results:
+        r["evals"] = [[0, 0.4], [5, r["evals"][-1][1] - 0.1], r["evals"][-1]]
+    (tmp_path / "docs" / "studies" / "e.json").write_text(json.dumps({**study, "results": results}))
+    lines = make_diffs.study_against("e", "grpo")
+    assert "The held-out greedy accuracy at step 5, and at step 10, step 10's difference" in lines[0]
+    assert lines[2].startswith("| estimator | step 5, mean +- std | accuracy, mean +- std | vs grpo |")
+    assert lines[3].count("---") == 11
+    assert lines[4].startswith("| grpo | 60.0 +- 10.0% | 70.0 +- 10.0% |  |  | 0.800 |")
+    assert lines[5].startswith("| ipo | 40.0 +- 0.0% | 50.0 +- 0.0% | -20.0 | 0.20 |")
 
 
 def test_a_study_block_is_the_table_of_its_runs_file(tmp_path, monkeypatch):
@@ -1032,6 +1042,16 @@ def test_the_real_model_off_policy_prose_is_its_study():
     ]
     assert max(final["ctpo"]) < min(final["gspo"]) and pairs_above("gspo") == 3  # the two rows' "every"/"all"
     assert beyond == ["p3o"] and max(final["p3o"]) < min(grpo)  # choosing.md and the README name P3O alone
+    half = {a: [100 * r["evals"][1][1] for r in rs] for a, rs in runs.items()}
+    assert runs["grpo"][0]["evals"][1][0] == 5
+    apart = [a for a in half if a != "grpo" and permutation_p(half[a], half["grpo"]) < 0.11]
+    assert apart == ["gspo"] and min(half["gspo"]) > max(half["grpo"])
+    p_half = f"p = {permutation_p(half['gspo'], half['grpo']):.1f})"
+    flat = " ".join(read(os.path.join(DOCS, "real-model.md")).split())
+    assert (f"At step 5, halfway, GSPO was the one so separated, above ({cell(half['gspo'])} against GRPO's "
+            f"{cell(half['grpo'])}, {p_half}") in flat
+    assert (f"at step 5 every GSPO seed above every GRPO seed ({cell(half['gspo'])} against {cell(half['grpo'])}, "
+            f"{p_half}") in flat
     detect = f"{shift_for_chance(3, 3, 0.8) * statistics.stdev(grpo):.0f}"
     words = {11: "eleven"}
     elsewhere = [
