@@ -739,6 +739,7 @@ def test_the_siblings_cost_figures_are_their_measurement():
         ("estimators/choosing.md", f"SNIB {x['snib']}x, P3O {x['p3o']}x grpo.py's; the others but Clip-Cov "
                                    f"{min(others_stale):.2f}-{max(others_stale):.2f}x"),
         ("estimators/choosing.md", f"{ratio['on']['covpo']:.2f}x grpo.py's on-policy, {x['covpo']}x stale"),
+        ("estimators/choosing.md", f"on the toy every script's peak RSS was {min(gib):.2f}-{max(gib):.2f} GiB"),
         ("estimators/p3o.md", f"(the ESS), {x['p3o']}x grpo.py's step on the toy"),
         ("../README.md", f"stale: SNIB {x['snib']}x, P3O {x['p3o']}x, Clip-Cov {x['covpo']}x grpo.py's (a no-grad "
                          f"pass per optimizer step; Clip-Cov's on-policy too: {ratio['on']['covpo']:.2f}x); the others "
@@ -1067,6 +1068,9 @@ def test_the_real_model_off_policy_prose_is_its_study():
                          f"P3O ended under GRPO in every seed ({statistics.mean(final['p3o']):.1f}% against "
                          f"{statistics.mean(grpo):.1f}%), SNIB collapsed in one seed of three"),
     ]
+    minutes = [statistics.mean(r["minutes"][-1] for r in rs) for rs in runs.values()]
+    elsewhere.append(("estimators/choosing.md", f"training minutes ({min(minutes):.1f}-{max(minutes):.1f} a run, means "
+                                                f"over seeds,"))
     assert sum(r["evals"][-1][1] < 0.1 for r in snib) == 1  # "collapsed in one seed of three"
     for page, phrase in elsewhere:
         assert phrase in " ".join(read(os.path.join(DOCS, page)).split()), (page, phrase)
