@@ -28,6 +28,21 @@ def permutation_p(a: list[float], b: list[float]) -> float:
     return at_least / math.comb(len(pooled), n)
 
 
+def paired_p(differences: list[float]) -> float:
+    """Two-sided exact sign-flip p-value of the mean of paired differences (seed for seed: one estimator's run
+    minus the other's on the same seed): every way of flipping the signs, the share whose mean is at least as far
+    from 0 as the observed one. With n pairs the smallest it can give is 2 / 2^n (every difference of one sign)."""
+    if not differences:
+        raise ValueError("paired_p needs at least one pair")
+    observed = abs(statistics.mean(differences))
+    scale = max(1.0, max(abs(x) for x in differences))
+    at_least = 0
+    for signs in itertools.product((1, -1), repeat=len(differences)):
+        flipped = abs(statistics.mean(s * x for s, x in zip(signs, differences)))
+        at_least += flipped >= observed - 1e-12 * scale
+    return at_least / 2 ** len(differences)
+
+
 def smallest_p(n: int, m: int) -> float:
     """The smallest p-value permutation_p can return with n and m runs: the two groups fully apart."""
     return permutation_p([float(i) for i in range(n)], [float(n + i) for i in range(m)])

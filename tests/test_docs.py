@@ -1074,6 +1074,25 @@ def test_the_real_model_off_policy_prose_is_its_study():
     assert sum(r["evals"][-1][1] < 0.1 for r in snib) == 1  # "collapsed in one seed of three"
     for page, phrase in elsewhere:
         assert phrase in " ".join(read(os.path.join(DOCS, page)).split()), (page, phrase)
+    # two more seeds of GRPO and GSPO (offpolicy13_more.json: seeds 1-3 are the study's own runs)
+    from evals.stats import paired_p
+
+    more = load("offpolicy13_more")
+    assert [r["evals"] for r in more["gspo"][:3]] == [r["evals"] for r in runs["gspo"]]
+    at = {(a, k): [100 * r["evals"][k][1] for r in more[a]] for a in ("grpo", "gspo") for k in (1, 2)}
+    gap = [x - y for x, y in zip(at["gspo", 2], at["grpo", 2])]
+    gap5 = [x - y for x, y in zip(at["gspo", 1], at["grpo", 1])]
+    p10 = permutation_p(at["gspo", 2], at["grpo", 2])
+    sentence = (f"With five seeds a side GSPO ended at {cell(at['gspo', 2])} against GRPO's {cell(at['grpo', 2])} "
+                f"(p = {p10:.2f}; the floor for five a side is 0.008), above GRPO's same seed in "
+                f"{sum(x > 0 for x in gap)} of 5 pairs ({', '.join(f'{x:+.1f}' for x in gap)} points; the sign-flip "
+                f"test over the pairs, `evals/stats.py` `paired_p`: p = {paired_p(gap):.3f}, its floor for five "
+                f"pairs); at step 5, {cell(at['gspo', 1])} against {cell(at['grpo', 1])} (p = "
+                f"{permutation_p(at['gspo', 1], at['grpo', 1]):.2f}; above in {sum(x > 0 for x in gap5)} of 5 pairs). "
+                f"GSPO learned faster than GRPO here, and ended ahead in every pair, a difference five seeds show only "
+                f"at p = {paired_p(gap):.2f} paired and {p10:.2f} unpaired.")
+    assert min(gap) > 0 and sentence in flat, sentence
+    assert f"above GRPO's same seed in 5 of 5 pairs (paired p = {paired_p(gap):.2f}) | cannot tell at step 10" in flat
     text = " ".join(read(os.path.join(DOCS, "real-model.md")).split())
     for phrase in page:
         assert phrase in text, phrase

@@ -511,6 +511,19 @@ def test_the_chance_that_few_seeds_separate_two_estimators():
     assert 2.4 < shift < 2.7  # a simulation of 20,000 draws a side gave 0.78 at a shift of 2.5
 
 
+def test_the_paired_test_by_hand():
+    """paired_p: three differences of one sign (1, 2, 3): of the 8 sign flips only all-plus and all-minus reach a
+    mean of 2, p = 2/8; (3, -1): the flips' means are 1, -2, 2, -1, all at least 1 away from 0, p = 1; five of one
+    sign: 2/32, the floor for five pairs."""
+    from evals.stats import paired_p
+
+    assert paired_p([1.0, 2.0, 3.0]) == 0.25
+    assert paired_p([3.0, -1.0]) == 1.0
+    assert paired_p([3.0, 1.5, 13.0, 6.0, 9.0]) == 2 / 32
+    with pytest.raises(ValueError):
+        paired_p([])
+
+
 def test_a_runs_record_by_hand(tmp_path):
     """run_record (a step's evaluation in its own row or in the step's): evaluations at steps 0, 2 and 3; minutes
     the time/step summed up to each (0, 3 + 9 s, + 6 s); diagnostics the mean over the training steps of what the
