@@ -1060,7 +1060,7 @@ def test_the_real_model_off_policy_prose_is_its_study():
                                    f"only differences of about {detect} points. P3O's did: every seed under every GRPO "
                                    f"seed ({cell(final['p3o'])} against {cell(grpo)}, p = {p('p3o')})"),
         ("estimators/choosing.md", f"SNIB collapsed in one seed of three ({100 * fell['evals'][-1][1]:.1f}% held out "
-                                   f"at step 10)"),
+                                   f"at step 10;"),
         ("estimators/choosing.md", f"The other {words[len(means) - 1]} ended within the seeds' spread; seed for seed "
                                    f"(the seeds share their prompts), GSPO ended above GRPO in all three pairs"),
         ("estimators/choosing.md", f"GRPO's own seeds spread by {max(grpo) - min(grpo):.0f} points there"),
