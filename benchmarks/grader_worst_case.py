@@ -86,11 +86,13 @@ def main() -> int:
             print(f"RAISES  {case}: {type(error).__name__}: {error}")
             bad += 1
             continue
-        if large * 1000 > args.min_ms and large > args.ratio * max(small, 1e-6):
-            # timed again, best of 5, before it counts: on a busy machine one preempted call looks superlinear
+        def superlinear():
+            return large * 1000 > args.min_ms and large > args.ratio * max(small, 1e-6)
+
+        if superlinear():  # timed again, best of 5, before it counts: on a busy machine one preempted call looks so
             small, large = (timed(rule, text, args.cap, repeats=5) for text in texts)
         slowest = max(slowest, (large, case))
-        if large * 1000 > args.min_ms and large > args.ratio * max(small, 1e-6):
+        if superlinear():
             print(f"SLOW    {case}: {small * 1000:.1f} ms at n={args.small}, "
                   f"{large * 1000:.1f} ms at n={4 * args.small}")
             bad += 1

@@ -196,14 +196,11 @@ def study_against(tag: str, base: str) -> list[str]:
     sizes = sorted({len(v) for a, v in finals.items() if a != base})
     floor = ", ".join(f"{smallest_p(n, len(finals[base])):.3g} with {n} seed{'s' if n > 1 else ''} against "
                       f"{len(finals[base])}" for n in sizes)
-    before = "".join(f" at step {step}," for step in earlier)
-    head = [f"`{study['command']}` ({provenance(study)}). The held-out greedy accuracy{before} and at step {last}, "
+    before = "".join(f" at step {step} and" for step in earlier)
+    head = [f"`{study['command']}` ({provenance(study)}). The held-out greedy accuracy{before} at step {last}, "
             f"step {last}'s difference from {base}'s mean and the exact permutation p-value of that difference over "
             f"seeds (the smallest p these seeds can give: {floor}); then each run's mean over its steps, averaged "
-            f"over seeds:" if earlier else
-            f"`{study['command']}` ({provenance(study)}). Step {last}: the held-out greedy accuracy, its "
-            f"difference from {base}'s mean and the exact permutation p-value of that difference over seeds (the "
-            f"smallest p these seeds can give: {floor}); then each run's mean over its steps, averaged over seeds:",
+            f"over seeds:",
             "", "| estimator | " + "".join(f"step {step}, mean +- std | " for step in earlier) +
             "accuracy, mean +- std | vs " + base + " | p | ESS | log-ratio std | clip | entropy | KL | "
             "training minutes |", "| --- " * (10 + len(earlier)) + "|"]

@@ -118,8 +118,8 @@ else
     specs=("0.6b 0 2048 8 --profile" "4b 16 2048 8 --profile --gradient_checkpointing" "0.6b 0 16384 1"
            "0.6b 0 16384 1 --chunk_elements 268435456" "4b 16 16384 1 --gradient_checkpointing" "1.7b 0 2048 8")
     # chunk: the 4B LoRA update at 16k tokens (issue 50's last target, 5.7k tokens/s on an H100 against prime-rl's
-    # 6.2k) with the default chunk and with 2^28, then the 0.6B pair (measured on an H200 on 2026-11-28)
-    # (and without checkpointing, which ran out of an H100's 80 GB: an H200 has 141)
+    # 6.2k) with the default chunk and with 2^28, and without gradient checkpointing (which ran out of an H100's
+    # 80 GB; an H200 has 141), then the 0.6B pair (measured on an H200 on 2026-11-28)
     [ "$update" = chunk ] && specs=("4b 16 16384 1 --gradient_checkpointing"
         "4b 16 16384 1 --gradient_checkpointing --chunk_elements 268435456" "4b 16 16384 1 --chunk_elements 268435456"
         "0.6b 0 16384 1" "0.6b 0 16384 1 --chunk_elements 268435456")
@@ -127,7 +127,9 @@ else
     for spec in "${specs[@]}"; do
         set -- $spec
         chunk=$(echo "$spec" | grep -oE -- "--chunk_elements [0-9]+" | cut -d' ' -f2)
-        name="update_mfu_$1_r$2_$3${chunk:+_chunk$chunk}.json"
+        # LoRA without checkpointing is named apart: the same spec with it would write the same file
+        nockpt=$([ "$2" != 0 ] && [[ "$spec" != *--gradient_checkpointing* ]] && echo _nockpt)
+        name="update_mfu_$1_r$2_$3${chunk:+_chunk$chunk}$nockpt.json"
         timeout "$part" python3 benchmarks/update_mfu.py --size "$1" --lora_r "$2" --tokens "$3" --rows "$4" \
             "${@:5}" --out "$report/$name" >> "$report/update_mfu.txt" 2>&1
         echo "- update_mfu.py --size $1 --lora_r $2 --tokens $3 --rows $4 ${*:5}: exit $?" >> "$md"

@@ -218,7 +218,7 @@ def test_a_study_against_a_baseline_by_hand(tmp_path, monkeypatch):
     (tmp_path / "docs" / "studies" / "m.json").write_text(json.dumps(carried))
     assert make_diffs.study_against("m", "grpo")[0].startswith(
         "`python -m evals.compare --tag t` (commit 0123456; ran on AMD EPYC (family 25, model 17), torch AVX512; "
-        "Intel Xeon, torch AVX2). Step 10:")
+        "Intel Xeon, torch AVX2). The held-out greedy accuracy at step 10, step 10's difference")
     # P3O's clip column is its share capped at the ESS; Clip-Cov's dropped tokens get a column of their own
     own = [{**r, "algo": a, "diagnostics": {**r["diagnostics"], **extra}} for r in results[:3] for a, extra in (
         ("grpo", {}), ("p3o", {"policy/clip_frac": None, "p3o/capped_frac": 0.02}),
@@ -236,7 +236,7 @@ def test_a_study_against_a_baseline_by_hand(tmp_path, monkeypatch):
         r["evals"] = [[0, 0.4], [5, r["evals"][-1][1] - 0.1], r["evals"][-1]]
     (tmp_path / "docs" / "studies" / "e.json").write_text(json.dumps({**study, "results": results}))
     lines = make_diffs.study_against("e", "grpo")
-    assert "The held-out greedy accuracy at step 5, and at step 10, step 10's difference" in lines[0]
+    assert "The held-out greedy accuracy at step 5 and at step 10, step 10's difference" in lines[0]
     assert lines[2].startswith("| estimator | step 5, mean +- std | accuracy, mean +- std | vs grpo |")
     assert lines[3].count("---") == 11
     assert lines[4].startswith("| grpo | 60.0 +- 10.0% | 70.0 +- 10.0% |  |  | 0.800 |")
