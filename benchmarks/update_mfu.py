@@ -133,6 +133,11 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--gradient_checkpointing", action="store_true")
+    p.add_argument("--gradient_checkpointing_every", type=int, default=1,
+                   help="with --gradient_checkpointing: one decoder layer in K recomputed (the scripts' flag)")
+    p.add_argument("--cudnn_sdp", action="store_true",
+                   help="leave cuDNN's attention on (the scripts turn it off: common.models.devices."
+                        "padding_safe_attention), to time what it would gain on rows without padding")
     p.add_argument("--peak_tflops", type=float, default=989.0, help="the device's dense bf16 peak (H100/H200: 989)")
     p.add_argument("--profile", action="store_true", help="one more step under torch.profiler: the GPU's idle share")
     p.add_argument("--chunk_elements", type=int, default=0,
@@ -144,10 +149,14 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.prompt_tokens >= a.tokens:
         raise SystemExit(f"--prompt_tokens {a.prompt_tokens} must be under --tokens {a.tokens}")
+    if a.gradient_checkpointing_every < 1:
+        raise SystemExit(f"--gradient_checkpointing_every {a.gradient_checkpointing_every} must be at least 1")
 
     import common.logprobs
     import grpo
     from common.logprobs import completion_logprobs
+    from common.models.devices import padding_safe_attention
+    from common.run import checkpoint_layers
 
     dtype = getattr(torch, a.dtype)
     if a.save:  # a model folder for the scripts (benchmarks/step_time.py -- --model FOLDER)
@@ -160,7 +169,11 @@ def main(argv=None):
         return {"saved": a.save}
     model = build_model(a.size, dtype, a.device, a.lora_r, a.vocab)
     if a.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        checkpoint_layers(model, a.gradient_checkpointing_every)
+    if a.cudnn_sdp:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+    else:  # as every script's prepare_policy
+        padding_safe_attention()
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     fused = a.device.startswith("cuda")
@@ -194,6 +207,8 @@ def main(argv=None):
         "device_name": torch.cuda.get_device_name(0) if a.device.startswith("cuda") else "cpu",
         "rows": a.rows, "tokens": a.tokens, "prompt_tokens": a.prompt_tokens, "steps": a.steps,
         "gradient_checkpointing": a.gradient_checkpointing,
+        "gradient_checkpointing_every": a.gradient_checkpointing_every if a.gradient_checkpointing else 0,
+        "cudnn_sdp": a.cudnn_sdp,
         "path_parameters": n, "trainable_parameters": sum(p.numel() for p in trainable),
         "seconds_per_step": seconds, "tokens_per_s": tokens_per_s,
         "mfu": 6 * n * tokens_per_s / (a.peak_tflops * 1e12) if a.device.startswith("cuda") else None,

@@ -66,6 +66,9 @@ class TrainArgs:
         "bfloat16", "weights dtype: bfloat16, float16 or float32",
     )
     gradient_checkpointing: bool = arg(False, "trade compute for activation memory")
+    gradient_checkpointing_every: int = arg(
+        1, "with --gradient_checkpointing: recompute one decoder layer in K (1: all; 2: half of them)",
+    )
     lora_r: int = arg(0, "LoRA rank; 0 trains all weights")
     lora_alpha: int = arg(32, "LoRA alpha")
     lora_target_modules: str = arg("all-linear", "comma-separated module names, or all-linear")

@@ -243,6 +243,19 @@ def tracker_names(report_to: str, exp_name: str, run_name: str) -> tuple[str, di
     return os.environ.get("WANDB_PROJECT") or exp_name, {"wandb": {"name": name}}
 
 
+def checkpoint_layers(model, every: int = 1) -> None:
+    """Gradient checkpointing on one decoder layer in `every` (the first, then each every-th): a
+    checkpointed layer keeps only its input for the backward and runs its forward again there. 1 is
+    transformers' own (every layer); 2 keeps about half the activations that no checkpointing keeps,
+    for half the recompute. The gradients are the same at every setting (tests/test_train.py)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    model.gradient_checkpointing_enable()
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for index, layer in enumerate(layers):
+        layer.gradient_checkpointing = index % every == 0
+
+
 def load_models(args, tokenizer):
     """The policy (with a LoRA adapter when --lora_r > 0) and the frozen reference (or None); the
     tokenizer's pad."""
@@ -255,7 +268,7 @@ def load_models(args, tokenizer):
     if brought(args):
         importlib.import_module("common.rails.real_checks").weight_problems(model, args.model)
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        checkpoint_layers(model, args.gradient_checkpointing_every)
     ref_model = None
     if args.lora_r > 0:  # the reference is the base model: the adapter disabled, no second copy
         from common.models.lora import add_lora

@@ -68,7 +68,8 @@ if [ "${GPU_CHECK_TESTS:-1}" = 1 ]; then
 fi
 
 steps=${GPU_CHECK_STEPS:-1}    # 0: leave out the whole steps against TRL (a lease split in two calls)
-update=${GPU_CHECK_UPDATE:-1}  # 0: leave out the update's sizes (benchmarks/update_mfu.py); chunk: only the head's chunk
+update=${GPU_CHECK_UPDATE:-1}  # 0: leave out the update's sizes (benchmarks/update_mfu.py); chunk: only the head's
+# chunk; 4b: only the Qwen3-4B LoRA update at 16k tokens, its variants (below)
 bench=${GPU_CHECK_BENCH:-1}    # 0: leave out the Qwen3-shaped step with TRL's cuDNN attention on (measured 2026-11-26/28)
 if [ "$steps" = 1 ] && [ "$bench" = 1 ] && [ "$rehearsal" != 1 ] && python3 -c "import trl" 2>/dev/null; then
     # Qwen3's vocabulary and varied lengths (benchmarks/qwen3_shape.py), in bf16 with a GPU-sized batch; the body
@@ -123,13 +124,24 @@ else
     [ "$update" = chunk ] && specs=("4b 16 16384 1 --gradient_checkpointing"
         "4b 16 16384 1 --gradient_checkpointing --chunk_elements 268435456" "4b 16 16384 1 --chunk_elements 268435456"
         "0.6b 0 16384 1" "0.6b 0 16384 1 --chunk_elements 268435456")
+    # 4b: the same target's variants, each a measure of one cost: every layer recomputed (the H100's setting, with
+    # the GPU's idle share), cuDNN's attention on (the scripts turn it off; on rows without padding it is safe), one
+    # layer in two recomputed (--gradient_checkpointing_every 2: half the recompute, for half the activations of
+    # none), that with the larger chunk, and no recompute at all (out of an H100's memory; an H200 may hold it)
+    [ "$update" = 4b ] && specs=("4b 16 16384 1 --gradient_checkpointing --profile"
+        "4b 16 16384 1 --gradient_checkpointing --cudnn_sdp"
+        "4b 16 16384 1 --gradient_checkpointing --gradient_checkpointing_every 2"
+        "4b 16 16384 1 --gradient_checkpointing --gradient_checkpointing_every 2 --chunk_elements 268435456"
+        "4b 16 16384 1")
     [ "$update" = 0 ] && specs=()
     for spec in "${specs[@]}"; do
         set -- $spec
         chunk=$(echo "$spec" | grep -oE -- "--chunk_elements [0-9]+" | cut -d' ' -f2)
+        every=$(echo "$spec" | grep -oE -- "--gradient_checkpointing_every [0-9]+" | cut -d' ' -f2)
         # LoRA without checkpointing is named apart: the same spec with it would write the same file
         nockpt=$([ "$2" != 0 ] && [[ "$spec" != *--gradient_checkpointing* ]] && echo _nockpt)
-        name="update_mfu_$1_r$2_$3${chunk:+_chunk$chunk}$nockpt.json"
+        cudnn=$([[ "$spec" == *--cudnn_sdp* ]] && echo _cudnn)
+        name="update_mfu_$1_r$2_$3${chunk:+_chunk$chunk}${every:+_every$every}$nockpt$cudnn.json"
         timeout "$part" python3 benchmarks/update_mfu.py --size "$1" --lora_r "$2" --tokens "$3" --rows "$4" \
             "${@:5}" --out "$report/$name" >> "$report/update_mfu.txt" 2>&1
         echo "- update_mfu.py --size $1 --lora_r $2 --tokens $3 --rows $4 ${*:5}: exit $?" >> "$md"

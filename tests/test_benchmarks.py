@@ -51,6 +51,24 @@ def test_the_gpu_check_rehearses_on_the_cpu_and_refuses_to_run_there(tmp_path):
     assert "benchmarks/update_mfu.py (rehearsal, tiny on the CPU): exit 0" in report, report
 
 
+def test_every_update_the_gpu_check_times_runs_small_on_the_cpu():
+    """Each update_mfu.py invocation in scripts/gpu_check.sh's lists, its size and geometry made tiny and its flags
+    kept, runs on the CPU: a flag the benchmark does not take, or a combination it refuses, fails here and not in a
+    lease's minutes."""
+    from benchmarks import update_mfu
+
+    text = open(os.path.join(REPO, "scripts", "gpu_check.sh")).read()
+    specs = re.findall(r'"((?:0\.6b|1\.7b|4b) \d+ \d+ \d+[^"]*)"', text)
+    assert len(specs) >= 10 and any("--gradient_checkpointing_every" in s for s in specs), specs
+    tiny = ["--size", "tiny", "--tokens", "48", "--prompt_tokens", "16", "--rows", "2", "--device", "cpu",
+            "--steps", "1", "--warmup", "0", "--vocab", "512", "--dtype", "float32"]
+    for spec in set(specs):
+        size, lora_r, tokens, rows, *flags = spec.split()
+        result = update_mfu.main(tiny + ["--lora_r", lora_r, *flags])
+        assert result["tokens_per_s"] > 0, spec
+        assert result["gradient_checkpointing"] == ("--gradient_checkpointing" in flags), spec
+
+
 # Every script in benchmarks/ has a smoke test: it runs on the smallest work it accepts and its figures are sane.
 # logprob_passes and the GPU check are above; copy_cost.py in tests/test_siblings.py; weight_push.py (needs vLLM) in
 # tests/test_vllm_engine.py. tests/test_benchmarks.py::test_every_benchmark_script_has_a_smoke_test holds the list.
@@ -184,6 +202,34 @@ def test_update_mfu_runs_small_full_and_lora(tmp_path, monkeypatch):
     assert small_chunks["chunk_elements"] == 4 * 512 and full["chunk_elements"] == default
     assert set(chunks) == {2 * 32 // 4}, chunks  # 2 rows x 32 completion positions, 4 a chunk, every pass
     assert common.logprobs.LOGPROB_CHUNK_ELEMENTS == default  # restored for the rest of the process
+
+
+def test_update_mfu_times_the_scripts_attention_and_checkpointing(tmp_path, monkeypatch):
+    """update_mfu.py times what the scripts run: cuDNN's attention off (unless --cudnn_sdp), and gradient
+    checkpointing through the scripts' own common.run.checkpoint_layers, with --gradient_checkpointing_every."""
+    import torch
+
+    import common.run
+    from benchmarks import update_mfu
+
+    small = ["--size", "tiny", "--tokens", "48", "--prompt_tokens", "16", "--rows", "2", "--device", "cpu",
+             "--steps", "1", "--vocab", "512", "--dtype", "float32"]
+    calls, plain = [], common.run.checkpoint_layers
+
+    def recorded(model, every=1):
+        calls.append(every)
+        plain(model, every)
+
+    monkeypatch.setattr(common.run, "checkpoint_layers", recorded)
+    torch.backends.cuda.enable_cudnn_sdp(True)  # a new process's default
+    half = update_mfu.main(small + ["--gradient_checkpointing", "--gradient_checkpointing_every", "2"])
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
+    assert calls == [2] and half["gradient_checkpointing_every"] == 2 and half["cudnn_sdp"] is False
+    on = update_mfu.main(small + ["--cudnn_sdp"])
+    assert torch.backends.cuda.cudnn_sdp_enabled() and on["cudnn_sdp"] is True
+    assert calls == [2] and on["gradient_checkpointing_every"] == 0  # no checkpointing asked: none
+    with pytest.raises(SystemExit, match="--gradient_checkpointing_every 0 must be at least 1"):
+        update_mfu.main(small + ["--gradient_checkpointing", "--gradient_checkpointing_every", "0"])
 
 
 def test_learning_bars_runs_and_resumes(toy_workdir, tmp_path, monkeypatch):

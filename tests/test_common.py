@@ -241,6 +241,57 @@ def test_the_trainer_and_the_engine_turn_off_the_attention_kernel_that_padding_b
         assert not torch.backends.cuda.cudnn_sdp_enabled()
 
 
+def checkpointed_step(every: int) -> tuple[list[bool], int, torch.Tensor]:
+    """A 4-layer Qwen3 with random weights (the same each call), one forward and backward under
+    `checkpoint_layers(model, every)` (0: no checkpointing): which layers are checkpointed, the bytes
+    autograd keeps for the backward (the tensors saved outside a checkpointed layer, the ones that stay
+    in memory until the backward), and the gradient of every parameter, flattened."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    from common.run import checkpoint_layers
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=32, intermediate_size=128, tie_word_embeddings=True,
+                         attn_implementation="sdpa", use_cache=False)
+    model = Qwen3ForCausalLM(config).train()
+    if every:
+        checkpoint_layers(model, every)
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    input_ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
+    kept = []
+
+    def pack(tensor):
+        kept.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = model(input_ids).logits.logsumexp(-1).mean()
+    loss.backward()
+    gradient = torch.cat([p.grad.flatten() for p in model.parameters()])
+    return [layer.gradient_checkpointing for layer in layers], sum(kept), gradient
+
+
+def test_checkpointing_one_layer_in_k_keeps_the_gradient_and_part_of_the_memory():
+    """--gradient_checkpointing_every K: layers 0, K, 2K, ... recompute their forward in the backward, the others
+    keep their activations. The gradient is the same at every K; the kept bytes fall with the share of layers
+    checkpointed, so K = 2 keeps the midpoint of K = 1 and none (the layers are alike)."""
+    _, kept_none, gradient = checkpointed_step(0)
+    flags, kept_all, gradient_all = checkpointed_step(1)
+    assert flags == [True, True, True, True]
+    torch.testing.assert_close(gradient_all, gradient, rtol=1e-5, atol=1e-8)
+    flags, kept_half, gradient_half = checkpointed_step(2)
+    assert flags == [True, False, True, False]
+    torch.testing.assert_close(gradient_half, gradient, rtol=1e-5, atol=1e-8)
+    flags, kept_quarter, _ = checkpointed_step(4)
+    assert flags == [True, False, False, False]
+    assert kept_all < kept_half < kept_quarter < kept_none, (kept_all, kept_half, kept_quarter, kept_none)
+    assert kept_all < kept_none / 4  # checkpointing saves most of the memory, or this measures nothing
+    assert abs(kept_half - (kept_all + kept_none) / 2) < 0.02 * kept_none
+    assert abs(kept_quarter - (kept_all + 3 * kept_none) / 4) < 0.02 * kept_none
+
+
 def test_step_prompts_partition_the_global_batch():
     args = dict(batch_size=32, num_generations=4, mini_batch_size=16, dataset_size=10, seed=3)
     one_pos, one_rows = step_prompts(5, num_processes=1, process_index=0, **args)

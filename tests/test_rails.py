@@ -89,6 +89,8 @@ TRAIN_CASES = [
      "--overlong_buffer 6 must be below --max_completion_length 6"),
     ("grpo", ["--vllm_gpu_memory_utilization", "1.5"], "--vllm_gpu_memory_utilization 1.5 must be in (0, 1]"),
     ("grpo", ["--vllm_tensor_parallel_size", "0"], "--vllm_tensor_parallel_size 0 must be at least 1"),
+    ("grpo", ["--gradient_checkpointing", "--gradient_checkpointing_every", "0"],
+     "--gradient_checkpointing_every 0 must be at least 1"),
     ("grpo", ["--logprob_batch_size=-1"], "--logprob_batch_size -1 must be >= 0"),
     ("grpo", ["--dump_stats_steps=-1"], "--dump_stats_steps -1 must be >= 0"),
     ("grpo", ["--epsilon=-0.1"], "--epsilon -0.1 must be >= 0"),
@@ -515,7 +517,7 @@ def test_ignored_settings_warn(workdir, capsys):
     args = parse_args(importlib.import_module("grpo").Args, SMALL + [
         "--use_chat_template", "false", "--system_prompt", "Be brief.",
         "--eval_benchmarks", "toy", "--lora_alpha", "8", "--vllm_tensor_parallel_size", "2", "--rollout_engine", "hf",
-        "--mis", "--max_refill_rounds", "9"])
+        "--mis", "--max_refill_rounds", "9", "--gradient_checkpointing_every", "2"])
     notes = checks.ignored_settings(args)
     assert any("--system_prompt is ignored without the chat template" in n for n in notes)
     assert any("--eval_benchmarks is ignored with --eval_steps 0" in n for n in notes)
@@ -523,7 +525,8 @@ def test_ignored_settings_warn(workdir, capsys):
     assert any("--vllm_tensor_parallel_size is ignored with --rollout_engine hf" in n for n in notes)
     assert any("--mis is ignored with --tis_cap 0" in n for n in notes)
     assert any("--max_refill_rounds is ignored without --dynamic_sampling" in n for n in notes)
-    assert len(notes) == 6, notes
+    assert any("--gradient_checkpointing_every is ignored without --gradient_checkpointing" in n for n in notes)
+    assert len(notes) == 7, notes
     # the preset's own values are not the user's: the toy preset alone warns about nothing
     assert checks.ignored_settings(parse_args(importlib.import_module("grpo").Args, SMALL)) == []
     one_file = parse_args(importlib.import_module("grpo").Args, SMALL + ["--eval_steps", "5", "--eval_dataset", ""])

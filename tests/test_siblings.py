@@ -161,6 +161,16 @@ def layout_row(command: str) -> tuple[int, ...]:
     return tuple(int(cell.strip().replace(",", "")) for cell in row.strip().strip("|").split("|")[-4:])
 
 
+def test_the_layouts_static_copy_cost_is_measured(capsys):
+    """docs/layout.md's `--static grpo.py` row (every file an import statement reaches) is what copy_cost.py counts:
+    it has no run to take, so nothing else would notice it drift."""
+    from benchmarks.copy_cost import reachable_files, report
+
+    files = reachable_files("grpo.py")
+    totals = report(files)
+    assert layout_row("`--static grpo.py`") == (len(files), *totals)
+
+
 def test_copying_grpo_for_the_toy_takes_what_its_run_imports(in_toy_workdir):
     cost, files = copy_cost(in_toy_workdir, TOY_COMMAND + ["--run_name", "copy_cost_toy"])
     assert cost["code"] <= COPY_COST["toy"], (cost, files)

@@ -171,6 +171,25 @@ def test_a_damaged_checkpoint_is_refused_or_skipped_for_the_intact_one_before(in
 
 
 @pytest.mark.slow
+def test_checkpointing_one_layer_in_two_takes_the_same_step(in_toy_workdir):
+    """--gradient_checkpointing_every 2 reaches the policy's layers (the first recomputed, the second not) and
+    changes no step: the run's gradient is the one without checkpointing."""
+    from transformers import AutoTokenizer
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    from common.args import parse_args
+    from common.run import load_models
+
+    flags = ["--gradient_checkpointing", "--gradient_checkpointing_every", "2"]
+    args = parse_args(grpo.Args, SMALL + flags)
+    model, _ = load_models(args, AutoTokenizer.from_pretrained(args.model))
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    assert len(layers) >= 2 and [layer.gradient_checkpointing for layer in layers[:2]] == [True, False]
+    assert_same_gradient(sgd_gradient(in_toy_workdir, "every2", SMALL + flags),
+                         sgd_gradient(in_toy_workdir, "plain", SMALL))
+
+
+@pytest.mark.slow
 def test_lora_trains_the_adapter_and_uses_the_base_as_reference(in_toy_workdir):
     run = run_script(grpo, SMALL + ["--lora_r", "4", "--lora_alpha", "8", "--lora_target_modules", "q_proj,v_proj",
                                     "--beta", "0.1", "--total_steps", "2", "--run_name", "lora"])

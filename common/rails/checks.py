@@ -75,6 +75,8 @@ TRAIN_RANGES = [
     ("vllm_gpu_memory_utilization", lambda v: 0 < v <= 1, "must be in (0, 1]"),
     ("vllm_tensor_parallel_size", lambda v: v >= 1, "must be at least 1"),
     ("lora_r", lambda v: v >= 0, "must be >= 0 (0: train all weights)"),
+    ("gradient_checkpointing_every", lambda v: v >= 1,
+     "must be at least 1 (1: every decoder layer recomputed; K: one in K)"),
     ("eval_steps", lambda v: v >= 0, "must be >= 0 (0: off)"),
     ("eval_num_prompts", lambda v: v >= 1,
      "must be at least 1 (turn evaluation off with --eval_steps 0)"),
@@ -495,6 +497,8 @@ def ignored_settings(args) -> list[str]:
     elif args.eval_num_samples > 1 and not args.eval_benchmarks:
         notes.append("--eval_num_samples applies to --eval_benchmarks only (eval/accuracy is "
                      "greedy); none given")
+    if not args.gradient_checkpointing and _changed(args, "gradient_checkpointing_every"):
+        notes.append("--gradient_checkpointing_every is ignored without --gradient_checkpointing")
     if args.lora_r == 0:
         notes += [f"--{name} is ignored with --lora_r 0 (all weights train)"
                   for name in ("lora_alpha", "lora_target_modules") if _changed(args, name)]

@@ -17,7 +17,8 @@ RESUME_MAY_CHANGE = {"run_name", "output_dir", "resume_from", "resume_overrides"
                      "report_to", "save_steps", "save_total_limit", "eval_steps",
                      "eval_num_prompts", "eval_benchmarks", "eval_num_samples", "dump_stats_steps",
                      "micro_batch_size", "logprob_batch_size", "gradient_checkpointing",
-                     "rollout_engine", "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size",
+                     "gradient_checkpointing_every", "rollout_engine", "vllm_gpu_memory_utilization",
+                     "vllm_tensor_parallel_size",
                      "max_logp_gap", "server_url", "server_timeout", "reward_timeout"}
 # total_steps does not shape their learning rate
 SCHEDULES_WITHOUT_END = {"constant", "constant_with_warmup"}
