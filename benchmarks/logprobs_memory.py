@@ -14,14 +14,18 @@ Variants:
     lean    common.logprobs.completion_logprobs: for this Qwen3, the chunked LM head (common/logprobs.py
             HeadLogprobs): no (B, T + 1, V) logits at all; for heads it cannot replace, TokenLogprobs on the
             model's logits (chunks of positions, custom backward writing the gradient into the logits)
+    lean_logp  the same without the entropy (with_entropy=False): what the scripts' no-grad passes run, which
+            read only the log-probs
 
 The naive and rowwise variants make the (B, T + 1, V) logits in the model's dtype (the table prints their size).
 
     python benchmarks/logprobs_memory.py                        # B=2, T=1024, fp32 and bf16 -> JSON + table
     python benchmarks/logprobs_memory.py --batch 4 --length 2048 --dtypes bfloat16
+    python benchmarks/logprobs_memory.py --batch 8 --length 256 --modes nograd --variants lean,lean_logp
 """
 
 import argparse
+import functools
 import json
 import os
 import resource
@@ -70,7 +74,8 @@ def rowwise_completion_logprobs(model, input_ids, attention_mask, num_completion
     return torch.stack(logp), torch.stack(entropy)
 
 
-VARIANTS = {"naive": naive_completion_logprobs, "rowwise": rowwise_completion_logprobs, "lean": completion_logprobs}
+VARIANTS = {"naive": naive_completion_logprobs, "rowwise": rowwise_completion_logprobs, "lean": completion_logprobs,
+            "lean_logp": functools.partial(completion_logprobs, with_entropy=False)}
 
 
 def tiny_model(vocab_size: int, dtype: torch.dtype, seed: int = 0):
@@ -134,7 +139,7 @@ def main():
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--entropy_grad", type=int, default=1, help="1: backward through the entropy too (P3O's bonus)")
     p.add_argument("--dtypes", default="float32,bfloat16")
-    p.add_argument("--variants", default="naive,rowwise,lean")
+    p.add_argument("--variants", default="naive,rowwise,lean,lean_logp")
     p.add_argument("--modes", default="train,nograd")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default="runs/benchmarks/logprobs_memory.json")

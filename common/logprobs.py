@@ -76,7 +76,7 @@ def head_pairs(head, x: torch.Tensor) -> list[torch.Tensor]:
 
 @contextlib.contextmanager
 def head_logprobs(head, targets: torch.Tensor, mask: torch.Tensor, temperature: float,
-                  entropy_grad: bool, top_p: float = 1.0):
+                  entropy_grad: bool, top_p: float = 1.0, with_entropy: bool = True):
     """For one forward of the model: its head, given the hidden states of the last T + 1 positions (logits_to_keep),
     returns (B, T, 2) [logp, entropy] of `targets` (B, T) where `mask` (B, T) is set, and 0 elsewhere, in place of
     the (B, T + 1, V) logits. The result is the head's output, so hooks on the head's outputs (ZeRO-3's gather
@@ -87,7 +87,7 @@ def head_logprobs(head, targets: torch.Tensor, mask: torch.Tensor, temperature: 
         keep = mask.bool()  # (B, T)
         x = hidden[:, :T][keep]  # (N, D) only completion tokens: padding costs nothing in the head
         pairs = head_pairs(head, x)
-        logp, entropy = HeadLogprobs.apply(targets[keep], temperature, entropy_grad, top_p,
+        logp, entropy = HeadLogprobs.apply(targets[keep], temperature, entropy_grad, top_p, with_entropy,
                                            *pairs)  # (N,) each
         out = logp.new_zeros(*targets.shape, 2)  # (B, T, 2)
         return out.index_put((keep,), torch.stack([logp, entropy], dim=-1))  # (B, T, 2)
@@ -112,33 +112,39 @@ class HeadLogprobs(torch.autograd.Function):
     the logits' dtype. Inputs: targets (N,), temperature, entropy_grad, top_p, then h_1 (N, D_1),
     W_1 (V, D_1), h_2, W_2, ... With top_p < 1, p is renormalised over each position's kept set
     (common.nucleus) and is 0 outside it, in the log-prob, the entropy and both derivatives; the
-    kept set's floor and log-mass are saved, (N,) each.
+    kept set's floor and log-mass are saved, (N,) each. Without `with_entropy` (the no-grad passes, which
+    read only the log-probs) the entropy is 0 and at top_p = 1 a chunk costs half the passes over its
+    logits: logsumexp and one gather, no log p, p or sum.
     """
 
     @staticmethod
-    def forward(ctx, targets, temperature, entropy_grad, top_p, *pairs):
+    def forward(ctx, targets, temperature, entropy_grad, top_p, with_entropy, *pairs):
         hiddens, weights = pairs[0::2], pairs[1::2]
         N, V = targets.shape[0], weights[0].shape[0]
         ctx.dtype = torch.promote_types(weights[0].dtype, torch.float32)
         logp = torch.empty(N, device=targets.device, dtype=ctx.dtype)  # (N,)
-        entropy, lse = torch.empty_like(logp), torch.empty_like(logp)  # (N,)
+        entropy = torch.empty_like(logp) if with_entropy else torch.zeros_like(logp)  # (N,)
+        lse = torch.empty_like(logp)  # (N,)
         width = N if top_p < 1 else 0
         nucleus = logp.new_empty(2, width)  # the kept sets' floor and log-mass
         for c in _chunks(N, V):
-            log_p = _chunk_logits(hiddens, weights, c, ctx.dtype).div_(temperature)  # (n, V) z
-            lse[c] = torch.logsumexp(log_p, dim=-1)  # (n,)
-            log_p.sub_(lse[c, None])  # (n, V) log p
+            z = scaled(_chunk_logits(hiddens, weights, c, ctx.dtype), temperature)  # (n, V)
+            lse[c] = torch.logsumexp(z, dim=-1)  # (n,)
             if top_p < 1:
                 from common.nucleus import nucleus_forward
 
-                logp[c], entropy[c] = nucleus_forward(log_p, targets[c], top_p, nucleus[:, c])
-            else:
-                logp[c] = log_p.gather(-1, targets[c, None])[:, 0]
+                log_p = z.sub_(lse[c, None])  # (n, V)
+                logp[c], kept_entropy = nucleus_forward(log_p, targets[c], top_p, nucleus[:, c])
+                entropy[c] = kept_entropy if with_entropy else 0
+                continue
+            logp[c] = z.gather(-1, targets[c, None])[:, 0] - lse[c]  # (n,)  z_y - logsumexp(z)
+            if with_entropy:
+                log_p = z.sub_(lse[c, None])  # (n, V)
                 entropy[c] = -(log_p.exp().mul_(log_p)).sum(-1)
         ctx.save_for_backward(targets, lse, entropy, nucleus, *pairs)
         ctx.temperature, ctx.top_p = temperature, top_p
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None: skip its term
-        if not entropy_grad:
+        if not (entropy_grad and with_entropy):
             ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
@@ -146,13 +152,13 @@ class HeadLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logp, grad_entropy):
         targets, lse, entropy, nucleus, *pairs = ctx.saved_tensors
         hiddens, weights = pairs[0::2], pairs[1::2]
-        needs = ctx.needs_input_grad[4:]  # per entry of pairs
+        needs = ctx.needs_input_grad[5:]  # per entry of pairs
         N, V = targets.shape[0], weights[0].shape[0]
         grad_h = [torch.empty_like(h) if needs[2 * k] else None for k, h in enumerate(hiddens)]  # (N, D_k)
         grad_w = [torch.zeros(w.shape, device=w.device, dtype=torch.promote_types(w.dtype, torch.float32))
                   if needs[2 * k + 1] else None for k, w in enumerate(weights)]  # (V, D_k)
         for c in _chunks(N, V):
-            log_p = _chunk_logits(hiddens, weights, c, ctx.dtype).div_(ctx.temperature).sub_(lse[c, None])  # (n, V)
+            log_p = scaled(_chunk_logits(hiddens, weights, c, ctx.dtype), ctx.temperature).sub_(lse[c, None])  # (n, V)
             if ctx.top_p < 1:  # log p and p of the kept set's distribution (0 outside it)
                 from common.nucleus import nucleus_backward
 
@@ -166,7 +172,7 @@ class HeadLogprobs(torch.autograd.Function):
                 g = torch.zeros_like(p)
             if grad_entropy is not None:
                 g.sub_(log_p.add_(entropy[c, None]).mul_(p).mul_(grad_entropy[c, None]))
-            g.div_(ctx.temperature)  # (n, V) d/d(logits)
+            scaled(g, ctx.temperature)  # (n, V) d/d(logits)
             for k, (h, w) in enumerate(zip(hiddens, weights)):
                 g_k = g.to(w.dtype)  # (n, V)
                 if grad_h[k] is not None:
@@ -175,7 +181,12 @@ class HeadLogprobs(torch.autograd.Function):
                     grad_w[k].addmm_(g_k.t().to(grad_w[k].dtype), h[c].to(grad_w[k].dtype))  # (V, D_k)
         grads = [x for k in range(len(hiddens)) for x in (grad_h[k], None if grad_w[k] is None
                                                           else grad_w[k].to(weights[k].dtype))]
-        return None, None, None, None, *grads
+        return None, None, None, None, None, *grads
+
+
+def scaled(z: torch.Tensor, temperature: float) -> torch.Tensor:
+    """z / temperature, in place (at temperature 1, z itself: no pass over a chunk's logits)."""
+    return z if temperature == 1 else z.div_(temperature)
 
 
 def _chunk_logits(hiddens, weights, c: slice, dtype: torch.dtype) -> torch.Tensor:
@@ -201,36 +212,41 @@ class TokenLogprobs(torch.autograd.Function):
 
         d logp_t / dz = onehot(y) - p,    d H_t / dz = -p * (log p + H_t),    d/dlogits = d/dz / T
 
-    With top_p < 1, p is each position's kept set's, renormalised, 0 outside it (as HeadLogprobs).
+    With top_p < 1, p is each position's kept set's, renormalised, 0 outside it (as HeadLogprobs); without
+    `with_entropy`, the entropy is 0 and its passes are skipped (as HeadLogprobs).
     Against log_softmax over (B, T, V) in fp32 (the naive form), this keeps no fp32 copy of the logits for the
     backward and no full-size fp32 gradient. The logits themselves are made by the model's forward: the path for
     heads that HeadLogprobs cannot replace (fused_head).
     """
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature, entropy_grad, overwrite_logits=False, top_p=1.0):
+    def forward(ctx, logits, targets, temperature, entropy_grad, overwrite_logits=False, top_p=1.0,
+                with_entropy=True):
         B, T = targets.shape  # logits (B, >= T, V): position t < T predicts targets[:, t]
         ctx.dtype = torch.promote_types(logits.dtype, torch.float32)  # fp32 (fp64 stays fp64: gradcheck)
         logp = torch.empty(B, T, device=logits.device, dtype=ctx.dtype)  # (B, T)
-        entropy, lse = torch.empty_like(logp), torch.empty_like(logp)  # (B, T)
+        entropy = torch.empty_like(logp) if with_entropy else torch.zeros_like(logp)  # (B, T)
+        lse = torch.empty_like(logp)  # (B, T)
         shape = (2, B, T) if top_p < 1 else (2, 0, 0)
         nucleus = logp.new_empty(shape)  # the kept sets' floor and log-mass
         for rows, pos in _position_chunks(B, T, logits.shape[-1]):
-            log_p = logits[rows, pos].to(ctx.dtype, copy=True).div_(temperature)  # (b, t, V) z
-            lse[rows, pos] = torch.logsumexp(log_p, dim=-1)  # (b, t)
-            log_p.sub_(lse[rows, pos, None])  # (b, t, V) log p = z - logsumexp(z)
+            z = scaled(logits[rows, pos].to(ctx.dtype, copy=True), temperature)  # (b, t, V)
+            lse[rows, pos] = torch.logsumexp(z, dim=-1)  # (b, t)
             if top_p < 1:
                 from common.nucleus import nucleus_forward
 
-                kept = nucleus_forward(log_p, targets[rows, pos], top_p, nucleus[:, rows, pos])
-                logp[rows, pos], entropy[rows, pos] = kept
-            else:
-                logp[rows, pos] = log_p.gather(-1, targets[rows, pos, None])[..., 0]
+                log_p = z.sub_(lse[rows, pos, None])  # (b, t, V) log p = z - logsumexp(z)
+                logp[rows, pos], kept_entropy = nucleus_forward(log_p, targets[rows, pos], top_p, nucleus[:, rows, pos])
+                entropy[rows, pos] = kept_entropy if with_entropy else 0
+                continue
+            logp[rows, pos] = z.gather(-1, targets[rows, pos, None])[..., 0] - lse[rows, pos]  # (b, t)
+            if with_entropy:
+                log_p = z.sub_(lse[rows, pos, None])  # (b, t, V)
                 entropy[rows, pos] = -(log_p.exp().mul_(log_p)).sum(-1)
         ctx.save_for_backward(logits, targets, lse, entropy, nucleus)
         ctx.temperature, ctx.overwrite_logits, ctx.top_p = temperature, overwrite_logits, top_p
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None: skip its term
-        if not entropy_grad:
+        if not (entropy_grad and with_entropy):
             ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
@@ -241,7 +257,7 @@ class TokenLogprobs(torch.autograd.Function):
         grad = logits if ctx.overwrite_logits else torch.empty_like(logits)  # (B, T + 1, V) model dtype
         grad[:, T:] = 0  # the unused last position; a chunk's logits are read before its gradient is written
         for rows, pos in _position_chunks(B, T, logits.shape[-1]):
-            log_p = logits[rows, pos].to(ctx.dtype, copy=True).div_(ctx.temperature)  # (b, t, V) z
+            log_p = scaled(logits[rows, pos].to(ctx.dtype, copy=True), ctx.temperature)  # (b, t, V) z
             log_p.sub_(lse[rows, pos, None])  # (b, t, V) log p
             if ctx.top_p < 1:  # log p and p of the kept set's distribution (0 outside it)
                 from common.nucleus import nucleus_backward
@@ -256,8 +272,8 @@ class TokenLogprobs(torch.autograd.Function):
                 g = torch.zeros_like(p)
             if grad_entropy is not None:
                 g.sub_(log_p.add_(entropy[rows, pos, None]).mul_(p).mul_(grad_entropy[rows, pos, None]))
-            grad[rows, pos] = g.div_(ctx.temperature)
-        return grad, None, None, None, None, None
+            grad[rows, pos] = scaled(g, ctx.temperature)
+        return grad, None, None, None, None, None, None
 
 
 def _position_chunks(B: int, T: int, V: int):
@@ -272,7 +288,7 @@ def _position_chunks(B: int, T: int, V: int):
 
 def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_completion_tokens: int,
                         temperature: float, entropy_grad: bool = False, share_prompts: bool = False,
-                        top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                        top_p: float = 1.0, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of each completion token under softmax(logits / T), and the entropy there (with its
     gradient only if `entropy_grad`: an entropy bonus needs it, logging does not). With `top_p` < 1,
     under the distribution the sampler draws from: softmax(logits / T) renormalised over each
@@ -286,6 +302,7 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     only at completion tokens: no (B, T, V) logits (common.logprobs.HeadLogprobs); otherwise from the logits, with
     no fp32 (B, T, V) tensor (TokenLogprobs).
     `share_prompts` (no-grad passes only): rows with the same prompt share one forward of it (shared_prompt_cache).
+    `with_entropy` False (passes that read only the log-probs): the entropy is 0, and not computed.
     """
     T, P = num_completion_tokens, input_ids.shape[1] - num_completion_tokens
     used = attention_mask.sum(0) > 0  # (P + T,) the columns some row uses
@@ -306,7 +323,7 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     entropy_grad = entropy_grad and torch.is_grad_enabled()
     fused = None
     if head is not None:
-        fused = head_logprobs(head, targets, mask, temperature, entropy_grad, top_p)
+        fused = head_logprobs(head, targets, mask, temperature, entropy_grad, top_p, with_entropy)
     with contextlib.nullcontext() if fused is None else fused:
         out = model(input_ids=input_ids[:, start:], attention_mask=attention_mask, position_ids=position_ids[:, start:],
                     past_key_values=cache, use_cache=cache is not None,
@@ -316,7 +333,7 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
         entropy = entropy if entropy_grad else entropy.detach()  # its gradient is 0 anyway (HeadLogprobs)
     else:  # nothing else holds these logits: the backward may overwrite them with their gradient (a second
         # backward through a retained graph then fails with autograd's in-place error instead of a wrong gradient)
-        logp, entropy = TokenLogprobs.apply(out, targets, temperature, entropy_grad, True, top_p)
+        logp, entropy = TokenLogprobs.apply(out, targets, temperature, entropy_grad, True, top_p, with_entropy)
         logp, entropy = logp * mask, entropy * mask  # (B, T_b) 0 at padding, as the head's path gives
     if T_b >= T:  # back to the batch's T columns
         return logp[:, :T], entropy[:, :T]

@@ -154,8 +154,9 @@ def logprobs_of(run, net, batch: Batch, rows: slice | None = None,
         buckets = length_buckets(batch.completion_tokens[rows], size, offset=rows.start)  # similar lengths
         T, temperature = batch.mask.shape[1], run.args.temperature
         logp = torch.cat([completion_logprobs(net, batch.input_ids[s], batch.attention_mask[s], T,
-                                              temperature, share_prompts=share, top_p=top_p)[0]
-                          for s in buckets])  # (rows, T) by bucket
+                                              temperature, share_prompts=share, top_p=top_p,
+                                              with_entropy=False)[0]
+                          for s in buckets])  # (rows, T) by bucket; the entropy is not read
         return logp[torch.cat(buckets).argsort()]  # (rows, T) in row order
 
 

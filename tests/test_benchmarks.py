@@ -159,7 +159,9 @@ def test_logprobs_memory_runs_small(tmp_path):
     run_benchmark([os.path.join(REPO, "benchmarks", "logprobs_memory.py"), "--vocab", "512", "--batch", "1",
                    "--length", "8", "--dtypes", "float32", "--out", str(out)], cwd=tmp_path)
     results = json.loads(out.read_text())["results"]
-    assert len(results) == 6 and not [r for r in results if "error" in r], results
+    assert len(results) == 8 and not [r for r in results if "error" in r], results
+    logp_sum = {(r["variant"], r["mode"]): r["logp_sum"] for r in results}
+    assert logp_sum[("lean_logp", "nograd")] == logp_sum[("lean", "nograd")]  # the same log-probs without the entropy
 
 
 @pytest.mark.slow

@@ -103,6 +103,39 @@ def test_lora_model_matches_naive(path):
     torch.testing.assert_close(got[m], want[m], **TOL)
 
 
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 1.0), (0.7, 0.9)])
+def test_a_pass_without_the_entropy_gives_the_same_logprobs_and_skips_its_work(path, monkeypatch, temperature, top_p):
+    """with_entropy=False (the no-grad passes: reference and old log-probs, which read only the log-probs): the same
+    log-probs to the bit, the entropy 0, and at top_p = 1 no exp over the logits (the entropy's p), on both paths and
+    over several chunks; with the entropy, an exp in each chunk."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountExp(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls += func in (torch.ops.aten.exp.default, torch.ops.aten.exp_.default)
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(common.logprobs, "LOGPROB_CHUNK_ELEMENTS", 4 * 5_000)  # 4 positions a chunk
+    model = tiny_model(5_000, torch.float32)
+    input_ids, attention_mask, mask = make_batch(5_000, 3, 4, 6)
+    counted = {}
+    with torch.no_grad():
+        for with_entropy in (True, False):
+            with CountExp() as exps:
+                counted[with_entropy] = completion_logprobs(model, input_ids, attention_mask, 6, temperature,
+                                                            top_p=top_p, with_entropy=with_entropy)
+            counted[with_entropy] += (exps.calls,)
+    (logp, entropy, exps_with), (lean_logp, lean_entropy, exps_without) = counted[True], counted[False]
+    assert torch.equal(lean_logp, logp) and logp[mask.bool()].lt(0).all()
+    assert entropy[mask.bool()].gt(0).all() and not lean_entropy.any()
+    if top_p == 1:
+        assert exps_without == 0 and exps_with >= 2, (exps_with, exps_without)  # one exp in each chunk
+
+
 @pytest.mark.parametrize("which", ["logp", "entropy", "both"])
 def test_gradcheck_in_double_precision(monkeypatch, which):
     monkeypatch.setattr(common.logprobs, "LOGPROB_CHUNK_ELEMENTS", 3 * 11)  # chunks of 3 positions
@@ -201,7 +234,7 @@ def test_head_gradcheck_in_double_precision(monkeypatch, which, pairs):
     inputs = [t.requires_grad_() for t in inputs[:2 * pairs]]
 
     def f(*tensors):
-        logp, entropy = HeadLogprobs.apply(targets, 0.7, which != "logp", 1.0, *tensors)
+        logp, entropy = HeadLogprobs.apply(targets, 0.7, which != "logp", 1.0, True, *tensors)
         return {"logp": (logp,), "entropy": (entropy,), "both": (logp, entropy)}[which]
 
     assert torch.autograd.gradcheck(f, tuple(inputs))
@@ -603,7 +636,7 @@ def test_top_p_gradcheck_in_double_precision(monkeypatch, which):
         return pick(*TokenLogprobs.apply(x, targets, 0.7, which != "logp", False, TOP_P))
 
     def fused(h, w):
-        return pick(*HeadLogprobs.apply(targets.flatten(), 0.7, which != "logp", TOP_P, h, w))
+        return pick(*HeadLogprobs.apply(targets.flatten(), 0.7, which != "logp", TOP_P, True, h, w))
 
     assert torch.autograd.gradcheck(token, (logits,))
     assert torch.autograd.gradcheck(fused, tuple(head))
