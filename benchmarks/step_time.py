@@ -27,7 +27,7 @@ trl==1.16.0 and transformers 5.19) on the same work, every setting taken from th
     model, dtype        --model loaded by TRL with model_init_kwargs dtype=--dtype; fp16=False; bf16 (autocast)
                         only where grpo.py autocasts too, ACCELERATE_MIXED_PRECISION=bf16 (TRL's default bf16=True
                         would autocast always), gradient_checkpointing=--gradient_checkpointing (TRL's default is
-                        True)
+                        True; it recomputes every layer, so --gradient_checkpointing_every must stay 1)
     prompts             the exact prompts grpo.py sees at steps 0..N-1 (common.sampling.step_prompts), in that order,
                         shuffle_dataset=False; the text after --prompt_template / chat template (TRL tokenizes it
                         again, with the tokenizer's special tokens: the same ids for tokenizers that add no BOS,
@@ -140,12 +140,15 @@ def trl_config_and_data(argv: list[str], threads: int):
     from common.tasks.data import load_prompts, resolve_dataset
 
     args = parse_args(grpo.Args, argv)
-    if args.preset:  # the toy's model and data, or the real model (common/tasks/smollm2.py), built once
-        importlib.import_module(PRESET_MODULES[args.preset]).prepare_preset(args.preset)
     M = args.mini_batch_size or args.batch_size
     if M != args.batch_size or args.num_iterations != 1 or args.lora_r or args.tis_cap:
         raise SystemExit("--trl compares one optimizer step per RL step: use --mini_batch_size 0, --num_iterations 1, "
                          "no LoRA, no --tis_cap")
+    if args.gradient_checkpointing and args.gradient_checkpointing_every > 1:
+        raise SystemExit("--trl: TRL recomputes every layer under gradient checkpointing; compare with "
+                         "--gradient_checkpointing_every 1")
+    if args.preset:  # the toy's model and data, or the real model (common/tasks/smollm2.py), built once
+        importlib.import_module(PRESET_MODULES[args.preset]).prepare_preset(args.preset)
     tokenizer = AutoTokenizer.from_pretrained(args.model, padding_side="left")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -18,8 +18,9 @@ Reports, over the steps after `--warmup`:
     MFU = 6 x N x tokens/s / peak, N the parameters the forward and backward pass through (the model's, less the
           input embedding, which is a lookup; LoRA: the base model's too, as the gradient flows through it),
           peak the device's dense bf16 FLOP/s (--peak_tflops, default 989: an H100 SXM or H200)
-    peak memory (torch.cuda.max_memory_allocated), and the GPU's idle fraction during one profiled step (1 - the
-    union of its kernels' time over the step's wall time; --profile)
+    peak memory (torch.cuda.max_memory_allocated), and with --profile, one more step under torch.profiler: the
+    GPU's idle fraction (1 - the union of its kernels' time over the step's wall time) and the table of the ops that
+    took the most device time (printed, and in the JSON as profile_top_ops)
 
 Published dimensions (the models' config.json on the hub): hidden size, layers, attention heads / KV heads, head
 size 128, MLP size, vocabulary 151,936, tied embeddings for 0.6B, 1.7B and 4B.
@@ -44,6 +45,7 @@ SIZES = {
     "tiny": (64, 2, 2, 1, 128, 4096),
 }
 VOCAB = 151_936
+PROFILE_ROWS = 25  # ops in --profile's table
 
 
 def build_model(size: str, dtype: torch.dtype, device: str, lora_r: int, vocab: int = VOCAB):
@@ -77,9 +79,8 @@ def path_parameters(model) -> int:
     return total if head is embedding else total - embedding.numel()
 
 
-def timed(step, a) -> tuple[float, float | None]:
-    """Seconds per call of `step` (the mean of a.steps calls after a.warmup, the device synchronised around each), and
-    with a.profile the GPU's idle share in one more call."""
+def timed(step, a) -> float:
+    """Seconds per call of `step`: the mean of a.steps calls after a.warmup, the device synchronised around each."""
     cuda = a.device.startswith("cuda")
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -93,22 +94,29 @@ def timed(step, a) -> tuple[float, float | None]:
             torch.cuda.synchronize()
         if i >= a.warmup:
             times.append(time.perf_counter() - start)
-    return sum(times) / len(times), gpu_idle_fraction(step) if a.profile else None
+    return sum(times) / len(times)
 
 
-def gpu_idle_fraction(step) -> float | None:
-    """1 - (the union of the CUDA kernels' time) / (the step's wall time), from torch.profiler, for one call of
-    `step`; None without CUDA."""
-    if not torch.cuda.is_available():
-        return None
+def profiled_step(step) -> tuple[float | None, str]:
+    """One call of `step` under torch.profiler: the GPU's idle share, 1 - (the union of the CUDA kernels' time) /
+    (the step's wall time), None without CUDA; and the table of the ops that took the most time (self time on the
+    device, or on the CPU without CUDA), their top PROFILE_ROWS."""
     from torch.profiler import ProfilerActivity, profile
 
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        step()
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
         torch.cuda.synchronize()
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
     wall_us = (time.perf_counter() - start) * 1e6
+    sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort_by, row_limit=PROFILE_ROWS)
+    if not cuda:
+        return None, table
     kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
                      if e.device_type == torch.autograd.DeviceType.CUDA)
     busy, end = 0.0, float("-inf")
@@ -117,7 +125,7 @@ def gpu_idle_fraction(step) -> float | None:
             continue
         busy += b - max(a, end)
         end = b
-    return max(0.0, 1 - busy / wall_us)
+    return max(0.0, 1 - busy / wall_us), table
 
 
 def main(argv=None):
@@ -139,7 +147,8 @@ def main(argv=None):
                    help="leave cuDNN's attention on (the scripts turn it off: common.models.devices."
                         "padding_safe_attention), to time what it would gain on rows without padding")
     p.add_argument("--peak_tflops", type=float, default=989.0, help="the device's dense bf16 peak (H100/H200: 989)")
-    p.add_argument("--profile", action="store_true", help="one more step under torch.profiler: the GPU's idle share")
+    p.add_argument("--profile", action="store_true",
+                   help="one more step under torch.profiler: the GPU's idle share and the ops that took the most time")
     p.add_argument("--chunk_elements", type=int, default=0,
                    help="positions x vocabulary of one chunk of the LM head's log-probs (common.logprobs "
                         "LOGPROB_CHUNK_ELEMENTS; 0: as the scripts have it), to time larger chunks on a GPU")
@@ -197,7 +206,8 @@ def main(argv=None):
     default_chunk = common.logprobs.LOGPROB_CHUNK_ELEMENTS
     common.logprobs.LOGPROB_CHUNK_ELEMENTS = a.chunk_elements or default_chunk
     try:
-        seconds, idle = timed(step, a)
+        seconds = timed(step, a)
+        idle, top_ops = profiled_step(step) if a.profile else (None, "")
     finally:  # the module's value again for whoever imports it next (tests run this in-process)
         common.logprobs.LOGPROB_CHUNK_ELEMENTS = default_chunk
     tokens_per_s = a.rows * a.tokens / seconds
@@ -214,6 +224,7 @@ def main(argv=None):
         "mfu": 6 * n * tokens_per_s / (a.peak_tflops * 1e12) if a.device.startswith("cuda") else None,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if a.device.startswith("cuda") else None,
         "gpu_idle_fraction": idle, "chunk_elements": a.chunk_elements or default_chunk,
+        "profile_top_ops": top_ops,
     }
     mfu = "-" if result["mfu"] is None else f"{100 * result['mfu']:.1f}%"
     memory = "-" if result["peak_memory_gib"] is None else f"{result['peak_memory_gib']:.1f} GiB"
@@ -221,6 +232,8 @@ def main(argv=None):
     print(f"Qwen3-{a.size} {'LoRA r ' + str(a.lora_r) if a.lora_r else 'full'}, {a.rows} x {a.tokens} tokens, "
           f"{a.dtype} on {result['device_name']}: {seconds:.3f} s/step, {tokens_per_s:,.0f} tokens/s, MFU {mfu}, "
           f"peak {memory}, GPU idle {idle} (N = {n / 1e9:.2f}B)")
+    if top_ops:
+        print(top_ops)
     if a.out:
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         with open(a.out, "w") as f:

@@ -69,6 +69,36 @@ def test_every_update_the_gpu_check_times_runs_small_on_the_cpu():
         assert result["gradient_checkpointing"] == ("--gradient_checkpointing" in flags), spec
 
 
+@pytest.mark.parametrize("mode, runs", [("1", 6), ("chunk", 5), ("4b", 5)])
+def test_the_gpu_checks_update_parts_each_write_a_file_of_their_own(tmp_path, mode, runs):
+    """scripts/gpu_check.sh's update part as a lease runs it (GPU_CHECK_UPDATE=1, chunk or 4b; tests and steps left
+    out), with a stand-in python3 on PATH that says CUDA is there and records each call: every update_mfu.py run
+    is called, and each writes its own --out file (two runs writing one file lost a figure once)."""
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    log = tmp_path / "calls.log"
+    (stub / "python3").write_text(f"""#!/usr/bin/env bash
+echo "$*" >> {log}
+case "$*" in
+    *"import trl"*|*"import vllm"*) exit 1 ;;
+    *update_mfu.py*) echo "Qwen3-stand-in" ;;
+esac
+exit 0
+""")
+    (stub / "python3").chmod(0o755)
+    env = {**os.environ, "PATH": f"{stub}:{os.environ['PATH']}", "GPU_CHECK_TESTS": "0", "GPU_CHECK_STEPS": "0",
+           "GPU_CHECK_UPDATE": mode}
+    done = subprocess.run(["bash", os.path.join(REPO, "scripts", "gpu_check.sh"), str(tmp_path / "report")],
+                          capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    calls = [line.split() for line in log.read_text().splitlines() if "benchmarks/update_mfu.py" in line]
+    outs = [call[call.index("--out") + 1] for call in calls]
+    assert len(calls) == runs and len(set(outs)) == runs, outs
+    assert all(out.startswith(str(tmp_path / "report")) and out.endswith(".json") for out in outs), outs
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert report.count("update_mfu.py --size") == runs and ": exit 0" in report, report
+
+
 # Every script in benchmarks/ has a smoke test: it runs on the smallest work it accepts and its figures are sane.
 # logprob_passes and the GPU check are above; copy_cost.py in tests/test_siblings.py; weight_push.py (needs vLLM) in
 # tests/test_vllm_engine.py. tests/test_benchmarks.py::test_every_benchmark_script_has_a_smoke_test holds the list.
@@ -206,6 +236,24 @@ def test_update_mfu_runs_small_full_and_lora(tmp_path, monkeypatch):
     assert common.logprobs.LOGPROB_CHUNK_ELEMENTS == default  # restored for the rest of the process
 
 
+@pytest.mark.peer
+@pytest.mark.parametrize("flags, said", [
+    (["--lora_r", "4"], "--trl compares one optimizer step per RL step"),
+    (["--num_iterations", "2"], "--trl compares one optimizer step per RL step"),
+    (["--gradient_checkpointing", "--gradient_checkpointing_every", "2"], "TRL recomputes every layer"),
+])
+def test_step_time_refuses_a_trl_comparison_of_unequal_work_before_building_anything(tmp_path, monkeypatch, flags,
+                                                                                     said):
+    """TRL cannot do these as grpo.py would (several optimizer steps a batch, LoRA's reference, one layer in K
+    recomputed): refused with the fix, before the preset's model is built (in an empty folder, nothing is)."""
+    from benchmarks import step_time
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match=said):
+        step_time.trl_config_and_data(["--preset", "toy", *flags], 1)
+    assert not os.path.exists(tmp_path / "runs")
+
+
 def test_update_mfu_times_the_scripts_attention_and_checkpointing(tmp_path, monkeypatch):
     """update_mfu.py times what the scripts run: cuDNN's attention off (unless --cudnn_sdp), and gradient
     checkpointing through the scripts' own common.run.checkpoint_layers, with --gradient_checkpointing_every."""
@@ -227,7 +275,9 @@ def test_update_mfu_times_the_scripts_attention_and_checkpointing(tmp_path, monk
     half = update_mfu.main(small + ["--gradient_checkpointing", "--gradient_checkpointing_every", "2"])
     assert not torch.backends.cuda.cudnn_sdp_enabled()
     assert calls == [2] and half["gradient_checkpointing_every"] == 2 and half["cudnn_sdp"] is False
-    on = update_mfu.main(small + ["--cudnn_sdp"])
+    on = update_mfu.main(small + ["--cudnn_sdp", "--profile"])
+    assert on["gpu_idle_fraction"] is None and "aten::" in on["profile_top_ops"]  # the CPU's ops, without CUDA
+    assert half["profile_top_ops"] == ""  # no --profile: no table
     assert torch.backends.cuda.cudnn_sdp_enabled() and on["cudnn_sdp"] is True
     assert calls == [2] and on["gradient_checkpointing_every"] == 0  # no checkpointing asked: none
     with pytest.raises(SystemExit, match="--gradient_checkpointing_every 0 must be at least 1"):
