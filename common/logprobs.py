@@ -109,12 +109,12 @@ class HeadLogprobs(torch.autograd.Function):
         dh_k = g W_k,   dW_k = sum over chunks of g^T h_k   (accumulated in fp32 at least, cast once at the end)
 
     g is cast to each weight's dtype before its matmuls, as nn.Linear's backward receives the logits' gradient in
-    the logits' dtype. Inputs: targets (N,), temperature, entropy_grad, top_p, then h_1 (N, D_1),
+    the logits' dtype. Inputs: targets (N,), temperature, entropy_grad, top_p, with_entropy, then h_1 (N, D_1),
     W_1 (V, D_1), h_2, W_2, ... With top_p < 1, p is renormalised over each position's kept set
     (common.nucleus) and is 0 outside it, in the log-prob, the entropy and both derivatives; the
     kept set's floor and log-mass are saved, (N,) each. Without `with_entropy` (the no-grad passes, which
-    read only the log-probs) the entropy is 0 and at top_p = 1 a chunk costs half the passes over its
-    logits: logsumexp and one gather, no log p, p or sum.
+    read only the log-probs) the entropy is 0, and at top_p = 1 a chunk takes only a logsumexp and one gather
+    over its logits: no log p, p or sum.
     """
 
     @staticmethod
@@ -172,7 +172,7 @@ class HeadLogprobs(torch.autograd.Function):
                 g = torch.zeros_like(p)
             if grad_entropy is not None:
                 g.sub_(log_p.add_(entropy[c, None]).mul_(p).mul_(grad_entropy[c, None]))
-            scaled(g, ctx.temperature)  # (n, V) d/d(logits)
+            g = scaled(g, ctx.temperature)  # (n, V) d/d(logits)
             for k, (h, w) in enumerate(zip(hiddens, weights)):
                 g_k = g.to(w.dtype)  # (n, V)
                 if grad_h[k] is not None:
