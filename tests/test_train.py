@@ -171,6 +171,7 @@ def test_a_damaged_checkpoint_is_refused_or_skipped_for_the_intact_one_before(in
 
 
 @pytest.mark.slow
+@pytest.mark.precondition
 def test_checkpointing_one_layer_in_two_takes_the_same_step(in_toy_workdir):
     """--gradient_checkpointing_every 2 reaches the policy's layers (the first recomputed, the second not) and
     changes no step: the run's gradient is the one without checkpointing."""
