@@ -5,6 +5,8 @@ trainer benchmarks measure it.
     python benchmarks/update_mfu.py --size 0.6b --tokens 2048 --rows 8                # one GPU, full fine-tuning
     python benchmarks/update_mfu.py --size 4b --tokens 2048 --rows 8 --lora_r 16      # LoRA r 16
     python benchmarks/update_mfu.py --size tiny --tokens 64 --rows 2 --device cpu    # the CPU rehearsal
+    python benchmarks/update_mfu.py --size 0.6b --tokens 768 --rows 8 --nograd scripts   # a reference pass
+    python benchmarks/update_mfu.py --size 0.6b --tokens 768 --rows 8 --nograd logits    # the same, TRL's way
     python benchmarks/update_mfu.py --size 0.6b --save runs/qwen3_0.6b \
         --tokenizer_from runs/qwen3_shape/model          # a model folder for the scripts (qwen3_shape.py's tokenizer)
 
@@ -12,6 +14,10 @@ Each step is what grpo.py's loop does for one micro-batch: common.logprobs.compl
 chunked LM head), grpo.compute_loss (on-policy: old_logp is the update's own, detached; beta 0), backward, gradient
 clipping and AdamW (fused on a GPU). A row is `--prompt_tokens` prompt tokens then `--tokens - --prompt_tokens`
 completion tokens, all valid (random ids: a random-weight model's completions run to the length limit anyway).
+`--nograd scripts` times instead the no-grad log-prob pass the scripts take for the reference's and the old
+log-probs (common.sampling.logprobs_of: the chunked head, no entropy; every row here has a prompt of its own, so
+none is shared), `--nograd logits` the same log-probs as TRL computes them (the whole logits, then a log-softmax a
+row at a time); their MFU counts 2 x N (a forward).
 Reports, over the steps after `--warmup`:
 
     seconds per step, trainer tokens/s (rows x tokens / seconds)
@@ -152,6 +158,10 @@ def main(argv=None):
     p.add_argument("--chunk_elements", type=int, default=0,
                    help="positions x vocabulary of one chunk of the LM head's log-probs (common.logprobs "
                         "LOGPROB_CHUNK_ELEMENTS; 0: as the scripts have it), to time larger chunks on a GPU")
+    p.add_argument("--nograd", choices=["", "scripts", "logits"], default="",
+                   help="time a no-grad log-prob pass instead of the update: the scripts' (the reference's and the "
+                        "old log-probs' pass: the chunked head, no entropy), or logits (the whole logits, then a "
+                        "log-softmax a row at a time: TRL's selective_log_softmax in bf16)")
     p.add_argument("--out", default="", help="write the result as JSON here")
     p.add_argument("--save", default="", help="only save the random-weight model (and no LoRA) to this folder")
     p.add_argument("--tokenizer_from", default="", help="with --save: the tokenizer of this folder saved beside it")
@@ -203,15 +213,32 @@ def main(argv=None):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    logp_sums = []  # --nograd: the passes' log-probs, summed (the two ways must agree)
+
+    def nograd_pass():
+        with torch.no_grad():
+            if a.nograd == "scripts":  # common.sampling.logprobs_of's call
+                logp, _ = completion_logprobs(model, input_ids, attention, T, 1.0, with_entropy=False)
+            else:
+                from benchmarks.logprobs_memory import rowwise_completion_logprobs
+
+                logp, _ = rowwise_completion_logprobs(model, input_ids, attention, T, 1.0)
+        logp_sums.append(float((logp * mask).sum()))
+
+    if a.nograd:
+        model.eval()
+
     default_chunk = common.logprobs.LOGPROB_CHUNK_ELEMENTS
     common.logprobs.LOGPROB_CHUNK_ELEMENTS = a.chunk_elements or default_chunk
     try:
-        seconds = timed(step, a)
-        idle, top_ops = profiled_step(step) if a.profile else (None, "")
+        measured = nograd_pass if a.nograd else step
+        seconds = timed(measured, a)
+        idle, top_ops = profiled_step(measured) if a.profile else (None, "")
     finally:  # the module's value again for whoever imports it next (tests run this in-process)
         common.logprobs.LOGPROB_CHUNK_ELEMENTS = default_chunk
     tokens_per_s = a.rows * a.tokens / seconds
     n = path_parameters(model)
+    flops = 2 if a.nograd else 6  # per parameter and token: a forward, or a forward and a backward
     result = {
         "size": a.size, "lora_r": a.lora_r, "dtype": a.dtype, "device": a.device,
         "device_name": torch.cuda.get_device_name(0) if a.device.startswith("cuda") else "cpu",
@@ -221,7 +248,8 @@ def main(argv=None):
         "cudnn_sdp": a.cudnn_sdp,
         "path_parameters": n, "trainable_parameters": sum(p.numel() for p in trainable),
         "seconds_per_step": seconds, "tokens_per_s": tokens_per_s,
-        "mfu": 6 * n * tokens_per_s / (a.peak_tflops * 1e12) if a.device.startswith("cuda") else None,
+        "nograd": a.nograd, "logp_sum": logp_sums[-1] if logp_sums else None,
+        "mfu": flops * n * tokens_per_s / (a.peak_tflops * 1e12) if a.device.startswith("cuda") else None,
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if a.device.startswith("cuda") else None,
         "gpu_idle_fraction": idle, "chunk_elements": a.chunk_elements or default_chunk,
         "profile_top_ops": top_ops,
@@ -229,7 +257,8 @@ def main(argv=None):
     mfu = "-" if result["mfu"] is None else f"{100 * result['mfu']:.1f}%"
     memory = "-" if result["peak_memory_gib"] is None else f"{result['peak_memory_gib']:.1f} GiB"
     idle = "-" if result["gpu_idle_fraction"] is None else f"{100 * result['gpu_idle_fraction']:.1f}%"
-    print(f"Qwen3-{a.size} {'LoRA r ' + str(a.lora_r) if a.lora_r else 'full'}, {a.rows} x {a.tokens} tokens, "
+    what = f"no-grad pass ({a.nograd})" if a.nograd else f"LoRA r {a.lora_r}" if a.lora_r else "full"
+    print(f"Qwen3-{a.size} {what}, {a.rows} x {a.tokens} tokens, "
           f"{a.dtype} on {result['device_name']}: {seconds:.3f} s/step, {tokens_per_s:,.0f} tokens/s, MFU {mfu}, "
           f"peak {memory}, GPU idle {idle} (N = {n / 1e9:.2f}B)")
     if top_ops:

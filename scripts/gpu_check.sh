@@ -69,7 +69,7 @@ fi
 
 steps=${GPU_CHECK_STEPS:-1}    # 0: leave out the whole steps against TRL (a lease split in two calls)
 update=${GPU_CHECK_UPDATE:-1}  # 0: leave out the update's sizes (benchmarks/update_mfu.py); chunk: only the head's
-# chunk; 4b: only the Qwen3-4B LoRA update at 16k tokens, its variants (below)
+# chunk; 4b: only the Qwen3-4B LoRA update at 16k tokens, its variants; nograd: the 0.6B no-grad pass, two ways (below)
 bench=${GPU_CHECK_BENCH:-1}    # 0: leave out the Qwen3-shaped step with TRL's cuDNN attention on (measured 2026-11-26/28)
 if [ "$steps" = 1 ] && [ "$bench" = 1 ] && [ "$rehearsal" != 1 ] && python3 -c "import trl" 2>/dev/null; then
     # Qwen3's vocabulary and varied lengths (benchmarks/qwen3_shape.py), in bf16 with a GPU-sized batch; the body
@@ -133,6 +133,10 @@ else
         "4b 16 16384 1 --gradient_checkpointing --gradient_checkpointing_every 2"
         "4b 16 16384 1 --gradient_checkpointing --gradient_checkpointing_every 2 --chunk_elements 268435456"
         "4b 16 16384 1")
+    # nograd: Qwen3-0.6B's no-grad log-prob pass (the reference's), 8 rows of 256 prompt and 512 completion tokens as
+    # in the whole step above, the scripts' way and TRL's (the whole logits, a log-softmax a row at a time), profiled
+    [ "$update" = nograd ] && specs=("0.6b 0 768 8 --nograd scripts --profile"
+        "0.6b 0 768 8 --nograd logits --profile")
     [ "$update" = 0 ] && specs=()
     for spec in "${specs[@]}"; do
         set -- $spec
@@ -141,7 +145,8 @@ else
         # LoRA without checkpointing is named apart: the same spec with it would write the same file
         nockpt=$([ "$2" != 0 ] && [[ "$spec" != *--gradient_checkpointing* ]] && echo _nockpt)
         cudnn=$([[ "$spec" == *--cudnn_sdp* ]] && echo _cudnn)
-        name="update_mfu_$1_r$2_$3${chunk:+_chunk$chunk}${every:+_every$every}$nockpt$cudnn.json"
+        nograd=$(echo "$spec" | grep -oE -- "--nograd [a-z]+" | cut -d' ' -f2)
+        name="update_mfu_$1_r$2_$3${chunk:+_chunk$chunk}${every:+_every$every}$nockpt$cudnn${nograd:+_nograd_$nograd}.json"
         timeout "$part" python3 benchmarks/update_mfu.py --size "$1" --lora_r "$2" --tokens "$3" --rows "$4" \
             "${@:5}" --out "$report/$name" >> "$report/update_mfu.txt" 2>&1
         echo "- update_mfu.py --size $1 --lora_r $2 --tokens $3 --rows $4 ${*:5}: exit $?" >> "$md"

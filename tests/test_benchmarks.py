@@ -59,7 +59,8 @@ def test_every_update_the_gpu_check_times_runs_small_on_the_cpu():
 
     text = open(os.path.join(REPO, "scripts", "gpu_check.sh")).read()
     specs = re.findall(r'"((?:0\.6b|1\.7b|4b) \d+ \d+ \d+[^"]*)"', text)
-    assert len(specs) >= 10 and any("--gradient_checkpointing_every" in s for s in specs), specs
+    assert len(specs) >= 12 and any("--gradient_checkpointing_every" in s for s in specs), specs
+    assert any("--nograd" in s for s in specs), specs
     tiny = ["--size", "tiny", "--tokens", "48", "--prompt_tokens", "16", "--rows", "2", "--device", "cpu",
             "--steps", "1", "--warmup", "0", "--vocab", "512", "--dtype", "float32"]
     for spec in set(specs):
@@ -69,7 +70,7 @@ def test_every_update_the_gpu_check_times_runs_small_on_the_cpu():
         assert result["gradient_checkpointing"] == ("--gradient_checkpointing" in flags), spec
 
 
-@pytest.mark.parametrize("mode, runs", [("1", 6), ("chunk", 5), ("4b", 5)])
+@pytest.mark.parametrize("mode, runs", [("1", 6), ("chunk", 5), ("4b", 5), ("nograd", 2)])
 def test_the_gpu_checks_update_parts_each_write_a_file_of_their_own(tmp_path, mode, runs):
     """scripts/gpu_check.sh's update part as a lease runs it (GPU_CHECK_UPDATE=1, chunk or 4b; tests and steps left
     out), with a stand-in python3 on PATH that says CUDA is there and records each call: every update_mfu.py run
@@ -280,6 +281,11 @@ def test_update_mfu_times_the_scripts_attention_and_checkpointing(tmp_path, monk
     assert half["profile_top_ops"] == ""  # no --profile: no table
     assert torch.backends.cuda.cudnn_sdp_enabled() and on["cudnn_sdp"] is True
     assert calls == [2] and on["gradient_checkpointing_every"] == 0  # no checkpointing asked: none
+    ours = update_mfu.main(small + ["--nograd", "scripts"])
+    theirs = update_mfu.main(small + ["--nograd", "logits"])
+    assert ours["nograd"] == "scripts" and theirs["nograd"] == "logits" and ours["logp_sum"] < 0
+    assert ours["logp_sum"] == pytest.approx(theirs["logp_sum"], rel=1e-5)  # the same log-probs, two ways
+    assert half["nograd"] == "" and half["logp_sum"] is None
     with pytest.raises(SystemExit, match="--gradient_checkpointing_every 0 must be at least 1"):
         update_mfu.main(small + ["--gradient_checkpointing", "--gradient_checkpointing_every", "0"])
 
