@@ -247,7 +247,8 @@ def checkpoint_layers(model, every: int = 1) -> None:
     """Gradient checkpointing on one decoder layer in `every` (the first, then each every-th): a
     checkpointed layer keeps only its input for the backward and runs its forward again there. 1 is
     transformers' own (every layer); 2 keeps about half the activations that no checkpointing keeps,
-    for half the recompute. The gradients are the same at every setting (tests/test_train.py)."""
+    for half the recompute. The gradients are the same at every setting (tests/test_common.py,
+    tests/test_train.py)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     model.gradient_checkpointing_enable()
