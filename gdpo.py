@@ -133,7 +133,7 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
     loss = -(per_token * mask).sum() / stats.num_tokens.clamp(min=1)  # GDPO: token mean
 
     with torch.no_grad():
-        is_low = (ratio < 1 - args.epsilon) & (A < 0)  # (B, T)  clipped below (gradient zeroed)
+        is_low = (ratio < 1 - args.epsilon) & (A < 0)  # (B, T) clipped from below (gradient zeroed)
         is_high = (ratio > 1 + args.epsilon_high) & (A > 0)  # (B, T)
         metrics = {
             "loss/policy": loss.detach(),
