@@ -136,15 +136,6 @@ def launch(main, args_cls) -> None:
         raise SystemExit(f"error: {e}\n{where_to_resume()}") from None
 
 
-def sum_over_processes(accelerator):
-    """A function that sums a tensor over every process (an all-reduce): whole-batch totals from each one's sums."""
-
-    def total(x: torch.Tensor) -> torch.Tensor:
-        return accelerator.reduce(x, "sum")
-
-    return total
-
-
 def setup(args) -> Run:
     """Check the arguments (before any weights load), claim the run folder, load and prepare
     everything."""

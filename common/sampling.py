@@ -9,10 +9,11 @@ import torch
 
 from common.batch import Batch, Rollouts, pad_rows
 from common.engines.rollout import sample_seed, single_turn
-from common.logprobs import completion_logprobs, length_buckets
+from common.logprobs import completion_logprobs
 from common.metrics import timed
 from common.models.devices import sharded_parameters
 from common.tasks.rewards import RewardError, compute_rewards
+from common.update import length_buckets
 
 
 def sample_batch(run, index: int, metrics: dict) -> Batch:

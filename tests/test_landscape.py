@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from conftest import learning_bar, read_metrics, run_script
 from peers import trl_grpo_loss
 
 import grpo
@@ -193,3 +194,14 @@ def test_without_a_switch_it_is_grpo_to_the_bit(seed):
     assert ours_metrics.keys() == grpo_metrics.keys()
     assert all(torch.equal(ours_metrics[k], grpo_metrics[k]) for k in ours_metrics)
     assert torch.equal(torch.autograd.grad(ours, logp)[0], torch.autograd.grad(theirs, logp)[0])
+
+
+@pytest.mark.slow
+def test_toy_learns(in_toy_workdir):
+    """A shortened toy run of CL (--advantage sign; with no switch this is grpo.py's run): held-out greedy accuracy
+    must rise by the bar of benchmarks/learning_bars.py's CL runs."""
+    run = run_script(landscape, ["--preset", "toy", "--total_steps", "50", "--eval_steps", "25", "--advantage", "sign",
+                                 "--run_name", "landscape_learns"])
+    evals = [m["eval/accuracy"] for m in read_metrics(run) if "eval/accuracy" in m]
+    assert len(evals) == 3
+    assert evals[-1] >= evals[0] + learning_bar("landscape"), evals

@@ -9,7 +9,9 @@ compute_loss), and in main() only a few lines tagged `# <ALGO>:` that the estima
 import difflib
 import glob
 import importlib
+import json
 import os
+import re
 import subprocess
 import sys
 
@@ -36,6 +38,9 @@ def python_files(folder: str) -> list[str]:
 BUDGET = {"gspo": 60, "covpo": 140, "p3o": 140, "snib": 178}
 SIBLINGS = {name: BUDGET.get(name, 120) for name in ALGORITHMS if name != "grpo"}
 MAX_MAIN_LINES = 6
+# The repository files besides the script whose functions one warm toy step calls (benchmarks/step_path.py), the
+# task's own reward function included: 11 before issue 66 (2026-12-06), the goal 4.
+STEP_FILES = 10
 # Lines of a whole script and of its main(), blank lines and comments included: the longest measured when these were
 # set (2026-11-27: covpo.py and snib.py 253, p3o.py's main 79 of which 61 are statements) plus about 10%. Issue 51
 # asked for 180 and 60; reaching them would take the estimators' metrics or main's named steps out, or pack lines.
@@ -197,6 +202,22 @@ def test_copying_grpo_for_the_gpu_command_takes_what_its_run_imports(in_toy_work
     assert total["code"] <= COPY_COST["gpu"], (total, files)
     measured = (len(files) + 1, total["lines"], total["code"], total["prose"])
     assert layout_row("the GPU command") == measured  # the docs' figures are the measured ones
+
+
+def test_grpos_header_names_the_files_one_step_calls(in_toy_workdir):
+    """The files a student opens to follow one warm on-policy step of the toy (sample, reward, advantage, log-probs,
+    loss, backward, optimizer step), as benchmarks/step_path.py records them under the profiler, are the files
+    grpo.py's docstring names in its "One step" paragraph, and at most STEP_FILES of them."""
+    out = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "step_path.py"), "grpo.py", "--json"],
+                         cwd=in_toy_workdir, capture_output=True, text=True, timeout=600, env=subprocess_env())
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    path = json.loads(out.stdout.strip().splitlines()[-1])
+    with open(os.path.join(REPO, "grpo.py")) as f:
+        docstring = f.read().split('"""')[1]
+    paragraph = docstring[docstring.index("One step"):].split("\n\n")[0]
+    named = set(re.findall(r"common/[\w/]+\.py", " ".join(paragraph.split())))
+    assert named == set(path), (sorted(named), path)
+    assert len(path) <= STEP_FILES, path
 
 
 def test_the_documented_copy_cost_command_runs_from_the_repository_root(monkeypatch):
