@@ -18,12 +18,11 @@ compute_gdpo_outcome_advantage):
   normalises over rows with std + 1e-4 (TRL 1.16's normalize_then_sum too, for every K).
 
 One step, in the order main() runs it, and the files it calls into (benchmarks/step_path.py lists
-their functions): the lagged queue (common/offpolicy.py); the rollouts (common/sampling.py, with
-transformers' sampler from common/engines/rollout.py, the rewards from common/tasks/rewards.py and
-the toy's reward function from common/tasks/toy.py, the tensors from common/batch.py, a timer of
-common/metrics.py, the check for sharded weights of common/models/devices.py);
-compute_advantages; the log-probs (common/logprobs.py); batch_stats and compute_loss on
-micro-batches (common/update.py); the backward and the optimizer step, here.
+their functions): the rollouts, through the lagged queue (common/sampling.py, with transformers'
+sampler of common/engines/rollout.py, the rewards of common/tasks/rewards.py and the toy's reward
+function of common/tasks/toy.py); compute_advantages; the log-probs (common/logprobs.py);
+batch_stats and compute_loss on micro-batches (common/update.py); the backward and the optimizer
+step, here.
 
 Run:
     python gdpo.py --preset toy                                  # CPU, minutes

@@ -9,12 +9,11 @@ ablation switches; --tis_cap scales a completion's term by the mean of its token
 clip_frac counts tokens (Figure 4).
 
 One step, in the order main() runs it, and the files it calls into (benchmarks/step_path.py lists
-their functions): the lagged queue (common/offpolicy.py); the rollouts (common/sampling.py, with
-transformers' sampler from common/engines/rollout.py, the rewards from common/tasks/rewards.py and
-the toy's reward function from common/tasks/toy.py, the tensors from common/batch.py, a timer of
-common/metrics.py, the check for sharded weights of common/models/devices.py);
-compute_advantages; the log-probs (common/logprobs.py); batch_stats and compute_loss on
-micro-batches (common/update.py); the backward and the optimizer step, here.
+their functions): the rollouts, through the lagged queue (common/sampling.py, with transformers'
+sampler of common/engines/rollout.py, the rewards of common/tasks/rewards.py and the toy's reward
+function of common/tasks/toy.py); compute_advantages; the log-probs (common/logprobs.py);
+batch_stats and compute_loss on micro-batches (common/update.py); the backward and the optimizer
+step, here.
 
 Run:
     python gspo.py --preset toy                                  # CPU, minutes

@@ -14,12 +14,11 @@ completion may be, section 5), and the token-level normalisation the paper discu
 defaults are grpo.py's: with none of the switches, this is GRPO.
 
 One step, in the order main() runs it, and the files it calls into (benchmarks/step_path.py lists
-their functions): the lagged queue (common/offpolicy.py); the rollouts (common/sampling.py, with
-transformers' sampler from common/engines/rollout.py, the rewards from common/tasks/rewards.py and
-the toy's reward function from common/tasks/toy.py, the tensors from common/batch.py, a timer of
-common/metrics.py, the check for sharded weights of common/models/devices.py);
-compute_advantages; the log-probs (common/logprobs.py); batch_stats and compute_loss on
-micro-batches (common/update.py); the backward and the optimizer step, here.
+their functions): the rollouts, through the lagged queue (common/sampling.py, with transformers'
+sampler of common/engines/rollout.py, the rewards of common/tasks/rewards.py and the toy's reward
+function of common/tasks/toy.py); compute_advantages; the log-probs (common/logprobs.py);
+batch_stats and compute_loss on micro-batches (common/update.py); the backward and the optimizer
+step, here.
 
 Run:
     python landscape.py --preset toy --advantage sign           # CL on the CPU, minutes
