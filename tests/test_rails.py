@@ -36,6 +36,8 @@ BAD_FILES = {
     "empty.jsonl": "",
     "rewards.py": "def needs_solution(completions, *, solution, **kwargs):\n    return [0.0] * len(completions)\n\n\n"
                   "def breaks(prompts, completions, **_):\n    return [1 / 0 for _ in completions]\n",
+    "raises.py": "def parse(text):\n    return int(text) / 0\n\n\n"
+                 "def graded(completions, **kwargs):\n    return [parse(c) for c in completions]\n",
     "notes.txt": "12+34=\n",
     "ints.jsonl": '{"prompt": 12, "answer": 46}\n{"prompt": 3, "answer": 7}\n',
     "questions.jsonl": '{"question": "1+1=", "solution": "2"}\n',
@@ -44,6 +46,7 @@ BAD_FILES = {
     "a_list.yaml": "- batch_size: 16\n",
     "broken.yaml": "batch_size: [16\n",
     "typo.yaml": "learning_rat: 1.0e-3\n",
+    "trl_config.yaml": "per_device_train_batch_size: 4\n",  # a field of TRL's GRPOConfig
     "dtype.yaml": "dtype: float64\n",
     "weights_list.yaml": "reward_weights: [1, 0.1]\n",
     "word_decay.yaml": "weight_decay: lots\n",
@@ -57,8 +60,10 @@ TRAIN_CASES = [
     # the issue's "exit 0 with a broken result"
     ("grpo", ["--temperature", "0"], "--temperature 0.0 must be > 0"),
     ("grpo", ["--temperature=-1"], "--temperature -1.0 must be > 0"),
-    ("grpo", ["--top_p", "0"], "--top_p 0.0 must be in (0, 1]"),
-    ("grpo", ["--top_p", "1.5"], "--top_p 1.5 must be in (0, 1]"),
+    ("grpo", ["--top_p", "0"], "--top_p 0.0 must be in (0, 1]: top_p <= 0 keeps no token"),
+    # issue 68: each side of a range gives its own reason (1.5 was refused with the reason of <= 0)
+    ("grpo", ["--top_p", "1.5"],
+     "--top_p 1.5 must be in (0, 1]: it is a share of the probability mass"),
     ("grpo", ["--beta=-0.5"], "--beta -0.5 must be >= 0"),
     ("grpo", ["--lora_r=-1"], "--lora_r -1 must be >= 0"),
     ("snib", ["--reward_noise=-1"], "--reward_noise -1.0 must be >= 0"),
@@ -87,7 +92,10 @@ TRAIN_CASES = [
     ("p3o", ["--overlong_penalty=-1"], "--overlong_penalty -1.0 must be >= 0"),
     ("gspo", ["--max_completion_length", "6", "--overlong_buffer", "6"],
      "--overlong_buffer 6 must be below --max_completion_length 6"),
-    ("grpo", ["--vllm_gpu_memory_utilization", "1.5"], "--vllm_gpu_memory_utilization 1.5 must be in (0, 1]"),
+    ("grpo", ["--vllm_gpu_memory_utilization", "1.5"],
+     "--vllm_gpu_memory_utilization 1.5 must be in (0, 1]: it is a share of one GPU's memory"),
+    ("grpo", ["--vllm_gpu_memory_utilization", "0"],
+     "--vllm_gpu_memory_utilization 0.0 must be in (0, 1]: vLLM needs some of the GPU's memory"),
     ("grpo", ["--vllm_tensor_parallel_size", "0"], "--vllm_tensor_parallel_size 0 must be at least 1"),
     ("grpo", ["--gradient_checkpointing", "--gradient_checkpointing_every", "0"],
      "--gradient_checkpointing_every 0 must be at least 1"),
@@ -159,6 +167,8 @@ TRAIN_CASES = [
                                                                   "keyword-only argument: 'solution'"),
     ("grpo", ["--reward_funcs", "bad/rewards.py:breaks"], "failed: reward function 'breaks' raised ZeroDivisionError: "
                                                           "division by zero at sample 0: prompt: "),
+    # issue 68: where in the user's file (the innermost line of it: a helper of the reward function)
+    ("grpo", ["--reward_funcs", "bad/raises.py:graded"], "(raised at bad/raises.py:2, in parse)"),
     ("grpo", ["--prompt_column", "question"], "has no column 'question' (its columns: prompt, answer); name the "
                                               "right one with --prompt_column"),
     ("grpo", ["--answer_column", "solution"], "name the right one with --answer_column"),
@@ -172,7 +182,19 @@ TRAIN_CASES = [
     # the command line and --config files
     ("grpo", ["--dtype", "float64"], "invalid choice: 'float64'"),
     ("grpo", ["--batch_size", "lots"], "invalid int value: 'lots'"),
-    ("grpo", ["--learning_rat", "1e-3", "--bogus", "1"], "unknown arguments --bogus 1"),
+    # issue 68: no abbreviations (--learning_rat trained as --learning_rate); TRL's names and
+    # habits answered
+    ("grpo", ["--learning_rat", "1e-3"],
+     "unknown arguments --learning_rat 1e-3 (did you mean --learning_rate?)"),
+    ("grpo", ["--learning_rat", "1e-3", "--bogus", "1"],
+     "unknown arguments --learning_rat 1e-3 --bogus 1 "
+     "(--learning_rat: did you mean --learning_rate?)"),
+    ("grpo", ["--lr", "1e-3"], "unknown arguments --lr 1e-3 (did you mean --learning_rate?)"),
+    ("grpo", ["--per_device_train_batch_size", "4"],
+     "(here --micro_batch_size (completions per forward on each process); --batch_size counts"),
+    ("grpo", ["--max-steps", "10"], "unknown arguments --max-steps 10 (here --total_steps"),
+    ("grpo", ["--config", "bad/trl_config.yaml"],
+     "sets 'per_device_train_batch_size', not a field of Args: here --micro_batch_size"),
     ("grpo", ["--preset", "nope"], "unknown --preset 'nope'"),
     ("grpo", ["--config", "bad/missing.yaml"], "--config 'bad/missing.yaml': No such file or directory"),
     ("grpo", ["--config", "bad/list_target.yaml"], "--lora_target_modules must be a string, got list ['q_proj', "
@@ -180,7 +202,8 @@ TRAIN_CASES = [
     ("grpo", ["--config", "bad/float_steps.yaml"], "--save_steps must be an integer, got float 10.0"),
     ("grpo", ["--config", "bad/a_list.yaml"], "must be a mapping of Args fields"),
     ("grpo", ["--config", "bad/broken.yaml"], "--config 'bad/broken.yaml' is not valid YAML at line"),
-    ("grpo", ["--config", "bad/typo.yaml"], "sets ['learning_rat'], which are not fields of Args"),
+    ("grpo", ["--config", "bad/typo.yaml"],
+     "sets 'learning_rat', not a field of Args: did you mean learning_rate?"),
     ("grpo", ["--config", "bad/dtype.yaml"], "--dtype must be one of bfloat16, float16, float32, got str 'float64'"),
     ("grpo", ["--config", "bad/weights_list.yaml"], "--reward_weights must be a string or null, got list"),
     ("grpo", ["--config", "bad/word_decay.yaml"], "invalid float value: 'lots'"),

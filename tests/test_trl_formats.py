@@ -263,3 +263,34 @@ def test_the_built_in_graders_read_conversational_completions_as_text():
     assert conversational_completions(["1+2="], ["3"]) == ["3"]  # text prompts: text completions
     assert toy_addition(prompts, completions, answer=["3", "3"]) == [1.0, 0.0]
     assert math_accuracy(prompts, completions, answer=["3", "3"]) == [1.0, 0.0]
+
+
+def test_names_from_trl_are_answered_with_flags_that_exist():
+    """Issue 68, item 1: each name common/rails/flag_names.py answers is not a flag of any script
+    (else the answer would never be given), and every flag and file its answer names exists."""
+    from common.rails.flag_names import ELSEWHERE
+    from evals import ALGORITHMS
+
+    scripts = {name: importlib.import_module(name) for name in ALGORITHMS}
+    fields = {f for module in scripts.values() for f in module.Args.__dataclass_fields__}
+    assert not set(ELSEWHERE) & fields
+    named = {flag for answer in ELSEWHERE.values() for flag in re.findall(r"--(\w+)", answer)}
+    assert named - {"config_file"} <= set(scripts["grpo"].Args.__dataclass_fields__), named
+    paths = r"\w+\.py|[\w/]+/\w+\.yaml"
+    files = {f for answer in ELSEWHERE.values() for f in re.findall(paths, answer)}
+    assert all(os.path.isfile(os.path.join(REPO, f)) for f in files), files
+
+
+@pytest.mark.peer
+def test_names_from_trl_are_fields_of_its_grpo_config():
+    """The names answered as TRL's are fields of TRL's GRPOConfig (the installed TRL:
+    requirements-test.txt), but for the few of TRL's scripts' arguments and habits listed apart."""
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    from common.rails.flag_names import ELSEWHERE, NOT_GRPOCONFIG
+
+    config = {f.name for f in dataclasses.fields(GRPOConfig)}
+    assert set(ELSEWHERE) - NOT_GRPOCONFIG <= config, set(ELSEWHERE) - NOT_GRPOCONFIG - config
+    assert not NOT_GRPOCONFIG & config

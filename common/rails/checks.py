@@ -59,7 +59,10 @@ TRAIN_RANGES = [
     ("max_completion_length", lambda v: v >= 1, "must be at least 1 token"),
     ("temperature", lambda v: v > 0, "must be > 0: the policy is softmax(logits / T), undefined at "
                                      "T = 0 (greedy decoding is for evaluation only)"),
-    ("top_p", lambda v: 0 < v <= 1, "must be in (0, 1]: top_p <= 0 keeps no token"),
+    # a range of two sides: a rule for each, so the reason is the one that was broken
+    ("top_p", lambda v: v > 0, "must be in (0, 1]: top_p <= 0 keeps no token"),
+    ("top_p", lambda v: v <= 1,
+     "must be in (0, 1]: it is a share of the probability mass (1 keeps every token)"),
     ("tis_cap", lambda v: v >= 0, "must be >= 0 (0: off)"),
     ("tis_floor", lambda v: v >= 0, "must be >= 0 (0: off)"),
     ("max_logp_gap", lambda v: v >= 0, "must be >= 0 (0: off)"),
@@ -72,7 +75,10 @@ TRAIN_RANGES = [
     ("overlong_buffer", lambda v: v >= 0, "must be >= 0 (0: no overlong penalty)"),
     ("overlong_penalty", lambda v: v >= 0,
      "must be >= 0 (the reward term is -overlong_penalty at the limit)"),
-    ("vllm_gpu_memory_utilization", lambda v: 0 < v <= 1, "must be in (0, 1]"),
+    ("vllm_gpu_memory_utilization", lambda v: v > 0,
+     "must be in (0, 1]: vLLM needs some of the GPU's memory"),
+    ("vllm_gpu_memory_utilization", lambda v: v <= 1,
+     "must be in (0, 1]: it is a share of one GPU's memory"),
     ("vllm_tensor_parallel_size", lambda v: v >= 1, "must be at least 1"),
     ("lora_r", lambda v: v >= 0, "must be >= 0 (0: train all weights)"),
     ("gradient_checkpointing_every", lambda v: v >= 1,
@@ -471,8 +477,27 @@ def dry_call_problems(args, funcs: list, data: dict, rows, num_rows: int = 2) ->
         # the sample shown on the same line: "at sample 0: prompt: '...' completion: '...'"
         said = " ".join(line.strip() for line in str(e).splitlines())
         return [f"--reward_funcs: a trial call on the first {len(rows)} rows of {data['path']} "
-                f"failed: {said}"]
+                f"failed: {said}{raised_at(e.__cause__, funcs)}"]
     return []
+
+
+def raised_at(error: BaseException | None, funcs: list) -> str:
+    """" (raised at FILE:LINE, in NAME)": the innermost line of a reward function's own file in
+    the traceback of what it raised (a library it called may have raised further in); "" where
+    there is none."""
+    files = {getattr(getattr(fn, "__code__", None), "co_filename", None) for fn in funcs}
+    tb = error.__traceback__ if error is not None else None
+    found = None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename in files:
+            found = tb
+        tb = tb.tb_next
+    if found is None:
+        return ""
+    path = found.tb_frame.f_code.co_filename
+    if path.startswith(os.getcwd() + os.sep):
+        path = os.path.relpath(path)
+    return f" (raised at {path}:{found.tb_lineno}, in {found.tb_frame.f_code.co_name})"
 
 
 def ignored_settings(args) -> list[str]:
