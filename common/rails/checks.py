@@ -540,7 +540,8 @@ def ignored_settings(args) -> list[str]:
         notes.append("--max_refill_rounds is ignored without --dynamic_sampling")
     if args.overlong_buffer == 0 and _changed(args, "overlong_penalty"):
         notes.append("--overlong_penalty is ignored with --overlong_buffer 0")
-    if args.save_steps > args.total_steps:
+    # a preset's cadence (the toy's 100) over a short run is no one's mistake
+    if args.save_steps > args.total_steps and _changed(args, "save_steps"):
         notes.append(f"--save_steps {args.save_steps} > --total_steps {args.total_steps}: only the "
                      f"last step is saved")
     if args.resume_overrides and not args.resume_from:
