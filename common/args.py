@@ -276,6 +276,10 @@ def parse_args(args_cls, argv: list[str] | None = None):
     parser.add_argument("--config", default=argparse.SUPPRESS,
                         help="a YAML recipe of Args fields (configs/recipes/; docs/replicating.md)")
     parser.set_defaults(**defaults)
+    if "-h" in argv or "--help" in argv:  # headings, each flag once, the preset's values
+        from common.rails.help import arrange
+
+        arrange(parser, args_cls, TrainArgs, preset, preset_defaults(preset))
     i = argv.index("--config") if "--config" in argv else None
     rest = argv if i is None else argv[:i] + argv[i + 2 :]
     args, unknown = parser.parse_args_into_dataclasses(

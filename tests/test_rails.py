@@ -11,6 +11,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -21,7 +22,7 @@ import transformers
 from conftest import free_port, read_metrics, run_script, subprocess_env
 from safetensors.torch import load_file
 
-from common.args import parse_args, parse_flags
+from common.args import TrainArgs, parse_args, parse_flags
 from common.engines.vllm_engine import vllm_available
 from common.rails import checks
 from common.tasks.toy import TOY_DIR, TOY_VERSION, build_model, build_tokenizer, default_seed, make_splits
@@ -812,10 +813,57 @@ def test_help_describes_the_script_and_lists_every_flag_and_preset(capsys):
     assert e.value.code == 0
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     assert grpo.__doc__.splitlines()[0] in text
-    assert "--config CONFIG a YAML recipe of Args fields" in text
-    assert all(name in text.split("--preset PRESET ")[-1][:200] for name in PRESET_NAMES), text
+    assert "--config FILE.yaml a YAML recipe of Args fields" in text
+    assert all(name in text.split("--preset NAME ")[-1][:200] for name in PRESET_NAMES), text
     assert "(default: the preset's, else train) --eval_dataset" in text  # one default, not two
-    assert "--no_use_chat_template, --no-use-chat-template turn --use_chat_template off --enable_thinking" in text
+    assert "--no_use_chat_template turn --use_chat_template off --enable_thinking" in text
+
+
+HEADINGS = ["options", "the estimator ({}.py's own flags)", "model, data and rewards", "rollouts",
+            "optimisation", "run and logging", "advanced"]
+
+
+def help_text(script: str, argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        parse_args(importlib.import_module(script).Args, [*argv, "--help"])
+    assert e.value.code == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("script", ALGORITHMS)
+def test_help_lists_each_flag_once_under_headings_in_the_order_of_use(script, capsys):
+    """Issue 68, item 2: each flag once (it was printed twice, snake_case and kebab-case), under
+    headings: the estimator's own flags first, then the model, data and rewards, rollouts,
+    optimisation, run and logging, and the rest under advanced; every field is in one of them."""
+    Args = importlib.import_module(script).Args
+    text = help_text(script, [], capsys)
+    headings = [h.format(script) for h in HEADINGS]
+    # a heading is a line of its own ending with ":"
+    found = [line[:-1] for line in text.splitlines() if line.endswith(":") and line[0] != " "]
+    assert found == headings, found
+    entries = re.findall(r"^  (?:-h, )?(--\w[\w-]*)", text, re.MULTILINE)
+    assert not [e for e in entries if "-" in e[2:]], entries  # no kebab-case twin
+    fields = Args.__dataclass_fields__
+    flags = [e for e in entries if not (e.startswith("--no_") and e[5:] in fields)]
+    assert sorted(flags) == sorted(f"--{f}" for f in [*Args.__dataclass_fields__, "help", "config"])
+    own = text.split(headings[1] + ":")[1].split(headings[2] + ":")[0]
+    added = [f for f in Args.__dataclass_fields__ if f not in TrainArgs.__dataclass_fields__]
+    listed = re.findall(r"^  --(\w+)", own, re.MULTILINE)
+    assert [f for f in listed if not (f.startswith("no_") and f[3:] in added)] == added
+
+
+def test_help_shows_the_first_flags_on_its_first_screen_and_a_preset_s_values(capsys):
+    """Issue 68, item 2: the flags a user changes first are on the first screen (24 lines); with
+    --preset, each flag it changes shows the preset's value beside the default."""
+    text = help_text("grpo", [], capsys)
+    first_screen = "\n".join(text.splitlines()[:24])
+    for flag in ("--preset", "--model", "--dataset", "--reward_funcs", "--learning_rate",
+                 "--total_steps", "--beta"):
+        assert flag in first_screen, flag
+    assert "--preset toy:" not in text
+    text = " ".join(help_text("grpo", ["--preset", "toy"], capsys).split())
+    assert "AdamW learning rate (default: 1e-06; --preset toy: 0.0005)" in text, text
+    assert "(default: 0.04)" in text  # --beta: the toy preset leaves it
 
 
 @pytest.mark.parametrize("where", ["ref_logp", "sampler_logp", "logp"])
