@@ -143,6 +143,9 @@ TRAIN_CASES = [
     ("grpo", ["--model", "bad/eosless"], "its tokenizer has no end-of-sequence token, so no completion could end"),
     ("grpo", ["--model", "bad/no_system", "--system_prompt", "Be brief."],
      "its chat template refuses the --system_prompt turn (TemplateError: System role not supported)"),
+    # issue 68: the toy's chat template takes TRL's conversations, but no system turn
+    ("grpo", ["--system_prompt", "Be brief."],
+     "its chat template refuses the --system_prompt turn (TemplateError: the toy has no system "),
     ("grpo", ["--dataset", "./no/such/data.jsonl"], "--dataset './no/such/data.jsonl': no such file or directory"),
     ("grpo", ["--dataset", "data/train.jsonl"], "--dataset 'data/train.jsonl': no such file or directory"),
     ("grpo", ["--dataset", "bad/empty.jsonl"], "--dataset 'bad/empty.jsonl'"),
@@ -326,8 +329,10 @@ def quick_toy(tmp_path_factory):
     build_model(tokenizer, seed=0).config.save_pretrained(bad / "weightless")
     (bad / "not_utf8.jsonl").write_bytes(b'{"prompt": "caf\xe9 1+1=", "answer": "2"}\n')  # Latin-1, as exports come
     (bad / "not_json.jsonl").write_bytes(b'\xff\xfe{"prompt": "1+1=", "answer": "2"}\n')  # a UTF-16 byte-order mark
-    for name in ("tokenless", "eosless", "no_system"):  # weights and config; tokenizer: none, no EOS, a strict template
+    # weights and config; tokenizer: none, no EOS, a strict template, no template
+    for name in ("tokenless", "eosless", "no_system", "plain"):
         build_model(tokenizer, seed=0).save_pretrained(bad / name)
+    build_tokenizer(chat_template=None).save_pretrained(bad / "plain")
     eosless, strict = build_tokenizer(), build_tokenizer()
     eosless.eos_token = None
     eosless.save_pretrained(bad / "eosless")
@@ -529,11 +534,12 @@ def test_evals_run_help_lists_only_its_own_flags():
 
 
 def test_a_system_prompt_without_a_chat_template_is_said_to_be_unused(workdir, capsys):
-    """The toy's tokenizer has no chat template: --system_prompt would be dropped without a word."""
-    args = parse_args(importlib.import_module("grpo").Args, SMALL + ["--system_prompt", "Be brief."])
+    """A tokenizer without a chat template: --system_prompt would be dropped without a word."""
+    argv = SMALL + ["--model", "bad/plain", "--system_prompt", "Be brief."]
+    args = parse_args(importlib.import_module("grpo").Args, argv)
     checks.check_args(args, num_processes=1)
-    assert "--system_prompt is not used: the tokenizer of --model runs/toy/model has no chat template" in \
-        capsys.readouterr().err
+    expected = "--system_prompt is not used: the tokenizer of --model bad/plain has no chat"
+    assert expected in capsys.readouterr().err
 
 
 def test_ignored_settings_warn(workdir, capsys):

@@ -294,3 +294,40 @@ def test_names_from_trl_are_fields_of_its_grpo_config():
     config = {f.name for f in dataclasses.fields(GRPOConfig)}
     assert set(ELSEWHERE) - NOT_GRPOCONFIG <= config, set(ELSEWHERE) - NOT_GRPOCONFIG - config
     assert not NOT_GRPOCONFIG & config
+
+
+def test_trl_conversations_train_the_toy_as_its_text_prompts(in_toy_workdir):
+    """Issue 68, item 4: TRL's conversational rows on --preset toy, whose tokenizer has a chat
+    template: each renders to the token ids of its text prompt, so the toy learns from them as from
+    its own rows (minutes: docs/toy.md); two steps run."""
+    with open(os.path.join(TOY_DIR, "train.jsonl")) as f:
+        text = [json.loads(line) for line in f][:64]
+    text = [{"prompt": "12+34=", "answer": "46"}, *text]
+    chats = [{"prompt": [{"role": "user", "content": r["prompt"]}], "solution": r["answer"]}
+             for r in text]  # the first: {"prompt": [... "12+34="}], "solution": "46"}
+    chats_path = write_jsonl(in_toy_workdir / "chats.jsonl", chats)
+    text_path = write_jsonl(in_toy_workdir / "text.jsonl", text)
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(TOY_DIR, "model"))
+    from_chats = load_prompts(tokenizer, chats_path, None, "train", "prompt", "answer")
+    from_text = load_prompts(tokenizer, text_path, None, "train", "prompt", "answer")
+    assert from_chats["prompt_ids"] == from_text["prompt_ids"]
+    assert from_chats["prompt_text"][0] == "12+34="
+    grpo = importlib.import_module("grpo")
+    argv = ["--preset", "toy", "--dataset", chats_path, "--run_name", "trl_chats", *SMALL]
+    run = run_script(grpo, argv)
+    assert [m["step"] for m in read_metrics(run) if "reward/mean" in m] == [1, 2]
+
+
+def test_a_toy_built_before_its_chat_template_gets_it_without_a_rebuild(toy_workdir, tmp_path):
+    """A cached toy of the same TOY_VERSION whose tokenizer has no template (built before it had
+    one) gets it as chat_template.jinja; its weights are not touched."""
+    from common.tasks.toy import CHAT_TEMPLATE, prepare_toy
+
+    old = tmp_path / "toy"
+    shutil.copytree(toy_workdir / TOY_DIR, old)
+    (old / "model" / "chat_template.jinja").unlink(missing_ok=True)
+    weights = (old / "model" / "model.safetensors").read_bytes()
+    assert not AutoTokenizer.from_pretrained(old / "model").chat_template  # precondition
+    prepare_toy(str(old))
+    assert AutoTokenizer.from_pretrained(old / "model").chat_template == CHAT_TEMPLATE
+    assert (old / "model" / "model.safetensors").read_bytes() == weights
