@@ -21,7 +21,6 @@ import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import broadcast_object_list, gather_object, set_seed
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
 from common.args import PRESET_MODULES
 from common.engines.rollout import HFEngine, single_turn
@@ -165,6 +164,10 @@ def setup(args) -> Run:
         with state.main_process_first():
             importlib.import_module(PRESET_MODULES[args.preset]).prepare_preset(args.preset)
     check_args(args, state.num_processes)
+    # transformers' models and schedules, once the arguments and files are checked: a refusal
+    # needs neither (benchmarks/refusal_latency.py)
+    from transformers import AutoTokenizer, get_scheduler
+
     run_name = [args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"]
     broadcast_object_list(run_name)  # every process writes to the same run folder
     # a new folder, or the resumed run's and its checkpoint
@@ -274,6 +277,8 @@ def load_models(args, tokenizer):
     tokenizer's pad."""
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16,
              "float32": torch.float32}[args.dtype]
+    from transformers import AutoModelForCausalLM
+
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)

@@ -22,7 +22,6 @@ import huggingface_hub
 import torch
 from accelerate import PartialState
 from accelerate.utils import broadcast_object_list, gather_object
-from transformers import AutoConfig, AutoTokenizer, SchedulerType, get_scheduler
 
 from common.args import preset_defaults, warn
 from common.models.devices import vllm_installed
@@ -145,7 +144,12 @@ def geometry_problems(args, num_processes: int) -> list[str]:
 def scheduler_problems(args) -> list[str]:
     """Build the schedule on a dummy optimizer and step it, as the loop does: names that do not
     exist and schedules that need more than the loop gives them (a metric, extra kwargs) fail here,
-    not after loading."""
+    not after loading. The default (constant, no warmup) runs here without a check: the check
+    imports transformers' trainer utilities, seconds a refusal of another flag need not wait."""
+    if args.lr_scheduler_type == "constant" and args.warmup_steps == 0:
+        return []
+    from transformers import SchedulerType, get_scheduler
+
     known = [s.value for s in SchedulerType]
     if args.lr_scheduler_type not in known:
         return [f"--lr_scheduler_type {args.lr_scheduler_type!r} is not a transformers scheduler; "
@@ -215,6 +219,8 @@ def model_problems(flag: str, path: str) -> tuple[list[str], object]:
         return [f"cannot load {flag} {path!r}: the folder has a config.json but no weights "
                 f"(*.safetensors or *.bin); pass the folder save_pretrained wrote the model "
                 f"to"], None
+    from transformers import AutoConfig, AutoTokenizer
+
     try:
         # never a prompt to run its code
         config = AutoConfig.from_pretrained(path, trust_remote_code=False)
@@ -233,6 +239,8 @@ def tokenizer_problems(args) -> list[str]:
     """The tokenizer as the run uses it: a vocabulary (a folder without tokenizer files loads as one
     token), an EOS (without one no completion ends early), a chat template that takes the run's
     turns (some refuse a system turn)."""
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     name = f"--model {args.model!r}"
     if len(tokenizer) < 2:
@@ -560,6 +568,8 @@ def model_length_notes(args, config) -> list[str]:
     total = args.max_prompt_length + args.max_completion_length
     notes = [f"--max_prompt_length + --max_completion_length = {total} exceeds the model's "
              f"max_position_embeddings {limit}"] if limit is not None and total > limit else []
+    from transformers import AutoTokenizer
+
     if (args.system_prompt and args.use_chat_template
             and not AutoTokenizer.from_pretrained(args.model).chat_template):
         notes.append(f"--system_prompt is not used: the tokenizer of --model "

@@ -24,7 +24,6 @@ from collections.abc import Callable
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from common.tasks.rewards import register_reward, texts_of
 
@@ -84,7 +83,12 @@ CHAT_TEMPLATE = (
 
 
 def build_tokenizer(chars: list[str] = CHARS,
-                    chat_template: str | None = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
+                    chat_template: str | None = CHAT_TEMPLATE):
+    """The toy's character-level tokenizer (a transformers PreTrainedTokenizerFast)."""
+    # transformers' classes here, not at the top: --preset toy's defaults are read before a bad
+    # flag is refused, which needs no model code (benchmarks/refusal_latency.py)
+    from transformers import PreTrainedTokenizerFast
+
     vocab = {tok: i for i, tok in enumerate(SPECIAL + chars)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")  # one token per character
@@ -107,7 +111,10 @@ def add_chat_template(model_dir: str) -> None:
     os.replace(f"{path}.{os.getpid()}.tmp", path)  # whole, or not at all
 
 
-def build_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> Qwen3ForCausalLM:
+def build_model(tokenizer, seed: int):
+    """A Qwen3ForCausalLM of the toy's size, its weights drawn from `seed`."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
     torch.manual_seed(seed)
     config = Qwen3Config(
         vocab_size=len(tokenizer),
