@@ -331,3 +331,46 @@ def test_a_toy_built_before_its_chat_template_gets_it_without_a_rebuild(toy_work
     prepare_toy(str(old))
     assert AutoTokenizer.from_pretrained(old / "model").chat_template == CHAT_TEMPLATE
     assert (old / "model" / "model.safetensors").read_bytes() == weights
+
+
+def trl_page_rows() -> list[list[str]]:
+    """docs/trl.md's field tables: [field, flag here, TRL default, default here] of each row."""
+    rows = []
+    for line in open(os.path.join(REPO, "docs", "trl.md")).read().splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 5 and re.fullmatch(r"`\w+`", cells[0]) and cells[1] != "flag here":
+            rows.append([c.strip("`") for c in cells[:4]])
+    return rows
+
+
+def test_the_trl_page_s_flags_and_defaults_are_grpo_s():
+    """Issue 68, item 5: docs/trl.md names flags of grpo.py's Args with their defaults as they are,
+    and maps every GRPOConfig name that an unknown flag is answered for."""
+    from common.rails.flag_names import ELSEWHERE, NOT_GRPOCONFIG
+
+    fields = importlib.import_module("grpo").Args.__dataclass_fields__
+    rows = trl_page_rows()
+    assert len(rows) > 40, rows
+    for field, flag, _, ours in rows:
+        if flag == "none":
+            assert ours == "", field
+        else:
+            assert flag.startswith("--") and flag[2:] in fields, (field, flag)
+            assert ours == repr(fields[flag[2:]].default), (field, flag, ours)
+    assert set(ELSEWHERE) - NOT_GRPOCONFIG <= {row[0] for row in rows}
+
+
+@pytest.mark.peer
+def test_the_trl_page_s_fields_and_defaults_are_trl_s():
+    """docs/trl.md's first column are fields of the installed TRL's GRPOConfig, with its defaults;
+    the fields of the same name in both are all in it."""
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    config = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+    rows = trl_page_rows()
+    for field, _, theirs, _ in rows:
+        assert field in config and theirs == repr(config[field]), (field, theirs, config.get(field))
+    shared = set(config) & set(importlib.import_module("grpo").Args.__dataclass_fields__)
+    assert shared <= {row[0] for row in rows}, shared - {row[0] for row in rows}
