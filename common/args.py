@@ -286,7 +286,7 @@ def parse_args(args_cls, argv: list[str] | None = None):
         args=[a for a in rest if not a.startswith("--config=")], return_remaining_strings=True)
     if unknown:
         raise SystemExit(f"error: unknown arguments "
-                         f"{' '.join(unknown)}{did_you_mean(unknown, args_cls)}; "
+                         f"{' '.join(unknown)}{did_you_mean(unknown, args_cls, ('config',))}; "
                          f"--help lists the flags")
     # argparse checked the command line's values; a YAML file's reach the dataclass as they are
     if recipe:
@@ -317,12 +317,13 @@ def parse_flags(args_cls, argv: list[str] | None = None):
     return args
 
 
-def did_you_mean(unknown: list[str], args_cls) -> str:
+def did_you_mean(unknown: list[str], args_cls, others: tuple[str, ...] = ()) -> str:
     """What to pass instead of the unknown flags: the flag a name from TRL or a habit is here
-    (`--lr`: --learning_rate), else the closest (common/rails/flag_names.py)."""
+    (`--lr`: --learning_rate), else the closest of the fields and `others`
+    (common/rails/flag_names.py)."""
     from common.rails.flag_names import hint
 
-    fields = [f.name for f in dataclasses.fields(args_cls)]
+    fields = [f.name for f in dataclasses.fields(args_cls)] + list(others)
     flags = [u.split("=")[0] for u in unknown if u.startswith("--")]
     hints = {flag: hint(flag, fields) for flag in flags if hint(flag, fields)}
     if len(flags) == 1 and hints:

@@ -194,6 +194,7 @@ TRAIN_CASES = [
      "unknown arguments --learning_rat 1e-3 --bogus 1 "
      "(--learning_rat: did you mean --learning_rate?)"),
     ("grpo", ["--lr", "1e-3"], "unknown arguments --lr 1e-3 (did you mean --learning_rate?)"),
+    ("grpo", ["--conf", "bad/typo.yaml"], "unknown arguments --conf bad/typo.yaml (did you mean --config?)"),
     ("grpo", ["--per_device_train_batch_size", "4"],
      "(here --micro_batch_size (completions per forward on each process); --batch_size counts"),
     ("grpo", ["--max-steps", "10"], "unknown arguments --max-steps 10 (here --total_steps"),
