@@ -386,7 +386,7 @@ def test_a_stopped_run_offers_a_resume_only_from_a_complete_checkpoint(tmp_path)
 
 def test_the_toy_quick_start_keeps_a_checkpoint_to_resume_from():
     """`python grpo.py --preset toy` saves at least five times in its run (every 100 of its 500
-    steps, about 40 s on a 2-core CPU: docs/toy.md), so a stop loses less than a fifth of it."""
+    steps, under a minute on a 2-core CPU), so a stop loses less than a fifth of it."""
     from common.args import parse_args
 
     args = parse_args(grpo.Args, ["--preset", "toy"])

@@ -58,7 +58,7 @@ TOY_PRESET = dict(
     learning_rate=5e-4,
     eval_steps=50,
     eval_num_prompts=500,
-    # a checkpoint every 100 steps (about 40 s here): a stopped quick start can --resume_from it
+    # a checkpoint every 100 steps (under a minute): a stopped quick start can --resume_from it
     save_steps=100,
     report_to="none",
 )
