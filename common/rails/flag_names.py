@@ -49,8 +49,8 @@ ELSEWHERE = {
     "vllm_importance_sampling_clip_min": "--tis_floor (with --mis)",
     "loss_type": (
         "each loss is a script of its own (gspo.py, cispo.py, sapo.py, luspo.py, vespo.py, ...); "
-        "grpo.py's --loss_agg: seq-mean-token-mean is TRL's grpo, token-mean its dapo, "
-        "token-sum-norm its dr_grpo"
+        "grpo.py is TRL's grpo, landscape.py --loss_agg token-mean its dapo and token-sum-norm its "
+        "dr_grpo"
     ),
     "importance_sampling_level": "sequence is gspo.py",
     "scale_rewards": (
