@@ -8,7 +8,6 @@ changes in view."""
 import argparse
 import copy
 import dataclasses
-import difflib
 import importlib
 import os
 import re
@@ -196,7 +195,11 @@ class TrainArgs:
 class ArgParser(HfArgumentParser):
     """HfArgumentParser, which passes a field's metadata to argparse, less the keys that are not
     argparse's; a bad value is one line naming the flag, what it got and what it takes (argparse's
-    own prints the whole usage)."""
+    own prints the whole usage). No abbreviations: `--learning_rat` is an unknown flag, not
+    --learning_rate."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message: str):
         # "--total_steps/--total-steps": the flag as written
@@ -226,7 +229,7 @@ def parse_args(args_cls, argv: list[str] | None = None):
     (`cpu_guard`)."""
     command_line = argv is None
     argv = sys.argv[1:] if argv is None else list(argv)
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config")
     pre.add_argument("--preset")
     pre.add_argument("--resume_from")
@@ -239,11 +242,16 @@ def parse_args(args_cls, argv: list[str] | None = None):
         problem = script_problem(known.config, getattr(args_cls, "exp_name", None))
         if problem:  # another estimator's?
             raise SystemExit(problem)
-        fields = {f.name for f in dataclasses.fields(args_cls)}
-        unknown = sorted(set(recipe) - fields)
+        fields = [f.name for f in dataclasses.fields(args_cls)]
+        unknown = sorted(set(recipe) - set(fields))
         if unknown:
-            raise SystemExit(f"error: {known.config} sets {unknown}, which are not fields of "
-                             f"{args_cls.__name__}")
+            from common.rails.flag_names import hint
+
+            lines = [f"error: {known.config} sets {name!r}, not a field of {args_cls.__name__}"
+                     for name in unknown]
+            hints = [hint(name, fields, "") for name in unknown]
+            lines = [f"{line}: {h}" if h else line for line, h in zip(lines, hints)]
+            raise SystemExit("\n".join(lines))
     # --resume_from RUN alone: the run's own settings for every flag not given
     resumed = {}
     if known.resume_from:
@@ -268,13 +276,17 @@ def parse_args(args_cls, argv: list[str] | None = None):
     parser.add_argument("--config", default=argparse.SUPPRESS,
                         help="a YAML recipe of Args fields (configs/recipes/; docs/replicating.md)")
     parser.set_defaults(**defaults)
+    if "-h" in argv or "--help" in argv:  # headings, each flag once, the preset's values
+        from common.rails.help import arrange
+
+        arrange(parser, args_cls, TrainArgs, preset, preset_defaults(preset))
     i = argv.index("--config") if "--config" in argv else None
     rest = argv if i is None else argv[:i] + argv[i + 2 :]
     args, unknown = parser.parse_args_into_dataclasses(
         args=[a for a in rest if not a.startswith("--config=")], return_remaining_strings=True)
     if unknown:
         raise SystemExit(f"error: unknown arguments "
-                         f"{' '.join(unknown)}{did_you_mean(unknown, args_cls)}; "
+                         f"{' '.join(unknown)}{did_you_mean(unknown, args_cls, ('config',))}; "
                          f"--help lists the flags")
     # argparse checked the command line's values; a YAML file's reach the dataclass as they are
     if recipe:
@@ -305,11 +317,18 @@ def parse_flags(args_cls, argv: list[str] | None = None):
     return args
 
 
-def did_you_mean(unknown: list[str], args_cls) -> str:
-    flags = [f"--{f.name}" for f in dataclasses.fields(args_cls)]
-    close = [m for u in unknown if u.startswith("--")
-             for m in difflib.get_close_matches(u.split("=")[0], flags, 1)]
-    return f" (did you mean {', '.join(close)}?)" if close else ""
+def did_you_mean(unknown: list[str], args_cls, others: tuple[str, ...] = ()) -> str:
+    """What to pass instead of the unknown flags: the flag a name from TRL or a habit is here
+    (`--lr`: --learning_rate), else the closest of the fields and `others`
+    (common/rails/flag_names.py)."""
+    from common.rails.flag_names import hint
+
+    fields = [f.name for f in dataclasses.fields(args_cls)] + list(others)
+    flags = [u.split("=")[0] for u in unknown if u.startswith("--")]
+    hints = {flag: hint(flag, fields) for flag in flags if hint(flag, fields)}
+    if len(flags) == 1 and hints:
+        return f" ({hints[flags[0]]})"
+    return f" ({'; '.join(f'{flag}: {h}' for flag, h in hints.items())})" if hints else ""
 
 
 def warn(message: str) -> None:

@@ -21,7 +21,6 @@ import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import broadcast_object_list, gather_object, set_seed
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
 from common.args import PRESET_MODULES
 from common.engines.rollout import HFEngine, single_turn
@@ -90,6 +89,20 @@ class Run:
 ACTIVE_RUN: dict = {}
 
 
+def where_to_resume(run_dir: str, save_steps: int) -> str:
+    """The line a stopped run ends with: its last complete checkpoint and how to resume from it, or
+    that there is none to resume from (a resume would be refused)."""
+    from common.run_folder.checkpoints import checkpoint_steps
+
+    steps = checkpoint_steps(run_dir)
+    if steps:
+        return (f"the last checkpoint of {run_dir} is checkpoints/step_{steps[-1]}; resume with "
+                f"the same command and --resume_from {run_dir}")
+    when = f"the first at step {save_steps}" if save_steps else "only at the end"
+    return (f"{run_dir} has no checkpoint yet (--save_steps {save_steps}: {when}), so there is "
+            f"nothing to resume: run the command again")
+
+
 def launch(main, args_cls) -> None:
     """`python script.py ARGS`: parse the arguments and train. Ctrl-C ends with one line naming the
     last checkpoint and how to resume, not a traceback; a second Ctrl-C during the shutdown exits at
@@ -97,14 +110,6 @@ def launch(main, args_cls) -> None:
     from accelerate import PartialState
 
     from common.args import parse_args
-    from common.run_folder.checkpoints import checkpoint_steps
-
-    def where_to_resume() -> str:
-        run_dir = ACTIVE_RUN["run_dir"]
-        steps = checkpoint_steps(run_dir)
-        last = f"checkpoints/step_{steps[-1]}" if steps else "none yet (see --save_steps)"
-        return (f"the last checkpoint of {run_dir} is {last}; resume with the same command and "
-                f"--resume_from {run_dir}")
 
     interrupted = []
 
@@ -131,7 +136,8 @@ def launch(main, args_cls) -> None:
             raise SystemExit(130) from None
         if "run_dir" not in ACTIVE_RUN:
             raise SystemExit(f"{how} before training started") from None
-        raise SystemExit(f"{how}: {where_to_resume()}") from None
+        resume = where_to_resume(ACTIVE_RUN["run_dir"], args.save_steps)
+        raise SystemExit(f"{how}: {resume}") from None
     except RewardError as e:
         # A reward function broke on a sample: its message names the step, function and sample.
         # Where the user's code raised, its own traceback is printed, without our frames above it.
@@ -142,7 +148,8 @@ def launch(main, args_cls) -> None:
                 tb = tb.tb_next
             print("".join(traceback.format_exception(type(e.__cause__), e.__cause__, tb)),
                   file=sys.stderr)
-        raise SystemExit(f"error: {e}\n{where_to_resume()}") from None
+        resume = where_to_resume(ACTIVE_RUN["run_dir"], args.save_steps)
+        raise SystemExit(f"error: {e}\n{resume}") from None
 
 
 def setup(args) -> Run:
@@ -157,6 +164,10 @@ def setup(args) -> Run:
         with state.main_process_first():
             importlib.import_module(PRESET_MODULES[args.preset]).prepare_preset(args.preset)
     check_args(args, state.num_processes)
+    # transformers' models and schedules, once the arguments and files are checked: a refusal
+    # needs neither (benchmarks/refusal_latency.py)
+    from transformers import AutoTokenizer, get_scheduler
+
     run_name = [args.run_name or f"{args.exp_name}__{args.seed}__{int(time.time())}"]
     broadcast_object_list(run_name)  # every process writes to the same run folder
     # a new folder, or the resumed run's and its checkpoint
@@ -228,7 +239,11 @@ def setup(args) -> Run:
     if resume:
         run.queue.load(os.path.join(resume, "state"), accelerator.process_index)
     if run.evaluating and train_state.step == 0:
-        log.write({"step": 0, **evaluate(run)})
+        metrics = evaluate(run)
+        log.write({"step": 0, **metrics})
+        # where the learning starts, before the first step's line
+        if "eval/accuracy" in metrics and accelerator.is_local_main_process:
+            print(f"step 0: held-out accuracy {metrics['eval/accuracy']:.1%}", flush=True)
     return run
 
 
@@ -263,6 +278,8 @@ def load_models(args, tokenizer):
     tokenizer's pad."""
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16,
              "float32": torch.float32}[args.dtype]
+    from transformers import AutoModelForCausalLM
+
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)

@@ -10,10 +10,16 @@ import socket
 import subprocess
 import sys
 
+import datasets  # noqa: F401  (see below)
 import pytest
 from accelerate.state import AcceleratorState, GradientState, PartialState
 
 from common.tasks.toy import TOY_DIR, prepare_toy
+
+# datasets' logging handler writes to the sys.stderr of the moment datasets is first imported. The code imports it
+# lazily (a refusal need not wait for it), so a first import inside a test would bind the handler to that test's
+# captured stream, closed afterwards: a later test's log line would then print a "Logging error" traceback. Imported
+# here, before any capture, it writes to the real stderr, as in a user's process.
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -472,3 +472,17 @@ def test_beta():
     assert benchmark_runs({"a.py": named_only}, ["alpha", "beta"]) == {"alpha": [], "beta": []}
     expected = {"alpha": ["b.py::test_alpha"], "beta": ["b.py::test_beta"]}
     assert benchmark_runs({"b.py": run}, ["alpha", "beta"]) == expected
+
+
+def test_refusal_latency_runs_and_each_case_is_refused_as_it_says(tmp_path, monkeypatch):
+    """benchmarks/refusal_latency.py (issue 68, item 6) on two cases, once each: the refusal is
+    the one its table expects (a benchmark, not a timed test: no bound on the seconds)."""
+    from benchmarks import refusal_latency
+
+    monkeypatch.chdir(tmp_path)
+    results = refusal_latency.main(["--repeat", "1", "--cases", "python,unknown_flag"])
+    assert [r["case"] for r in results] == ["python", "unknown_flag"]
+    assert all(r["ok"] and r["median_wall_s"] > 0 and r["median_cpu_s"] >= 0 for r in results)
+    assert results[1]["line"].startswith("error: unknown arguments --lr 1e-5"), results[1]
+    with open(tmp_path / "runs" / "benchmarks" / "refusal_latency.json") as f:
+        assert json.load(f)["results"][1]["runs"][0]["returncode"] == 1

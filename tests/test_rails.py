@@ -11,6 +11,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -21,7 +22,7 @@ import transformers
 from conftest import free_port, read_metrics, run_script, subprocess_env
 from safetensors.torch import load_file
 
-from common.args import parse_args, parse_flags
+from common.args import TrainArgs, parse_args, parse_flags
 from common.engines.vllm_engine import vllm_available
 from common.rails import checks
 from common.tasks.toy import TOY_DIR, TOY_VERSION, build_model, build_tokenizer, default_seed, make_splits
@@ -36,6 +37,8 @@ BAD_FILES = {
     "empty.jsonl": "",
     "rewards.py": "def needs_solution(completions, *, solution, **kwargs):\n    return [0.0] * len(completions)\n\n\n"
                   "def breaks(prompts, completions, **_):\n    return [1 / 0 for _ in completions]\n",
+    "raises.py": "def parse(text):\n    return int(text) / 0\n\n\n"
+                 "def graded(completions, **kwargs):\n    return [parse(c) for c in completions]\n",
     "notes.txt": "12+34=\n",
     "ints.jsonl": '{"prompt": 12, "answer": 46}\n{"prompt": 3, "answer": 7}\n',
     "questions.jsonl": '{"question": "1+1=", "solution": "2"}\n',
@@ -44,6 +47,7 @@ BAD_FILES = {
     "a_list.yaml": "- batch_size: 16\n",
     "broken.yaml": "batch_size: [16\n",
     "typo.yaml": "learning_rat: 1.0e-3\n",
+    "trl_config.yaml": "per_device_train_batch_size: 4\n",  # a field of TRL's GRPOConfig
     "dtype.yaml": "dtype: float64\n",
     "weights_list.yaml": "reward_weights: [1, 0.1]\n",
     "word_decay.yaml": "weight_decay: lots\n",
@@ -57,8 +61,10 @@ TRAIN_CASES = [
     # the issue's "exit 0 with a broken result"
     ("grpo", ["--temperature", "0"], "--temperature 0.0 must be > 0"),
     ("grpo", ["--temperature=-1"], "--temperature -1.0 must be > 0"),
-    ("grpo", ["--top_p", "0"], "--top_p 0.0 must be in (0, 1]"),
-    ("grpo", ["--top_p", "1.5"], "--top_p 1.5 must be in (0, 1]"),
+    ("grpo", ["--top_p", "0"], "--top_p 0.0 must be in (0, 1]: top_p <= 0 keeps no token"),
+    # issue 68: each side of a range gives its own reason (1.5 was refused with the reason of <= 0)
+    ("grpo", ["--top_p", "1.5"],
+     "--top_p 1.5 must be in (0, 1]: it is a share of the probability mass"),
     ("grpo", ["--beta=-0.5"], "--beta -0.5 must be >= 0"),
     ("grpo", ["--lora_r=-1"], "--lora_r -1 must be >= 0"),
     ("snib", ["--reward_noise=-1"], "--reward_noise -1.0 must be >= 0"),
@@ -87,7 +93,10 @@ TRAIN_CASES = [
     ("p3o", ["--overlong_penalty=-1"], "--overlong_penalty -1.0 must be >= 0"),
     ("gspo", ["--max_completion_length", "6", "--overlong_buffer", "6"],
      "--overlong_buffer 6 must be below --max_completion_length 6"),
-    ("grpo", ["--vllm_gpu_memory_utilization", "1.5"], "--vllm_gpu_memory_utilization 1.5 must be in (0, 1]"),
+    ("grpo", ["--vllm_gpu_memory_utilization", "1.5"],
+     "--vllm_gpu_memory_utilization 1.5 must be in (0, 1]: it is a share of one GPU's memory"),
+    ("grpo", ["--vllm_gpu_memory_utilization", "0"],
+     "--vllm_gpu_memory_utilization 0.0 must be in (0, 1]: vLLM needs some of the GPU's memory"),
     ("grpo", ["--vllm_tensor_parallel_size", "0"], "--vllm_tensor_parallel_size 0 must be at least 1"),
     ("grpo", ["--gradient_checkpointing", "--gradient_checkpointing_every", "0"],
      "--gradient_checkpointing_every 0 must be at least 1"),
@@ -134,6 +143,9 @@ TRAIN_CASES = [
     ("grpo", ["--model", "bad/eosless"], "its tokenizer has no end-of-sequence token, so no completion could end"),
     ("grpo", ["--model", "bad/no_system", "--system_prompt", "Be brief."],
      "its chat template refuses the --system_prompt turn (TemplateError: System role not supported)"),
+    # issue 68: the toy's chat template takes TRL's conversations, but no system turn
+    ("grpo", ["--system_prompt", "Be brief."],
+     "its chat template refuses the --system_prompt turn (TemplateError: the toy has no system "),
     ("grpo", ["--dataset", "./no/such/data.jsonl"], "--dataset './no/such/data.jsonl': no such file or directory"),
     ("grpo", ["--dataset", "data/train.jsonl"], "--dataset 'data/train.jsonl': no such file or directory"),
     ("grpo", ["--dataset", "bad/empty.jsonl"], "--dataset 'bad/empty.jsonl'"),
@@ -159,6 +171,8 @@ TRAIN_CASES = [
                                                                   "keyword-only argument: 'solution'"),
     ("grpo", ["--reward_funcs", "bad/rewards.py:breaks"], "failed: reward function 'breaks' raised ZeroDivisionError: "
                                                           "division by zero at sample 0: prompt: "),
+    # issue 68: where in the user's file (the innermost line of it: a helper of the reward function)
+    ("grpo", ["--reward_funcs", "bad/raises.py:graded"], "(raised at bad/raises.py:2, in parse)"),
     ("grpo", ["--prompt_column", "question"], "has no column 'question' (its columns: prompt, answer); name the "
                                               "right one with --prompt_column"),
     ("grpo", ["--answer_column", "solution"], "name the right one with --answer_column"),
@@ -172,7 +186,20 @@ TRAIN_CASES = [
     # the command line and --config files
     ("grpo", ["--dtype", "float64"], "invalid choice: 'float64'"),
     ("grpo", ["--batch_size", "lots"], "invalid int value: 'lots'"),
-    ("grpo", ["--learning_rat", "1e-3", "--bogus", "1"], "unknown arguments --bogus 1"),
+    # issue 68: no abbreviations (--learning_rat trained as --learning_rate); TRL's names and
+    # habits answered
+    ("grpo", ["--learning_rat", "1e-3"],
+     "unknown arguments --learning_rat 1e-3 (did you mean --learning_rate?)"),
+    ("grpo", ["--learning_rat", "1e-3", "--bogus", "1"],
+     "unknown arguments --learning_rat 1e-3 --bogus 1 "
+     "(--learning_rat: did you mean --learning_rate?)"),
+    ("grpo", ["--lr", "1e-3"], "unknown arguments --lr 1e-3 (did you mean --learning_rate?)"),
+    ("grpo", ["--conf", "bad/typo.yaml"], "unknown arguments --conf bad/typo.yaml (did you mean --config?)"),
+    ("grpo", ["--per_device_train_batch_size", "4"],
+     "(here --micro_batch_size (completions per forward on each process); --batch_size counts"),
+    ("grpo", ["--max-steps", "10"], "unknown arguments --max-steps 10 (here --total_steps"),
+    ("grpo", ["--config", "bad/trl_config.yaml"],
+     "sets 'per_device_train_batch_size', not a field of Args: here --micro_batch_size"),
     ("grpo", ["--preset", "nope"], "unknown --preset 'nope'"),
     ("grpo", ["--config", "bad/missing.yaml"], "--config 'bad/missing.yaml': No such file or directory"),
     ("grpo", ["--config", "bad/list_target.yaml"], "--lora_target_modules must be a string, got list ['q_proj', "
@@ -180,7 +207,8 @@ TRAIN_CASES = [
     ("grpo", ["--config", "bad/float_steps.yaml"], "--save_steps must be an integer, got float 10.0"),
     ("grpo", ["--config", "bad/a_list.yaml"], "must be a mapping of Args fields"),
     ("grpo", ["--config", "bad/broken.yaml"], "--config 'bad/broken.yaml' is not valid YAML at line"),
-    ("grpo", ["--config", "bad/typo.yaml"], "sets ['learning_rat'], which are not fields of Args"),
+    ("grpo", ["--config", "bad/typo.yaml"],
+     "sets 'learning_rat', not a field of Args: did you mean learning_rate?"),
     ("grpo", ["--config", "bad/dtype.yaml"], "--dtype must be one of bfloat16, float16, float32, got str 'float64'"),
     ("grpo", ["--config", "bad/weights_list.yaml"], "--reward_weights must be a string or null, got list"),
     ("grpo", ["--config", "bad/word_decay.yaml"], "invalid float value: 'lots'"),
@@ -302,8 +330,10 @@ def quick_toy(tmp_path_factory):
     build_model(tokenizer, seed=0).config.save_pretrained(bad / "weightless")
     (bad / "not_utf8.jsonl").write_bytes(b'{"prompt": "caf\xe9 1+1=", "answer": "2"}\n')  # Latin-1, as exports come
     (bad / "not_json.jsonl").write_bytes(b'\xff\xfe{"prompt": "1+1=", "answer": "2"}\n')  # a UTF-16 byte-order mark
-    for name in ("tokenless", "eosless", "no_system"):  # weights and config; tokenizer: none, no EOS, a strict template
+    # weights and config; tokenizer: none, no EOS, a strict template, no template
+    for name in ("tokenless", "eosless", "no_system", "plain"):
         build_model(tokenizer, seed=0).save_pretrained(bad / name)
+    build_tokenizer(chat_template=None).save_pretrained(bad / "plain")
     eosless, strict = build_tokenizer(), build_tokenizer()
     eosless.eos_token = None
     eosless.save_pretrained(bad / "eosless")
@@ -505,11 +535,12 @@ def test_evals_run_help_lists_only_its_own_flags():
 
 
 def test_a_system_prompt_without_a_chat_template_is_said_to_be_unused(workdir, capsys):
-    """The toy's tokenizer has no chat template: --system_prompt would be dropped without a word."""
-    args = parse_args(importlib.import_module("grpo").Args, SMALL + ["--system_prompt", "Be brief."])
+    """A tokenizer without a chat template: --system_prompt would be dropped without a word."""
+    argv = SMALL + ["--model", "bad/plain", "--system_prompt", "Be brief."]
+    args = parse_args(importlib.import_module("grpo").Args, argv)
     checks.check_args(args, num_processes=1)
-    assert "--system_prompt is not used: the tokenizer of --model runs/toy/model has no chat template" in \
-        capsys.readouterr().err
+    expected = "--system_prompt is not used: the tokenizer of --model bad/plain has no chat"
+    assert expected in capsys.readouterr().err
 
 
 def test_ignored_settings_warn(workdir, capsys):
@@ -789,10 +820,57 @@ def test_help_describes_the_script_and_lists_every_flag_and_preset(capsys):
     assert e.value.code == 0
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     assert grpo.__doc__.splitlines()[0] in text
-    assert "--config CONFIG a YAML recipe of Args fields" in text
-    assert all(name in text.split("--preset PRESET ")[-1][:200] for name in PRESET_NAMES), text
+    assert "--config FILE.yaml a YAML recipe of Args fields" in text
+    assert all(name in text.split("--preset NAME ")[-1][:200] for name in PRESET_NAMES), text
     assert "(default: the preset's, else train) --eval_dataset" in text  # one default, not two
-    assert "--no_use_chat_template, --no-use-chat-template turn --use_chat_template off --enable_thinking" in text
+    assert "--no_use_chat_template turn --use_chat_template off --enable_thinking" in text
+
+
+HEADINGS = ["options", "the estimator ({}.py's own flags)", "model, data and rewards", "rollouts",
+            "optimisation", "run and logging", "advanced"]
+
+
+def help_text(script: str, argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        parse_args(importlib.import_module(script).Args, [*argv, "--help"])
+    assert e.value.code == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("script", ALGORITHMS)
+def test_help_lists_each_flag_once_under_headings_in_the_order_of_use(script, capsys):
+    """Issue 68, item 2: each flag once (it was printed twice, snake_case and kebab-case), under
+    headings: the estimator's own flags first, then the model, data and rewards, rollouts,
+    optimisation, run and logging, and the rest under advanced; every field is in one of them."""
+    Args = importlib.import_module(script).Args
+    text = help_text(script, [], capsys)
+    headings = [h.format(script) for h in HEADINGS]
+    # a heading is a line of its own ending with ":"
+    found = [line[:-1] for line in text.splitlines() if line.endswith(":") and line[0] != " "]
+    assert found == headings, found
+    entries = re.findall(r"^  (?:-h, )?(--\w[\w-]*)", text, re.MULTILINE)
+    assert not [e for e in entries if "-" in e[2:]], entries  # no kebab-case twin
+    fields = Args.__dataclass_fields__
+    flags = [e for e in entries if not (e.startswith("--no_") and e[5:] in fields)]
+    assert sorted(flags) == sorted(f"--{f}" for f in [*Args.__dataclass_fields__, "help", "config"])
+    own = text.split(headings[1] + ":")[1].split(headings[2] + ":")[0]
+    added = [f for f in Args.__dataclass_fields__ if f not in TrainArgs.__dataclass_fields__]
+    listed = re.findall(r"^  --(\w+)", own, re.MULTILINE)
+    assert [f for f in listed if not (f.startswith("no_") and f[3:] in added)] == added
+
+
+def test_help_shows_the_first_flags_on_its_first_screen_and_a_preset_s_values(capsys):
+    """Issue 68, item 2: the flags a user changes first are on the first screen (24 lines); with
+    --preset, each flag it changes shows the preset's value beside the default."""
+    text = help_text("grpo", [], capsys)
+    first_screen = "\n".join(text.splitlines()[:24])
+    for flag in ("--preset", "--model", "--dataset", "--reward_funcs", "--learning_rate",
+                 "--total_steps", "--beta"):
+        assert flag in first_screen, flag
+    assert "--preset toy:" not in text
+    text = " ".join(help_text("grpo", ["--preset", "toy"], capsys).split())
+    assert "AdamW learning rate (default: 1e-06; --preset toy: 0.0005)" in text, text
+    assert "(default: 0.04)" in text  # --beta: the toy preset leaves it
 
 
 @pytest.mark.parametrize("where", ["ref_logp", "sampler_logp", "logp"])

@@ -77,7 +77,9 @@ REAL_RUNS = [
      "test_refused[benchmark_too_long]"),
     ("a data set with duplicate prompts", "warned: how many, and the first", "test_duplicate_prompts_are_warned"),
     ("chat-format rows (a list of messages in the prompt column) and a model without a chat template",
-     "refused: they need one (with one, TRL's conversational format is rendered by it)", "test_refused[messages]"),
+     "refused, naming the model and the fix (with one, TRL's conversational format is rendered by "
+     "it)",
+     "test_refused[messages]"),
     ("a data file with no rows, or a prompt column of another name (question, problem)",
      "refused, naming the columns it has (tests/test_rails.py)",
      "test_rails.py::test_bad_training_input_is_refused_before_any_weights_load"),
@@ -336,7 +338,7 @@ def make_benchmark_too_long(root, _):
 def make_messages(root, _):
     rows = [{"prompt": [{"role": "user", "content": "1+1="}], "answer": "2"}] * 2
     (root / "bad" / "messages.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return ["--dataset", "bad/messages.jsonl"]
+    return ["--dataset", "bad/messages.jsonl", "--model", "bad/plain"]  # its tokenizer: no template
 
 
 def make_output_dir(root, _):
@@ -372,8 +374,8 @@ REFUSED = {  # id: (make the bad input under the working directory -> the flags,
                       "its chat template ends the prompt with the end-of-sequence token '<|im_end|>'"),
     "all_too_long": (make_all_too_long, "prompts of 'runs/toy/train.jsonl' are longer than --max_prompt_length 2"),
     "benchmark_too_long": (make_benchmark_too_long, "benchmark 'toy' has prompts of up to"),
-    "messages": (make_messages, "the prompts are conversations (lists of messages), which need the tokenizer's "
-                                "chat template"),
+    "messages": (make_messages, "the prompts are conversations (lists of messages), which need "
+                                "the tokenizer's chat template, and that of --model bad/plain"),
     "output_dir": (make_output_dir, "cannot make the run folder 'bad/empty.jsonl/runs/blocked'"),
     "reward_none": (reward("returns_none"), "reward function 'returns_none' returned NoneType, expected a list"),
     "reward_one_none": (reward("one_none"), "every reward function (one_none) returned None at sample 0"),
@@ -456,7 +458,7 @@ def test_one_bos(workdir):
 
     from common.tasks.data import load_prompts
 
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(chat_template=None)  # first, without a template
     tokenizer.add_special_tokens({"bos_token": "<s>"})
     bos = tokenizer.bos_token_id
     tokenizer._tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])

@@ -85,7 +85,8 @@ def test_a_recipe_with_an_unknown_key_is_rejected(tmp_path):
 
     recipe = tmp_path / "typo.yaml"
     recipe.write_text("learning_rate: 1.0e-5\nlearning_rat: 1.0e-5\n")
-    with pytest.raises(SystemExit, match=r"typo.yaml sets \['learning_rat'\], which are not fields of Args"):
+    expected = r"typo.yaml sets 'learning_rat', not a field of Args: did you mean learning_rate\?"
+    with pytest.raises(SystemExit, match=expected):
         arguments.parse_args(snib.Args, ["--config", str(recipe)])
 
 

@@ -331,7 +331,7 @@ def test_a_reward_function_that_raises_mid_run_names_step_function_sample_and_sh
     assert 'flaky_reward.py", line 3, in parse' in err and "ValueError: boom" in err, err[-3000:]
     assert "common/tasks/rewards.py" not in err and "common/run.py" not in err, err[-3000:]  # our frames stay out
     assert "error: step 1: reward function 'reward' raised ValueError: boom" in err, err[-3000:]
-    assert err.strip().splitlines()[-1].startswith("the last checkpoint of runs/flaky is none yet"), err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("runs/flaky has no checkpoint yet"), err[-3000:]
 
 
 def test_toy_learns(in_toy_workdir):
@@ -361,4 +361,45 @@ def test_a_reward_function_that_never_returns_stops_the_run_naming_it(toy_workdi
     assert ("error: step 1: reward function 'reward' did not return within 3 s (--reward_timeout): it hangs, or it "
             "needs a higher --reward_timeout") in err, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
-    assert err.strip().splitlines()[-1].startswith("the last checkpoint of runs/hanging is none yet"), err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("runs/hanging has no checkpoint yet"), err[-3000:]
+
+
+def test_a_stopped_run_offers_a_resume_only_from_a_complete_checkpoint(tmp_path):
+    """Issue 68, item 3: the line a stopped run ends with offers --resume_from only where a
+    complete checkpoint exists (the toy's quick start, which saved nothing before, said "resume
+    with ... --resume_from", and that resume was refused); an interrupted save (step_N.tmp) is no
+    checkpoint."""
+    from common.run import where_to_resume
+
+    run_dir = str(tmp_path / "run")
+    os.makedirs(os.path.join(run_dir, "checkpoints", "step_100.tmp"))
+    assert where_to_resume(run_dir, 100) == (
+        f"{run_dir} has no checkpoint yet (--save_steps 100: the first at step 100), so there is "
+        f"nothing to resume: run the command again")
+    assert "(--save_steps 0: only at the end)" in where_to_resume(run_dir, 0)
+    os.makedirs(os.path.join(run_dir, "checkpoints", "step_100"))
+    assert where_to_resume(run_dir, 100) == (
+        f"the last checkpoint of {run_dir} is checkpoints/step_100; resume with the same command "
+        f"and --resume_from {run_dir}")
+
+
+def test_the_toy_quick_start_keeps_a_checkpoint_to_resume_from():
+    """`python grpo.py --preset toy` saves at least five times in its run (every 100 of its 500
+    steps, under a minute on a 2-core CPU), so a stop loses less than a fifth of it."""
+    from common.args import parse_args
+
+    args = parse_args(grpo.Args, ["--preset", "toy"])
+    assert 0 < args.save_steps <= args.total_steps // 5, (args.save_steps, args.total_steps)
+
+
+def test_step_0_held_out_accuracy_is_printed(in_toy_workdir, capsys):
+    """Issue 68, item 3: the accuracy before training is on the console (it was in metrics.jsonl
+    only), before the first step's line."""
+    argv = SMALL + ["--eval_steps", "1", "--eval_num_prompts", "8", "--run_name", "step_0"]
+    run = run_script(grpo, argv)
+    out = capsys.readouterr().out
+    [step_0] = [m["eval/accuracy"] for m in read_metrics(run) if m["step"] == 0]
+    assert f"step 0: held-out accuracy {step_0:.1%}\n" in out, out[-2000:]
+    first = out.index("step 0: held-out accuracy")
+    assert first < out.index("step 1: held-out accuracy"), out[-2000:]

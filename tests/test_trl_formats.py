@@ -263,3 +263,114 @@ def test_the_built_in_graders_read_conversational_completions_as_text():
     assert conversational_completions(["1+2="], ["3"]) == ["3"]  # text prompts: text completions
     assert toy_addition(prompts, completions, answer=["3", "3"]) == [1.0, 0.0]
     assert math_accuracy(prompts, completions, answer=["3", "3"]) == [1.0, 0.0]
+
+
+def test_names_from_trl_are_answered_with_flags_that_exist():
+    """Issue 68, item 1: each name common/rails/flag_names.py answers is not a flag of any script
+    (else the answer would never be given), and every flag and file its answer names exists."""
+    from common.rails.flag_names import ELSEWHERE
+    from evals import ALGORITHMS
+
+    scripts = {name: importlib.import_module(name) for name in ALGORITHMS}
+    fields = {f for module in scripts.values() for f in module.Args.__dataclass_fields__}
+    assert not set(ELSEWHERE) & fields
+    named = {flag for answer in ELSEWHERE.values() for flag in re.findall(r"--(\w+)", answer)}
+    assert named - {"config_file"} <= fields, named - fields
+    paths = r"\w+\.py|[\w/]+/\w+\.yaml"
+    files = {f for answer in ELSEWHERE.values() for f in re.findall(paths, answer)}
+    assert all(os.path.isfile(os.path.join(REPO, f)) for f in files), files
+
+
+@pytest.mark.peer
+def test_names_from_trl_are_fields_of_its_grpo_config():
+    """The names answered as TRL's are fields of TRL's GRPOConfig (the installed TRL:
+    requirements-test.txt), but for the few of TRL's scripts' arguments and habits listed apart."""
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    from common.rails.flag_names import ELSEWHERE, NOT_GRPOCONFIG
+
+    config = {f.name for f in dataclasses.fields(GRPOConfig)}
+    assert set(ELSEWHERE) - NOT_GRPOCONFIG <= config, set(ELSEWHERE) - NOT_GRPOCONFIG - config
+    assert not NOT_GRPOCONFIG & config
+
+
+def test_trl_conversations_train_the_toy_as_its_text_prompts(in_toy_workdir):
+    """Issue 68, item 4: TRL's conversational rows on --preset toy, whose tokenizer has a chat
+    template: each renders to the token ids of its text prompt, so the toy learns from them as from
+    its own rows (minutes: docs/toy.md); two steps run."""
+    with open(os.path.join(TOY_DIR, "train.jsonl")) as f:
+        text = [json.loads(line) for line in f][:64]
+    text = [{"prompt": "12+34=", "answer": "46"}, *text]
+    chats = [{"prompt": [{"role": "user", "content": r["prompt"]}], "solution": r["answer"]}
+             for r in text]  # the first: {"prompt": [... "12+34="}], "solution": "46"}
+    chats_path = write_jsonl(in_toy_workdir / "chats.jsonl", chats)
+    text_path = write_jsonl(in_toy_workdir / "text.jsonl", text)
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(TOY_DIR, "model"))
+    from_chats = load_prompts(tokenizer, chats_path, None, "train", "prompt", "answer")
+    from_text = load_prompts(tokenizer, text_path, None, "train", "prompt", "answer")
+    assert from_chats["prompt_ids"] == from_text["prompt_ids"]
+    assert from_chats["prompt_text"][0] == "12+34="
+    grpo = importlib.import_module("grpo")
+    argv = ["--preset", "toy", "--dataset", chats_path, "--run_name", "trl_chats", *SMALL]
+    run = run_script(grpo, argv)
+    assert [m["step"] for m in read_metrics(run) if "reward/mean" in m] == [1, 2]
+
+
+def test_a_toy_built_before_its_chat_template_gets_it_without_a_rebuild(toy_workdir, tmp_path):
+    """A cached toy of the same TOY_VERSION whose tokenizer has no template (built before it had
+    one) gets it as chat_template.jinja; its weights are not touched."""
+    from common.tasks.toy import CHAT_TEMPLATE, prepare_toy
+
+    old = tmp_path / "toy"
+    shutil.copytree(toy_workdir / TOY_DIR, old)
+    (old / "model" / "chat_template.jinja").unlink(missing_ok=True)
+    weights = (old / "model" / "model.safetensors").read_bytes()
+    assert not AutoTokenizer.from_pretrained(old / "model").chat_template  # precondition
+    prepare_toy(str(old))
+    assert AutoTokenizer.from_pretrained(old / "model").chat_template == CHAT_TEMPLATE
+    assert (old / "model" / "model.safetensors").read_bytes() == weights
+
+
+def trl_page_rows() -> list[list[str]]:
+    """docs/trl.md's field tables: [field, flag here, TRL default, default here] of each row."""
+    rows = []
+    for line in open(os.path.join(REPO, "docs", "trl.md")).read().splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 5 and re.fullmatch(r"`\w+`", cells[0]) and cells[1] != "flag here":
+            rows.append([c.strip("`") for c in cells[:4]])
+    return rows
+
+
+def test_the_trl_page_s_flags_and_defaults_are_grpo_s():
+    """Issue 68, item 5: docs/trl.md names flags of grpo.py's Args with their defaults as they are,
+    and maps every GRPOConfig name that an unknown flag is answered for."""
+    from common.rails.flag_names import ELSEWHERE, NOT_GRPOCONFIG
+
+    fields = importlib.import_module("grpo").Args.__dataclass_fields__
+    rows = trl_page_rows()
+    assert len(rows) > 40, rows
+    for field, flag, _, ours in rows:
+        if flag == "none":
+            assert ours == "", field
+        else:
+            assert flag.startswith("--") and flag[2:] in fields, (field, flag)
+            assert ours == repr(fields[flag[2:]].default), (field, flag, ours)
+    assert set(ELSEWHERE) - NOT_GRPOCONFIG <= {row[0] for row in rows}
+
+
+@pytest.mark.peer
+def test_the_trl_page_s_fields_and_defaults_are_trl_s():
+    """docs/trl.md's first column are fields of the installed TRL's GRPOConfig, with its defaults;
+    the fields of the same name in both are all in it."""
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    config = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+    rows = trl_page_rows()
+    for field, _, theirs, _ in rows:
+        assert field in config and theirs == repr(config[field]), (field, theirs, config.get(field))
+    shared = set(config) & set(importlib.import_module("grpo").Args.__dataclass_fields__)
+    assert shared <= {row[0] for row in rows}, shared - {row[0] for row in rows}

@@ -22,7 +22,6 @@ import huggingface_hub
 import torch
 from accelerate import PartialState
 from accelerate.utils import broadcast_object_list, gather_object
-from transformers import AutoConfig, AutoTokenizer, SchedulerType, get_scheduler
 
 from common.args import preset_defaults, warn
 from common.models.devices import vllm_installed
@@ -59,7 +58,10 @@ TRAIN_RANGES = [
     ("max_completion_length", lambda v: v >= 1, "must be at least 1 token"),
     ("temperature", lambda v: v > 0, "must be > 0: the policy is softmax(logits / T), undefined at "
                                      "T = 0 (greedy decoding is for evaluation only)"),
-    ("top_p", lambda v: 0 < v <= 1, "must be in (0, 1]: top_p <= 0 keeps no token"),
+    # a range of two sides: a rule for each, so the reason is the one that was broken
+    ("top_p", lambda v: v > 0, "must be in (0, 1]: top_p <= 0 keeps no token"),
+    ("top_p", lambda v: v <= 1,
+     "must be in (0, 1]: it is a share of the probability mass (1 keeps every token)"),
     ("tis_cap", lambda v: v >= 0, "must be >= 0 (0: off)"),
     ("tis_floor", lambda v: v >= 0, "must be >= 0 (0: off)"),
     ("max_logp_gap", lambda v: v >= 0, "must be >= 0 (0: off)"),
@@ -72,7 +74,10 @@ TRAIN_RANGES = [
     ("overlong_buffer", lambda v: v >= 0, "must be >= 0 (0: no overlong penalty)"),
     ("overlong_penalty", lambda v: v >= 0,
      "must be >= 0 (the reward term is -overlong_penalty at the limit)"),
-    ("vllm_gpu_memory_utilization", lambda v: 0 < v <= 1, "must be in (0, 1]"),
+    ("vllm_gpu_memory_utilization", lambda v: v > 0,
+     "must be in (0, 1]: vLLM needs some of the GPU's memory"),
+    ("vllm_gpu_memory_utilization", lambda v: v <= 1,
+     "must be in (0, 1]: it is a share of one GPU's memory"),
     ("vllm_tensor_parallel_size", lambda v: v >= 1, "must be at least 1"),
     ("lora_r", lambda v: v >= 0, "must be >= 0 (0: train all weights)"),
     ("gradient_checkpointing_every", lambda v: v >= 1,
@@ -139,7 +144,12 @@ def geometry_problems(args, num_processes: int) -> list[str]:
 def scheduler_problems(args) -> list[str]:
     """Build the schedule on a dummy optimizer and step it, as the loop does: names that do not
     exist and schedules that need more than the loop gives them (a metric, extra kwargs) fail here,
-    not after loading."""
+    not after loading. The default (constant, no warmup) runs here without a check: the check
+    imports transformers' trainer utilities, seconds a refusal of another flag need not wait."""
+    if args.lr_scheduler_type == "constant" and args.warmup_steps == 0:
+        return []
+    from transformers import SchedulerType, get_scheduler
+
     known = [s.value for s in SchedulerType]
     if args.lr_scheduler_type not in known:
         return [f"--lr_scheduler_type {args.lr_scheduler_type!r} is not a transformers scheduler; "
@@ -209,6 +219,8 @@ def model_problems(flag: str, path: str) -> tuple[list[str], object]:
         return [f"cannot load {flag} {path!r}: the folder has a config.json but no weights "
                 f"(*.safetensors or *.bin); pass the folder save_pretrained wrote the model "
                 f"to"], None
+    from transformers import AutoConfig, AutoTokenizer
+
     try:
         # never a prompt to run its code
         config = AutoConfig.from_pretrained(path, trust_remote_code=False)
@@ -227,6 +239,8 @@ def tokenizer_problems(args) -> list[str]:
     """The tokenizer as the run uses it: a vocabulary (a folder without tokenizer files loads as one
     token), an EOS (without one no completion ends early), a chat template that takes the run's
     turns (some refuse a system turn)."""
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     name = f"--model {args.model!r}"
     if len(tokenizer) < 2:
@@ -471,8 +485,27 @@ def dry_call_problems(args, funcs: list, data: dict, rows, num_rows: int = 2) ->
         # the sample shown on the same line: "at sample 0: prompt: '...' completion: '...'"
         said = " ".join(line.strip() for line in str(e).splitlines())
         return [f"--reward_funcs: a trial call on the first {len(rows)} rows of {data['path']} "
-                f"failed: {said}"]
+                f"failed: {said}{raised_at(e.__cause__, funcs)}"]
     return []
+
+
+def raised_at(error: BaseException | None, funcs: list) -> str:
+    """" (raised at FILE:LINE, in NAME)": the innermost line of a reward function's own file in
+    the traceback of what it raised (a library it called may have raised further in); "" where
+    there is none."""
+    files = {getattr(getattr(fn, "__code__", None), "co_filename", None) for fn in funcs}
+    tb = error.__traceback__ if error is not None else None
+    found = None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename in files:
+            found = tb
+        tb = tb.tb_next
+    if found is None:
+        return ""
+    path = found.tb_frame.f_code.co_filename
+    if path.startswith(os.getcwd() + os.sep):
+        path = os.path.relpath(path)
+    return f" (raised at {path}:{found.tb_lineno}, in {found.tb_frame.f_code.co_name})"
 
 
 def ignored_settings(args) -> list[str]:
@@ -515,7 +548,8 @@ def ignored_settings(args) -> list[str]:
         notes.append("--max_refill_rounds is ignored without --dynamic_sampling")
     if args.overlong_buffer == 0 and _changed(args, "overlong_penalty"):
         notes.append("--overlong_penalty is ignored with --overlong_buffer 0")
-    if args.save_steps > args.total_steps:
+    # a preset's cadence (the toy's 100) over a short run is no one's mistake
+    if args.save_steps > args.total_steps and _changed(args, "save_steps"):
         notes.append(f"--save_steps {args.save_steps} > --total_steps {args.total_steps}: only the "
                      f"last step is saved")
     if args.resume_overrides and not args.resume_from:
@@ -534,6 +568,8 @@ def model_length_notes(args, config) -> list[str]:
     total = args.max_prompt_length + args.max_completion_length
     notes = [f"--max_prompt_length + --max_completion_length = {total} exceeds the model's "
              f"max_position_embeddings {limit}"] if limit is not None and total > limit else []
+    from transformers import AutoTokenizer
+
     if (args.system_prompt and args.use_chat_template
             and not AutoTokenizer.from_pretrained(args.model).chat_template):
         notes.append(f"--system_prompt is not used: the tokenizer of --model "

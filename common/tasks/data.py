@@ -14,8 +14,6 @@ as keyword arguments) plus:
 import importlib
 import os
 
-import datasets
-
 from common.args import warn
 
 # The papers' datasets: `--dataset gsm8k` stands for the hub id, config, splits and columns below.
@@ -56,9 +54,11 @@ def looks_local(path: str) -> bool:
             or os.path.splitext(path)[1] in LOCAL_FORMATS)
 
 
-def load_rows(path: str, name: str | None, split: str) -> datasets.Dataset:
-    """A hub id, a local .jsonl/.json/.parquet/.csv file, a directory of such files, or a
-    `save_to_disk` folder."""
+def load_rows(path: str, name: str | None, split: str):
+    """A datasets.Dataset from a hub id, a local .jsonl/.json/.parquet/.csv file, a directory of
+    such files, or a `save_to_disk` folder."""
+    import datasets  # here, not at the top: a refusal of the flags needs no data library
+
     ext = os.path.splitext(path)[1]
     try:
         if os.path.isfile(path) and ext in LOCAL_FORMATS:
@@ -120,7 +120,7 @@ def format_prompt(tokenizer, prompt, template: str, system_prompt: str,
 def load_prompts(tokenizer, path: str, name: str | None, split: str, prompt_column: str,
                  answer_column: str | None, template: str = "{prompt}", system_prompt: str = "",
                  use_chat_template: bool = True, enable_thinking: bool = False,
-                 max_prompt_length: int | None = None) -> datasets.Dataset:
+                 max_prompt_length: int | None = None):
     """Load, check the columns, format and tokenize; prompts longer than max_prompt_length are
     dropped."""
     ds = load_rows(path, name, split)

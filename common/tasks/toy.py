@@ -24,7 +24,6 @@ from collections.abc import Callable
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from common.tasks.rewards import register_reward, texts_of
 
@@ -59,7 +58,8 @@ TOY_PRESET = dict(
     learning_rate=5e-4,
     eval_steps=50,
     eval_num_prompts=500,
-    save_steps=0,
+    # a checkpoint every 100 steps (under a minute): a stopped quick start can --resume_from it
+    save_steps=100,
     report_to="none",
 )
 
@@ -69,18 +69,52 @@ TOY_PRESET = dict(
 
 PRESETS = {"toy": TOY_PRESET}  # common/args.py PRESET_MODULES
 
+# TRL's conversational rows on the toy: a user turn renders as the text prompt it holds ("12+34="),
+# so they train as the text rows do; an answer ends with EOS. The vocabulary is digits, + and =:
+# a system turn (--system_prompt) is refused, not turned into unknown tokens.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}"
+    "{{ raise_exception('the toy has no system turn: its vocabulary is digits, + and =') }}"
+    "{% elif m['role'] == 'assistant' %}{{ m['content'] + eos_token }}"
+    "{% else %}{{ m['content'] }}{% endif %}"
+    "{% endfor %}"
+)
 
-def build_tokenizer(chars: list[str] = CHARS) -> PreTrainedTokenizerFast:
+
+def build_tokenizer(chars: list[str] = CHARS,
+                    chat_template: str | None = CHAT_TEMPLATE):
+    """The toy's character-level tokenizer (a transformers PreTrainedTokenizerFast)."""
+    # transformers' classes here, not at the top: --preset toy's defaults are read before a bad
+    # flag is refused, which needs no model code (benchmarks/refusal_latency.py)
+    from transformers import PreTrainedTokenizerFast
+
     vocab = {tok: i for i, tok in enumerate(SPECIAL + chars)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")  # one token per character
     tok.decoder = decoders.Fuse()  # and decode without spaces between them
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", padding_side="left"
     )
+    tokenizer.chat_template = chat_template
+    return tokenizer
 
 
-def build_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> Qwen3ForCausalLM:
+def add_chat_template(model_dir: str) -> None:
+    """A toy built before it had a chat template (same weights, same TOY_VERSION) gets it as a file
+    beside the tokenizer, which transformers reads (chat_template.jinja): no rebuild."""
+    path = os.path.join(model_dir, "chat_template.jinja")
+    if os.path.exists(path) or not os.path.isdir(model_dir):
+        return
+    with open(f"{path}.{os.getpid()}.tmp", "w") as f:
+        f.write(CHAT_TEMPLATE)
+    os.replace(f"{path}.{os.getpid()}.tmp", path)  # whole, or not at all
+
+
+def build_model(tokenizer, seed: int):
+    """A Qwen3ForCausalLM of the toy's size, its weights drawn from `seed`."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
     torch.manual_seed(seed)
     config = Qwen3Config(
         vocab_size=len(tokenizer),
@@ -252,6 +286,7 @@ def prepare_toy(path: str, seed: int | None = None, target_accuracy: float = 0.3
     settings = {"version": TOY_VERSION, "seed": seed, "target_accuracy": target_accuracy}
     info = cached_info(os.path.join(path, "toy.json"), settings)
     if info is not None:
+        add_chat_template(os.path.join(path, "model"))
         return info
     with one_builder(path):
         info = cached_info(os.path.join(path, "toy.json"), settings)

@@ -176,7 +176,7 @@ def build_toy_tir(path: str, seed: int, settings: dict, target_accuracy: float, 
                   mix_lr: float) -> dict:
     train, test = make_tir_splits(seed)
     write_splits(path, train, test)
-    tokenizer = build_tokenizer(TIR_CHARS)
+    tokenizer = build_tokenizer(TIR_CHARS, chat_template=None)  # text prompts only
     model = build_model(tokenizer, seed)
     start = time.time()
 
