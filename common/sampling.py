@@ -1,8 +1,8 @@
-"""One step's batch: rollouts and their rewards (`sample_batch`), and the log-probs of the weights that sampled them
-(`old_and_reference_logprobs`), both called by the loop when it samples: at --rollout_lag 0 right before the step
-trains the batch, at lag K K steps earlier, with the weights of then. The advantages depend on the rewards only; the
-scripts compute them where the step trains the batch.
-"""
+"""One step's batch: rollouts and their rewards (`sample_batch`), and the log-probs of the weights
+that sampled them (`old_and_reference_logprobs`), both called by the loop when it samples: at
+--rollout_lag 0 right before the step trains the batch, at lag K K steps earlier, with the weights
+of then. The advantages depend on the rewards only; the scripts compute them where the step trains
+the batch."""
 
 import os
 import time
@@ -115,24 +115,29 @@ class RolloutQueue:
 
 
 def sample_batch(run, index: int, metrics: dict) -> Batch:
-    """The rollouts of step `index` on this process and their rewards, as tensors (old_logp and ref_logp not yet
-    set). `mask` marks the tokens the loss sees: the model's own (not tool output), in rows not removed
-    (--mask_truncated; groups that --dynamic_sampling could not fill)."""
+    """The rollouts of step `index` on this process and their rewards, as tensors (old_logp and
+    ref_logp not yet set). `mask` marks the tokens the loss sees: the model's own (not tool output),
+    in rows not removed (--mask_truncated; groups that --dynamic_sampling could not fill)."""
     args, G, local_rows = run.args, run.args.num_generations, run.local_rows
-    if args.dynamic_sampling:  # DAPO: more prompts until the batch holds local_rows // G groups with mixed rewards
+    # DAPO: more prompts until the batch holds local_rows // G groups with mixed rewards
+    if args.dynamic_sampling:
         from common.dapo import fill_batch
 
-        rollouts, removed = fill_batch(lambda r: sample_round(run, index, r, metrics), local_rows // G, G,
-                                       run.accelerator, args.max_refill_rounds, metrics)
+        rollouts, removed = fill_batch(
+            lambda r: sample_round(run, index, r, metrics), local_rows // G, G,
+            run.accelerator, args.max_refill_rounds, metrics,
+        )
     else:
-        rollouts, removed = sample_round(run, index, 0, metrics), torch.zeros(local_rows, dtype=torch.bool)
+        rollouts = sample_round(run, index, 0, metrics)
+        removed = torch.zeros(local_rows, dtype=torch.bool)
     removed |= rollouts.truncated & args.mask_truncated  # (B,)
     return to_tensors(rollouts, removed, run.tokenizer.pad_token_id).to(run.accelerator.device)
 
 
 def sample_round(run, index: int, r: int, metrics: dict) -> Rollouts:
-    """G completions for each of this process's prompts of step `index`, and their rewards (whole groups per process,
-    so rewards need no communication); round r > 0 draws other prompts, for --dynamic_sampling."""
+    """G completions for each of this process's prompts of step `index`, and their rewards (whole
+    groups per process, so rewards need no communication); round r > 0 draws other prompts, for
+    --dynamic_sampling."""
     args, G = run.args, run.args.num_generations
     rows, prompt_ids, seeds = round_prompts(run, index, r)
     run.engine.wake_up()
@@ -164,27 +169,38 @@ def sample_round(run, index: int, r: int, metrics: dict) -> Rollouts:
     try:
         # (B,) each function's call at most reward_timeout s; TRL-style functions get the token ids
         # and a trainer_state whose global_step is the steps done before this one
-        rewards, per_func = compute_rewards(run.reward_funcs, run.reward_weights, prompts, completions,
-                                            columns, args.reward_timeout, completion_ids, step=index)
-    except RewardError as e:  # its message names the function and the sample; the step is the loop's to say
+        rewards, per_func = compute_rewards(
+            run.reward_funcs, run.reward_weights, prompts, completions, columns,
+            args.reward_timeout, completion_ids, step=index,
+        )
+    # its message names the function and the sample; the step is the loop's to say
+    except RewardError as e:
         raise RewardError(f"step {index + 1}: {e}") from e.__cause__
-    if args.overlong_buffer > 0:  # DAPO: a reward term, falling to -overlong_penalty at the length limit
+    # DAPO: a reward term, falling to -overlong_penalty at the length limit
+    if args.overlong_buffer > 0:
         from common.dapo import overlong_penalty
 
-        per_func["overlong"] = overlong_penalty(torch.tensor([len(c) for c in completion_ids]),
-                                                args.max_completion_length, args.overlong_buffer, args.overlong_penalty)
+        lengths = torch.tensor([len(c) for c in completion_ids])  # (B,)
+        per_func["overlong"] = overlong_penalty(
+            lengths, args.max_completion_length, args.overlong_buffer, args.overlong_penalty,
+        )
         rewards = rewards + per_func["overlong"]  # (B,)
     truncated = torch.tensor([f == "length" for f in finish])  # (B,)
-    return Rollouts(prompt_ids, completion_ids, sampler_logp, rewards, per_func, truncated, action_mask)
+    return Rollouts(
+        prompt_ids, completion_ids, sampler_logp, rewards, per_func, truncated, action_mask,
+    )
 
 
 def round_prompts(run, index: int, r: int) -> tuple[dict, list[list[int]], list[int]]:
-    """This process's prompts of step `index`, round r: their dataset rows, G copies of each one's ids, their seeds."""
+    """This process's prompts of step `index`, round r: their dataset rows, G copies of each one's
+    ids, their seeds."""
     args, G, accelerator = run.args, run.args.num_generations, run.accelerator
-    positions, indices = step_prompts(index, args.batch_size, G, args.mini_batch_size, accelerator.num_processes,
-                                      accelerator.process_index, len(run.train_data), args.seed + 1_000_003 * r)
-    seeds = [sample_seed(args.seed, index, position + r * args.batch_size, j) for position in positions
-             for j in range(G)]
+    positions, indices = step_prompts(
+        index, args.batch_size, G, args.mini_batch_size, accelerator.num_processes,
+        accelerator.process_index, len(run.train_data), args.seed + 1_000_003 * r,
+    )
+    seeds = [sample_seed(args.seed, index, position + r * args.batch_size, j)
+             for position in positions for j in range(G)]
     rows = run.train_data[indices]  # {column: values}
     return rows, [p for p in rows["prompt_ids"] for _ in range(G)], seeds
 
@@ -192,11 +208,14 @@ def round_prompts(run, index: int, r: int) -> tuple[dict, list[list[int]], list[
 def to_tensors(rollouts: Rollouts, removed: torch.Tensor, pad_token_id: int) -> Batch:
     """[left-padded prompt | right-padded completion] and the per-token tensors of the loss."""
     prompts = pad_rows(rollouts.prompt_ids, pad_token_id, left=True)  # (B, P)
-    # from the lengths, not `prompts != pad`: a chat template's end-of-turn token is often the pad token too
+    # from the lengths, not `prompts != pad`: a chat template's end-of-turn token is often the pad
+    # token too
     prompt_tokens = pad_rows([[1] * len(p) for p in rollouts.prompt_ids], 0, left=True)  # (B, P)
-    completion_tokens = pad_rows([[1] * len(c) for c in rollouts.completion_ids], 0)  # (B, T) EOS included
+    # (B, T) EOS included
+    completion_tokens = pad_rows([[1] * len(c) for c in rollouts.completion_ids], 0)
     return Batch(
-        input_ids=torch.cat([prompts, pad_rows(rollouts.completion_ids, pad_token_id)], dim=1),  # (B, P+T)
+        # (B, P+T)
+        input_ids=torch.cat([prompts, pad_rows(rollouts.completion_ids, pad_token_id)], dim=1),
         attention_mask=torch.cat([prompt_tokens, completion_tokens], dim=1),  # (B, P+T)
         completion_tokens=completion_tokens,
         mask=completion_tokens * pad_rows(rollouts.action_mask, 0) * ~removed[:, None],  # (B, T)
@@ -205,17 +224,21 @@ def to_tensors(rollouts: Rollouts, removed: torch.Tensor, pad_token_id: int) -> 
     )
 
 
-def old_and_reference_logprobs(run, batch: Batch, metrics: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(B, T) each, taken when the batch is sampled: old_logp, the trainer's log-probs at the weights that sampled
-    (--old_logp_source sampler: the sampler's); ref_logp, the reference's, or None without a KL term.
+def old_and_reference_logprobs(run, batch: Batch,
+                               metrics: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(B, T) each, taken when the batch is sampled: old_logp, the trainer's log-probs at the
+    weights that sampled (--old_logp_source sampler: the sampler's); ref_logp, the reference's, or
+    None without a KL term.
 
-    On-policy (`run.on_policy`: one optimizer step per batch, no lag) the weights being trained are the ones that
-    sampled, so old_logp is the update's own log-probs, which the loop records as it computes them: no extra pass.
-    Until then it is NaN, so that a row the update did not reach cannot pass for a log-prob."""
+    On-policy (`run.on_policy`: one optimizer step per batch, no lag) the weights being trained are
+    the ones that sampled, so old_logp is the update's own log-probs, which the loop records as it
+    computes them: no extra pass. Until then it is NaN, so that a row the update did not reach
+    cannot pass for a log-prob."""
     args = run.args
     start = time.time()
     if run.on_policy:
-        old_logp = torch.full_like(batch.sampler_logp, float("nan"))  # (B, T) the update fills it in
+        # (B, T) the update fills it in
+        old_logp = torch.full_like(batch.sampler_logp, float("nan"))
     elif args.old_logp_source == "sampler":
         old_logp = batch.sampler_logp.clone()  # (B, T)
     else:
@@ -232,16 +255,18 @@ def old_and_reference_logprobs(run, batch: Batch, metrics: dict) -> tuple[torch.
 
 
 def log_ratio_now(run, batch: Batch, rows: slice) -> torch.Tensor:
-    """(rows, T) logp - old_logp at the current weights, without gradient, for batch statistics that need it
-    (snib.py, p3o.py). On-policy it is 0: the current weights sampled the batch (no pass)."""
+    """(rows, T) logp - old_logp at the current weights, without gradient, for batch statistics that
+    need it (snib.py, p3o.py). On-policy it is 0: the current weights sampled the batch (no pass).
+    """
     if run.on_policy:
         return torch.zeros_like(batch.sampler_logp[rows])
     return logprobs_of(run, run.model, batch, rows) - batch.old_logp[rows]
 
 
 def current_and_old_logprobs(run, batch: Batch, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows, T) each, without gradient: the log-probs at the current weights (one pass, on-policy too: covpo.py),
-    and the old policy's; on-policy the two are the same, as the current weights sampled the batch."""
+    """(rows, T) each, without gradient: the log-probs at the current weights (one pass, on-policy
+    too: covpo.py), and the old policy's; on-policy the two are the same, as the current weights
+    sampled the batch."""
     logp_now = logprobs_of(run, run.model, batch, rows)  # (rows, T)
     if run.on_policy:
         return logp_now, logp_now
@@ -253,14 +278,15 @@ def logprobs_of(run, net, batch: Batch, rows: slice | None = None,
     """(rows, T) log-probs of the completions under `net`, without gradient: --logprob_batch_size
     rows per forward, of similar lengths; the rows of a prompt share one forward of it (unless the
     weights are sharded, or --share_prompts false). `top_p` (default --top_p): the policy's
-    log-probs are those of the distribution sampled, renormalised over each position's kept set
-    when top_p < 1; the reference's are its full softmax's (top_p=1.0: docs/rollouts.md says why)."""
+    log-probs are those of the distribution sampled, renormalised over each position's kept set when
+    top_p < 1; the reference's are its full softmax's (top_p=1.0: docs/rollouts.md says why)."""
     rows = slice(0, run.local_rows) if rows is None else rows
     top_p = run.args.top_p if top_p is None else top_p
     share = run.share_prompts  # --share_prompts, unless the weights are sharded
     size = run.args.logprob_batch_size or run.args.micro_batch_size
     with torch.no_grad():
-        buckets = length_buckets(batch.completion_tokens[rows], size, offset=rows.start)  # similar lengths
+        # similar lengths
+        buckets = length_buckets(batch.completion_tokens[rows], size, offset=rows.start)
         T, temperature = batch.mask.shape[1], run.args.temperature
         logp = torch.cat([completion_logprobs(net, batch.input_ids[s], batch.attention_mask[s], T,
                                               temperature, share_prompts=share, top_p=top_p,
@@ -269,16 +295,20 @@ def logprobs_of(run, net, batch: Batch, rows: slice | None = None,
         return logp[torch.cat(buckets).argsort()]  # (rows, T) in row order
 
 
-def step_prompts(step: int, batch_size: int, num_generations: int, mini_batch_size: int, num_processes: int,
-                 process_index: int, dataset_size: int, seed: int) -> tuple[list[int], list[int]]:
-    """This process's prompts at `step`: (their indices within the step's global batch, their dataset rows).
+def step_prompts(step: int, batch_size: int, num_generations: int, mini_batch_size: int,
+                 num_processes: int, process_index: int, dataset_size: int,
+                 seed: int) -> tuple[list[int], list[int]]:
+    """This process's prompts at `step`: (their indices within the step's global batch, their
+    dataset rows).
 
     The step's N prompts are consecutive entries of a seeded per-epoch permutation of the dataset.
     Mini-batch k is prompts [k*Nm, (k+1)*Nm) of the step and each process takes a contiguous 1/P of
-    every mini-batch, so the global batch, and every optimizer step's share of it, does not depend on P.
-    """
+    every mini-batch, so the global batch, and every optimizer step's share of it, does not depend
+    on P."""
     N, Nm = batch_size // num_generations, (mini_batch_size or batch_size) // num_generations
-    positions = torch.arange(N).view(N // Nm, num_processes, Nm // num_processes)[:, process_index].flatten()
+    # (N / P,) this process's share of every mini-batch
+    shares = torch.arange(N).view(N // Nm, num_processes, Nm // num_processes)
+    positions = shares[:, process_index].flatten()
     stream = step * N + positions  # (n,) positions in the endless stream of prompts
     epochs = stream // dataset_size
     perms = {e: torch.randperm(dataset_size, generator=torch.Generator().manual_seed(seed + e))

@@ -102,6 +102,19 @@ def test_wrapped_files_stay_under_100_columns():
                       f"{MAX_LONG_SHARE:.0%} of their lines past it again:\n{worst_files(over)}")
 
 
+def test_the_files_a_step_reads_stay_within_100_columns():
+    """Issue 66: the common/ files one warm toy step calls into (grpo.py's "One step" paragraph, held to
+    benchmarks/step_path.py's record by tests/test_siblings.py) have no line past MAX_COLUMNS."""
+    with open(os.path.join(REPO, "grpo.py")) as f:
+        docstring = f.read().split('"""')[1]
+    paragraph = " ".join(docstring[docstring.index("One step"):].split("\n\n")[0].split())
+    files = sorted(set(re.findall(r"common/[\w/]+\.py", paragraph)))
+    assert len(files) >= 4, files
+    long = {path: [n for n, line in enumerate(open(os.path.join(REPO, path)).read().splitlines(), 1)
+                   if len(line) > MAX_COLUMNS] for path in files}
+    assert not any(long.values()), {path: lines for path, lines in long.items() if lines}
+
+
 def test_every_mutant_is_still_a_line_of_its_script():
     """scripts/mutants.py names lines of the estimator scripts; a line rewritten since would make its mutant
     silently inapplicable (the script refuses it): each must occur exactly once in its script."""

@@ -4,8 +4,8 @@
     MetricsLog             metrics.jsonl, one line per step (cut back to the checkpoint on resume)
     run_summary(...)       the lines printed at the end of a run
 
-Reading a checkpoint back (and checking it is intact) is common/run_folder/resume.py's, imported with --resume_from.
-"""
+Reading a checkpoint back (and checking it is intact) is common/run_folder/resume.py's, imported
+with --resume_from."""
 
 import contextlib
 import importlib
@@ -34,14 +34,16 @@ class TrainState:
 
 def save_checkpoint(accelerator, model, tokenizer, run_dir: str, step: int, save_total_limit: int = 0,
                     queue=None) -> str:
-    """`run_dir/checkpoints/step_N/{state,model}`: accelerate state (to resume) and save_pretrained weights
-    (merged for LoRA, to evaluate or serve). Written to a temporary folder and renamed when complete, so an
-    interrupted save never leaves a half checkpoint behind that looks complete. Non-finite weights are never
-    written; with `save_total_limit` N > 0 only the last N checkpoints are kept. Each process saves its own rows of
-    the rollout `queue` (common.sampling.RolloutQueue) in the state folder."""
+    """`run_dir/checkpoints/step_N/{state,model}`: accelerate state (to resume) and save_pretrained
+    weights (merged for LoRA, to evaluate or serve). Written to a temporary folder and renamed when
+    complete, so an interrupted save never leaves a half checkpoint behind that looks complete.
+    Non-finite weights are never written; with `save_total_limit` N > 0 only the last N checkpoints
+    are kept. Each process saves its own rows of the rollout `queue` (common.sampling.RolloutQueue)
+    in the state folder."""
     final = os.path.join(run_dir, "checkpoints", f"step_{step}")
     tmp = final + ".tmp"
-    # each process counts its own parameters (its shards under FSDP), the sum tells every process the same
+    # each process counts its own parameters (its shards under FSDP), the sum tells every process
+    # the same
     nonfinite = sum(float((~torch.isfinite(p.detach())).sum()) for p in model.parameters())
     nonfinite = accelerator.reduce(torch.tensor(nonfinite, device=accelerator.device), "sum").item()
     if nonfinite:
@@ -58,7 +60,8 @@ def save_checkpoint(accelerator, model, tokenizer, run_dir: str, step: int, save
                 queue.save(os.path.join(tmp, "state"), accelerator.process_index)
             state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 / FSDP shards
             if accelerator.is_main_process:
-                if hasattr(unwrapped, "merge_and_unload"):  # peft: save the adapter and the merged model
+                # peft: save the adapter and the merged model
+                if hasattr(unwrapped, "merge_and_unload"):
                     unwrapped.save_pretrained(os.path.join(tmp, "adapter"), state_dict=state_dict)
                     from common.models.lora import merged_copy
 
@@ -67,7 +70,8 @@ def save_checkpoint(accelerator, model, tokenizer, run_dir: str, step: int, save
                 else:
                     unwrapped.save_pretrained(os.path.join(tmp, "model"), state_dict=state_dict)
                 tokenizer.save_pretrained(os.path.join(tmp, "model"))
-        accelerator.wait_for_everyone()  # every process's files are in tmp before it becomes the checkpoint
+        # every process's files are in tmp before it becomes the checkpoint
+        accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             write_manifest(tmp)
             if os.path.exists(final):
@@ -76,7 +80,8 @@ def save_checkpoint(accelerator, model, tokenizer, run_dir: str, step: int, save
             if save_total_limit > 0:
                 for old in checkpoint_steps(run_dir)[:-save_total_limit]:
                     shutil.rmtree(os.path.join(run_dir, "checkpoints", f"step_{old}"))
-    except Exception as e:  # no room left stops in one line (common/rails/repair.py disk_full), anything else as it is
+    # no room left stops in one line (common/rails/repair.py disk_full), anything else as it is
+    except Exception as e:
         importlib.import_module("common.rails.repair").disk_full(e, tmp, final, latest_checkpoint(run_dir), run_dir)
         raise
     accelerator.wait_for_everyone()
@@ -84,9 +89,10 @@ def save_checkpoint(accelerator, model, tokenizer, run_dir: str, step: int, save
 
 
 class _TiedWeightsFilter(logging.Filter):
-    """Drops accelerate's "Removed shared tensor {...}" when every name in it is a weight the model ties on purpose
-    (e.g. lm_head.weight = embed_tokens.weight): from_pretrained re-ties them, so the warning is noise at every save.
-    The same warning about any other shared tensor still shows."""
+    """Drops accelerate's "Removed shared tensor {...}" when every name in it is a weight the model
+    ties on purpose (e.g. lm_head.weight = embed_tokens.weight): from_pretrained re-ties them, so
+    the warning is noise at every save. The same warning about any other shared tensor still shows.
+    """
 
     def __init__(self, tied: set[str]):
         super().__init__()
@@ -102,8 +108,8 @@ class _TiedWeightsFilter(logging.Filter):
 
 @contextlib.contextmanager
 def quiet_saves(model):
-    """No per-checkpoint noise: the tied-weights warning (twice per save) and transformers' "Writing model shards"
-    progress bar; every other warning stays."""
+    """No per-checkpoint noise: the tied-weights warning (twice per save) and transformers' "Writing
+    model shards" progress bar; every other warning stays."""
     from transformers.utils import logging as hf_logging
 
     seen, tied = {}, set()
@@ -125,7 +131,8 @@ def quiet_saves(model):
 
 
 def checkpoint_steps(run_dir: str) -> list[int]:
-    """The steps of the run's complete checkpoints, in order (a .tmp folder is an interrupted save)."""
+    """The steps of the run's complete checkpoints, in order (a .tmp folder is an interrupted save).
+    """
     ckpt_dir = os.path.join(run_dir, "checkpoints")
     if not os.path.isdir(ckpt_dir):
         return []
@@ -182,9 +189,10 @@ def format_seconds(seconds: float) -> str:
 
 
 def run_summary(run_dir: str, seconds: float, resume_step: int = 0) -> str:
-    """A few lines for the terminal at the end of a run: held-out accuracy and each benchmark score at the first
-    and the last evaluation, steps, wall time, the run folder, the final checkpoint and the commands that go on
-    from it (evaluate, plot, resume). Everything comes from metrics.jsonl and the checkpoints folder."""
+    """A few lines for the terminal at the end of a run: held-out accuracy and each benchmark score
+    at the first and the last evaluation, steps, wall time, the run folder, the final checkpoint and
+    the commands that go on from it (evaluate, plot, resume). Everything comes from metrics.jsonl
+    and the checkpoints folder."""
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         lines = [json.loads(line) for line in f if line.strip()]
     steps = max((m["step"] for m in lines), default=0)

@@ -17,9 +17,10 @@ values as ``"<name>/<key>"``.
 
 Adding one: decorate it with ``@register_reward("my_name")`` in any module that gets imported and
 select it by that name, or select it by its import path, ``"my_package.my_module:my_function"``, or
-by its file, ``"path/to/my_rewards.py:my_function"`` (``get_reward_function``). The built-in graders
-(``math_accuracy``, ``choice_accuracy``, ``format``) are common/tasks/math_grader.py's, imported the first
-time one of them is asked for by name: a run with other rewards does not load it.
+by its file, ``"path/to/my_rewards.py:my_function"`` (``get_reward_function``). The built-in
+graders (``math_accuracy``, ``choice_accuracy``, ``format``) are common/tasks/math_grader.py's,
+imported the first time one of them is asked for by name: a run with other rewards does not load
+it.
 """
 
 import importlib
@@ -40,7 +41,8 @@ MAX_REWARD = 1e15  # larger rewards make a group's std overflow in float32 (inf,
 BUILT_IN_MODULES = {**{name: "common.tasks.math_grader" for name in ("math_accuracy", "format")},
                     "choice_accuracy": "common.tasks.choice_grader",
                     **{name: "common.tasks.toy" for name in ("toy_addition", "toy_closeness")},
-                    "toy_tir_addition": "common.tasks.toy_tir", "number_accuracy": "common.tasks.smollm2"}
+                    "toy_tir_addition": "common.tasks.toy_tir",
+                    "number_accuracy": "common.tasks.smollm2"}
 
 
 class Rewards(list):
@@ -354,7 +356,8 @@ def compute_rewards(
     if not scored.all():
         i = int((~scored).nonzero()[0])
         names = ", ".join(_reward_name(fn) for fn in funcs)
-        raise RewardError(f"every reward function ({names}) returned None at sample {i} (None: the function does "
-                          f"not apply to it), so it has no reward: give each sample at least one function that "
-                          f"scores it\n  prompt: {_clip(prompts[i])}\n  completion: {_clip(completions[i])}")
+        raise RewardError(f"every reward function ({names}) returned None at sample {i} (None: the "
+                          f"function does not apply to it), so it has no reward: give each sample "
+                          f"at least one function that scores it\n  prompt: {_clip(prompts[i])}\n"
+                          f"  completion: {_clip(completions[i])}")
     return total, per_function

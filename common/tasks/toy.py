@@ -11,7 +11,8 @@ scripts load it through the same `from_pretrained` / `load_dataset` code as a re
 
 The supervised warm start matters: RL from a random policy would almost never see a reward. The
 result is cached and reused (same seed -> same files), so every algorithm starts from the same
-weights. `--preset toy_tir`, the multi-turn variant with a calculator tool, is common/tasks/toy_tir.py.
+weights. `--preset toy_tir`, the multi-turn variant with a calculator tool, is
+common/tasks/toy_tir.py.
 """
 
 import contextlib
