@@ -100,20 +100,19 @@ def batch_stats(logp_now, old_logp, advantages, mask, args: Args, total=lambda x
     """What compute_loss needs from the whole optimizer batch when it is called per micro-batch.
     `logp_now` (B, T): log-probs at the current weights, without gradient; `total` sums a tensor
     over the processes."""
-    from accelerate import PartialState  # COVPO: the selection ranks the tokens of every process together
-    from accelerate.utils import gather, pad_across_processes
+    from common.update import gather_rows, own_rows  # COVPO: the tokens of every process
+
     # (B, T) each  COVPO: at the current weights
     logp, A = logp_now, advantages[:, None].expand(mask.shape)
     ratio = torch.exp(logp - old_logp)  # (B, T)
     # (B, T) verl's
     clipped = -A * torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high) > -A * ratio
-    mine = torch.stack([logp, A.to(logp), mask.to(logp), clipped.to(logp)], -1)  # (B, T, 4)
-    # (P B, T') each
-    logp_all, A_all, valid, clipped = gather(pad_across_processes(mine, dim=1)).unbind(-1)
+    # (P B, T') each  COVPO: the selection ranks them together
+    logp_all, A_all, valid, clipped = gather_rows(logp, A, mask, clipped)
     valid, n = valid > 0, int(valid.sum())  # (P B, T')  COVPO: the optimizer batch's valid tokens
-    centred = lambda x: x - torch.where(valid, x, 0).sum() / max(n, 1)  # noqa: E731  (P B, T')
-    # (P B, T')  COVPO: C_t, the token's centred cross-product
-    cov = centred(A_all) * centred(logp_all)
+    mean_A = torch.where(valid, A_all, 0).sum() / max(n, 1)  # ()
+    mean_logp = torch.where(valid, logp_all, 0).sum() / max(n, 1)  # ()
+    cov = (A_all - mean_A) * (logp_all - mean_logp)  # (P B, T')  COVPO: C_t, centred cross-product
     if args.cov_method == "clip":  # COVPO: Clip-Cov: a random draw among lb < C_t < ub that the clip leaves alone
         eligible = torch.nonzero(valid & (clipped == 0) & (cov > args.clip_cov_lb) & (cov < args.clip_cov_ub))
         # (m, 2)  verl's
@@ -123,9 +122,7 @@ def batch_stats(logp_now, old_logp, advantages, mask, args: Args, total=lambda x
         chosen = torch.nonzero(valid)[torch.topk(cov[valid], k).indices]  # (k, 2)
     selected = torch.zeros_like(valid)  # (P B, T')
     selected[chosen[:, 0], chosen[:, 1]] = True
-    # this process's rows: a contiguous share of the batch
-    B, T, rank = *mask.shape, PartialState().process_index
-    return Stats(total(mask.sum().float()), selected=selected[rank * B: (rank + 1) * B, :T])
+    return Stats(total(mask.sum().float()), selected=own_rows(selected, mask.shape))
 
 
 def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=None,

@@ -78,6 +78,26 @@ def length_buckets(mask: torch.Tensor, size: int, offset: int = 0,
     return list(order.split(size))
 
 
+def gather_rows(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Every process's rows of each (B, T) tensor, in process order: (P B, T') each, T' the longest
+    T of any process (the shorter right-padded with 0), all in the first tensor's dtype. For a
+    statistic that ranks the tokens of the whole optimizer batch together (covpo.py)."""
+    from accelerate.utils import gather, pad_across_processes
+
+    mine = torch.stack([t.to(tensors[0].dtype) for t in tensors], -1)  # (B, T, k)
+    return list(gather(pad_across_processes(mine, dim=1)).unbind(-1))  # (P B, T') each
+
+
+def own_rows(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """This process's (B, T) rows of a tensor of every process's rows (gather_rows): a contiguous
+    share, in process order."""
+    from accelerate import PartialState
+
+    B, T = shape
+    rank = PartialState().process_index
+    return x[rank * B:(rank + 1) * B, :T]
+
+
 def rows_of(x: torch.Tensor | None, rows) -> torch.Tensor | None:
     """x[rows], or None for an absent tensor (ref_logp without a KL term, tis_weights without
     --tis_cap)."""
