@@ -26,7 +26,6 @@ top_p = 1 none of this runs.
 import contextlib
 
 import torch
-from transformers.cache_utils import DynamicLayer
 
 # fp32 scratch of one chunk of positions x vocabulary (64 MiB per buffer)
 LOGPROB_CHUNK_ELEMENTS = 2**24
@@ -494,6 +493,10 @@ def shared_prompt_cache(model, input_ids: torch.Tensor, attention_mask: torch.Te
                   attention_mask=attention_mask[first, :length],
                   position_ids=position_ids[first, :length], use_cache=True,
                   logits_to_keep=1).past_key_values
+    # imported here, not at the top: transformers' cache code takes half a second to import, which
+    # a refused command line need not wait for
+    from transformers.cache_utils import DynamicLayer
+
     if not all(isinstance(layer, DynamicLayer) for layer in getattr(cache, "layers", [None])):
         return None
     cache.batch_select_indices(row_of)  # (B,) rows
