@@ -189,7 +189,7 @@ def run_trl(argv: list[str], threads: int) -> dict:
     from trl import GRPOTrainer
 
     from common.metrics import peak_memory_gib
-    from common.tasks.rewards import get_reward_function
+    from common.tasks.reward_names import get_reward_function
 
     torch.set_num_threads(threads)
     args, config, dataset, tokenizer = trl_config_and_data(argv, threads)

@@ -255,8 +255,9 @@ def parse_args(args_cls, argv: list[str] | None = None):
     # --resume_from RUN alone: the run's own settings for every flag not given
     resumed = {}
     if known.resume_from:
-        resumed = importlib.import_module("common.rails.command_line").resumed_args(known.resume_from,
-                                                                              args_cls)
+        from common.rails.command_line import resumed_args
+
+        resumed = resumed_args(known.resume_from, args_cls)
     # a recipe's preset: its defaults too
     preset = recipe.get("preset") if known.preset is None else known.preset
     if preset is None and known.config is None:
@@ -299,7 +300,9 @@ def parse_args(args_cls, argv: list[str] | None = None):
     if (command_line and preset is None and "model" not in {**recipe, **resumed}
             and "model" in {f.name for f in dataclasses.fields(args_cls)}
             and not any(a.split("=")[0] in ("--model", "-h", "--help") for a in argv)):
-        importlib.import_module("common.rails.command_line").cpu_guard(args.model, PRESET_NAMES)
+        from common.rails.command_line import cpu_guard
+
+        cpu_guard(args.model, PRESET_NAMES)
     return args
 
 

@@ -45,7 +45,8 @@ from common.run_folder.checkpoints import MetricsLog, TrainState, save_checkpoin
 from common.run_folder.run_dir import claim_run_dir, record_args
 from common.sampling import RolloutQueue
 from common.tasks.data import load_prompts, resolve_dataset
-from common.tasks.rewards import RewardError, compute_rewards, get_reward_function
+from common.tasks.reward_names import get_reward_function
+from common.tasks.rewards import RewardError, compute_rewards
 
 
 @dataclass
@@ -285,7 +286,9 @@ def load_models(args, tokenizer):
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
     # a model from outside: a NaN weight named at load (the reference is the same files)
     if brought(args):
-        importlib.import_module("common.rails.real_checks").weight_problems(model, args.model)
+        from common.rails.real_checks import weight_problems
+
+        weight_problems(model, args.model)
     if args.gradient_checkpointing:
         checkpoint_layers(model, args.gradient_checkpointing_every)
     ref_model = None

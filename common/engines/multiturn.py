@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from common.engines.rollout import single_turn
+from common.engines.sandbox import TOOLS, Tool
 
 # The prompt of SimpleTIR (Xue et al. 2025, arXiv:2509.02479), whose TIR setting CTPO (section 4.1)
 # trains in: the authors' repository github.com/ltzheng/SimpleTIR (commit e7b5b44),
@@ -267,23 +268,8 @@ def multi_turn_generate(engine, model, tokenizer, prompt_ids: list[list[int]], s
     return out
 
 
-@dataclass(frozen=True)
-class Tool:
-    """What a training script's --tool names: the code-block markers, the program the sandbox runs
-    for a block's code, how its result becomes the tool turn's text, and which results end the
-    trajectory."""
-
-    code_start: str
-    code_end: str
-    program: Callable[[str], str]
-    format_output: Callable[..., str]
-    is_final: Callable[..., bool] | None = None
-
-
-TOOLS = {  # --tool NAME
-    "simpletir": Tool(CODE_START, CODE_END, lambda code: FINAL_ANSWER_PREAMBLE + code,
-                      simpletir_output, simpletir_is_final),
-}
+TOOLS["simpletir"] = Tool(CODE_START, CODE_END, lambda code: FINAL_ANSWER_PREAMBLE + code,
+                          simpletir_output, simpletir_is_final)  # --tool simpletir
 # tools registered by a module, imported when the tool is first asked for
 TOOL_MODULES = {"toy": "common.tasks.toy_tir"}
 

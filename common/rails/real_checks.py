@@ -3,7 +3,6 @@ or another tool leaves behind. Imported by common/rails/checks.py when --model o
 preset's own (a preset builds its files and checks them); one line per problem naming the cause and
 the fix, before any weights load."""
 
-import importlib
 import json
 import os
 import struct
@@ -116,8 +115,9 @@ def tokenizer_problems(args, config) -> list[str]:
                 f"{vocab:,} rows, so some ids index outside it; save this model's own tokenizer "
                 f"beside it, {resize}"]
     if args.use_chat_template and tokenizer.chat_template:
-        return importlib.import_module("common.rails.template_checks").template_problems(
-            name, tokenizer, args.enable_thinking)
+        from common.rails.template_checks import template_problems
+
+        return template_problems(name, tokenizer, args.enable_thinking)
     return []
 
 

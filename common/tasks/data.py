@@ -11,7 +11,6 @@ as keyword arguments) plus:
     prompt_ids   its token ids
 """
 
-import importlib
 import os
 
 from common.args import warn
@@ -104,8 +103,9 @@ def format_prompt(tokenizer, prompt, template: str, system_prompt: str,
     one. A conversational prompt (a list of messages) is rendered as it is by the chat template,
     as TRL renders it: no `template`, and `system_prompt` only where it has no system turn."""
     if not isinstance(prompt, str):  # TRL's conversational format: common/tasks/conversations.py
-        return importlib.import_module("common.tasks.conversations").render(
-            tokenizer, prompt, system_prompt, use_chat_template, enable_thinking)
+        from common.tasks.conversations import render
+
+        return render(tokenizer, prompt, system_prompt, use_chat_template, enable_thinking)
     text = template.replace("{prompt}", prompt)
     if not (use_chat_template and tokenizer.chat_template):
         return text

@@ -18,8 +18,7 @@ import time
 
 import torch
 
-from common.engines.multiturn import TOOLS, Tool
-from common.engines.sandbox import ToolResult
+from common.engines.sandbox import TOOLS, Tool, ToolResult
 from common.tasks.rewards import register_reward, texts_of
 from common.tasks.toy import (
     CHARS,
