@@ -135,9 +135,9 @@ def trl_config_and_data(argv: list[str], threads: int):
     from trl import GRPOConfig
 
     import grpo
-    from common.args import PRESET_MODULES, parse_args
+    from common.args import parse_args
     from common.sampling import step_prompts
-    from common.tasks.data import load_prompts, resolve_dataset
+    from common.tasks.data import PRESET_MODULES, load_prompts, resolve_dataset
 
     args = parse_args(grpo.Args, argv)
     M = args.mini_batch_size or args.batch_size

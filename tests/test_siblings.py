@@ -233,9 +233,8 @@ def test_the_documented_copy_cost_command_runs_from_the_repository_root(monkeypa
 
 
 def test_the_toy_is_imported_by_the_toy_alone():
-    """No module but the TIR toy imports common/tasks/toy.py (a preset, a reward or a tool name loads it through a
-    registry: common/args.py PRESET_MODULES, common/tasks/rewards.py BUILT_IN_MODULES, common/engines/multiturn.py
-    TOOL_MODULES)."""
+    """No module but the TIR toy imports common/tasks/toy.py (a preset or a reward name loads it through a
+    registry: common/tasks/data.py PRESET_MODULES, common/tasks/reward_names.py BUILT_IN_MODULES)."""
     import ast
 
     paths = glob.glob(os.path.join(REPO, "*.py")) + python_files("common") + python_files("evals")

@@ -32,7 +32,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 NOBODY = 65534
@@ -233,20 +232,3 @@ def run_python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512,
     """
     isolation()
     return _run(code, timeout_s, memory_mb, max_output_bytes, max_processes)
-
-
-@dataclass(frozen=True)
-class Tool:
-    """What a training script's --tool names: the code-block markers, the program the sandbox runs
-    for a block's code, how its result becomes the tool turn's text, and which results end the
-    trajectory."""
-
-    code_start: str
-    code_end: str
-    program: Callable[[str], str]
-    format_output: Callable[..., str]
-    is_final: Callable[..., bool] | None = None
-
-
-# --tool NAME: common/engines/multiturn.py registers simpletir, common/tasks/toy_tir.py the toy's
-TOOLS: dict[str, Tool] = {}

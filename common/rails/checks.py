@@ -23,8 +23,8 @@ import torch
 from accelerate import PartialState
 from accelerate.utils import broadcast_object_list, gather_object
 
-from common.args import preset_defaults, warn
-from common.models.devices import vllm_installed
+from common.engines.rollout import vllm_installed
+from common.metrics import warn
 from common.run_folder.checkpoints import latest_checkpoint
 from common.tasks.data import (
     LOCAL_FORMATS,
@@ -32,6 +32,7 @@ from common.tasks.data import (
     format_prompt,
     load_rows,
     looks_local,
+    preset_defaults,
     resolve_dataset,
 )
 from common.tasks.reward_names import get_reward_function

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from common.args import warn
+from common.metrics import warn
 
 # architectures with a language-model head
 HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")

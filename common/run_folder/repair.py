@@ -8,7 +8,7 @@ import json
 import os
 import shutil
 
-from common.args import warn
+from common.metrics import warn
 
 
 def json_lines(path: str) -> list[dict]:

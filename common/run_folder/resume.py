@@ -6,7 +6,7 @@ import os
 
 from accelerate import PartialState
 
-from common.args import warn
+from common.metrics import warn
 from common.run_folder.checkpoints import MANIFEST, checkpoint_steps
 from common.run_folder.repair import json_lines
 

@@ -11,9 +11,25 @@ as keyword arguments) plus:
     prompt_ids   its token ids
 """
 
+import importlib
 import os
 
-from common.args import warn
+from common.metrics import warn
+
+# --preset NAME: the module holding its defaults (PRESETS) and building what it reads
+# (prepare_preset), imported only when the preset is asked for: the toys' common/tasks/toy.py and
+# common/tasks/toy_tir.py, the real model's common/tasks/smollm2.py
+PRESET_MODULES = {"toy": "common.tasks.toy", "toy_tir": "common.tasks.toy_tir",
+                  "smollm2": "common.tasks.smollm2"}
+PRESET_NAMES = tuple(PRESET_MODULES)
+
+
+def preset_defaults(preset: str | None) -> dict:
+    """The defaults a --preset sets (none without one)."""
+    if preset is None:
+        return {}
+    return importlib.import_module(PRESET_MODULES[preset]).PRESETS[preset]
+
 
 # The papers' datasets: `--dataset gsm8k` stands for the hub id, config, splits and columns below.
 DATASET_PRESETS = {
