@@ -6,9 +6,10 @@ A page holds a generated block between two HTML comments (invisible on GitHub an
     <!-- begin: algo grpo.py -->                  grpo.py's `# ALGO LOGIC` section, from that line up to `def main(`
     <!-- begin: layout common -->                 every module of common/ by folder, with its lines (each line's
                                                   description is kept from the page; a module without one is stale)
-    <!-- begin: imports common -->               common/'s floors (FLOORS), top first: each module with the
-                                                  modules of common/ it imports (tests/test_siblings.py holds
-                                                  every import to its own floor or one below)
+    <!-- begin: imports common -->               common/'s floors (FLOORS), top first: each
+                                                  module with the modules of common/ it imports
+                                                  (tests/test_siblings.py holds every import to
+                                                  its own floor or one below)
     ```diff / ```python ... ```
     <!-- end -->
 
@@ -40,7 +41,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run as `python docs/make_diffs.py`: the repository's evals/ (evals.stats) on the path
 BLOCK = re.compile(r"(?P<begin><!-- begin: (?P<what>diff -u grpo\.py (?P<diff>\w+)\.py|algo (?P<algo>\w+)\.py"
-                   r"|layout common|imports common|study (?P<study>[a-z0-9_.-]+)(?: (?P<only>[a-z0-9_,]+))?"
+                   r"|layout common|imports common"
+                   r"|study (?P<study>[a-z0-9_.-]+)(?: (?P<only>[a-z0-9_,]+))?"
                    r"|study-vs (?P<vs_study>[a-z0-9_.-]+) (?P<base>[a-z0-9_]+)) -->\n)"
                    r"(?P<body>.*?)(?P<end><!-- end -->)", re.S)
 # The layout block's folders, in order: the step's own parts first, then the machinery by role.
@@ -48,9 +50,9 @@ FOLDER_ORDER = ["common", "common/engines", "common/tasks", "common/models", "co
 # common/'s floors, bottom first: a module imports only modules of its own floor or of one below
 # (tests/test_siblings.py), so the drawing of the imports reads from the top down.
 FLOORS = [
-    ("a step's arithmetic and metrics", ["common/nucleus.py", "common/logprobs.py", "common/update.py",
-                                         "common/metrics.py", "common/offpolicy.py",
-                                         "common/dapo.py"]),
+    ("a step's arithmetic and metrics", ["common/nucleus.py", "common/logprobs.py",
+                                         "common/update.py", "common/metrics.py",
+                                         "common/offpolicy.py", "common/dapo.py"]),
     ("where the policy lives", ["common/models"]),
     ("who samples", ["common/engines"]),
     ("what is learned and scored", ["common/tasks"]),
@@ -119,7 +121,8 @@ def layout(block: str) -> list[str]:
 
 
 def common_modules() -> list[str]:
-    """Every module of common/ but the packages' __init__.py, as a path from the repository's root."""
+    """Every module of common/ but the packages' __init__.py, as a path from the repository's
+    root."""
     paths = glob.glob(os.path.join(ROOT, "common", "**", "*.py"), recursive=True)
     return sorted(os.path.relpath(p, ROOT) for p in paths if not p.endswith("__init__.py"))
 
@@ -157,7 +160,8 @@ def import_floors() -> list[str]:
         shown = [m.removeprefix("common/") + ("" if m.endswith(".py") else "/") for m in members]
         body.append(f"{i + 1}. {name}: {', '.join(shown)}")
         for path in [p for p in common_modules() if floor_of(p) == i]:
-            imported = sorted(m.removeprefix("common/").removesuffix(".py") for m in imports_of(path))
+            imported = sorted(m.removeprefix("common/").removesuffix(".py")
+                              for m in imports_of(path))
             line = f"    {path.removeprefix('common/').removesuffix('.py'):24s}"
             for k, name in enumerate(imported or ["-"]):
                 if len(line) + len(name) + 2 > 100:

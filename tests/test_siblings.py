@@ -233,8 +233,9 @@ def test_the_documented_copy_cost_command_runs_from_the_repository_root(monkeypa
 
 
 def test_the_toy_is_imported_by_the_toy_alone():
-    """No module but the TIR toy imports common/tasks/toy.py (a preset or a reward name loads it through a
-    registry: common/tasks/data.py PRESET_MODULES, common/tasks/reward_names.py BUILT_IN_MODULES)."""
+    """No module but the TIR toy imports common/tasks/toy.py (a preset or a reward name loads it
+    through a registry: common/tasks/data.py PRESET_MODULES, common/tasks/reward_names.py
+    BUILT_IN_MODULES)."""
     import ast
 
     paths = glob.glob(os.path.join(REPO, "*.py")) + python_files("common") + python_files("evals")
@@ -247,15 +248,17 @@ def test_the_toy_is_imported_by_the_toy_alone():
 
 
 def load_make_diffs():
-    spec = importlib.util.spec_from_file_location("make_diffs", os.path.join(REPO, "docs", "make_diffs.py"))
+    path = os.path.join(REPO, "docs", "make_diffs.py")
+    spec = importlib.util.spec_from_file_location("make_diffs", path)
     make_diffs = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(make_diffs)
     return make_diffs
 
 
 def test_common_and_evals_import_in_no_circle():
-    """Following every import (inside functions too, importlib.import_module of a literal, and a registry's module
-    names such as PRESET_MODULES' "common.tasks.toy"), no module of common/ or evals/ reaches itself."""
+    """Following every import (inside functions too, importlib.import_module of a literal, and a
+    registry's module names such as PRESET_MODULES' "common.tasks.toy"), no module of common/ or
+    evals/ reaches itself."""
     imports_of = load_make_diffs().imports_of
     graph = {}
     for path in python_files("common") + python_files("evals"):
@@ -271,23 +274,25 @@ def test_common_and_evals_import_in_no_circle():
 
 
 def test_common_imports_stay_on_their_floor_or_below():
-    """Issue 66: every module of common/ stands on one of docs/make_diffs.py's FLOORS and imports (at the top, inside
-    a function, by importlib or through a registry's names) only modules of its own floor or of one below; the
-    drawing of these imports in docs/layout.md is written from the same floors (tests/test_docs.py holds it)."""
+    """Issue 66: every module of common/ stands on one of docs/make_diffs.py's FLOORS and imports
+    (at the top, inside a function, by importlib or through a registry's names) only modules of its
+    own floor or of one below; the drawing of these imports in docs/layout.md is written from the
+    same floors (tests/test_docs.py holds it)."""
     make_diffs = load_make_diffs()
+    floor_of = make_diffs.floor_of
     modules = make_diffs.common_modules()
     assert len(modules) > 40, modules
-    unplaced = [path for path in modules if make_diffs.floor_of(path) is None]
-    assert not unplaced, f"place these modules on a floor of docs/make_diffs.py's FLOORS: {unplaced}"
-    upward = [f"{path} (floor {make_diffs.floor_of(path) + 1}) imports {other} (floor {make_diffs.floor_of(other) + 1})"
+    unplaced = [path for path in modules if floor_of(path) is None]
+    assert not unplaced, f"place these on a floor of docs/make_diffs.py's FLOORS: {unplaced}"
+    upward = [f"{path} (floor {floor_of(path) + 1}) imports {other} (floor {floor_of(other) + 1})"
               for path in modules for other in sorted(make_diffs.imports_of(path))
-              if make_diffs.floor_of(other) > make_diffs.floor_of(path)]
+              if floor_of(other) > floor_of(path)]
     assert not upward, "imports up a floor:\n" + "\n".join(upward)
 
 
 def test_the_floor_test_sees_an_import_up_a_floor_and_through_a_registry(tmp_path, monkeypatch):
-    """The floors' checks count what they claim: an import inside a function, a registry's module name and
-    importlib.import_module of a literal, each an import of common/."""
+    """The floors' checks count what they claim: an import inside a function, a registry's module
+    name and importlib.import_module of a literal, each an import of common/."""
     make_diffs = load_make_diffs()
     (tmp_path / "common").mkdir()
     for name in ("low", "high", "named", "loaded"):
@@ -302,7 +307,8 @@ def test_the_floor_test_sees_an_import_up_a_floor_and_through_a_registry(tmp_pat
     from benchmarks import copy_cost
 
     monkeypatch.setattr(copy_cost, "REPO", str(tmp_path))
-    assert make_diffs.imports_of("common/low.py") == {"common/high.py", "common/named.py", "common/loaded.py"}
+    expected = {"common/high.py", "common/named.py", "common/loaded.py"}
+    assert make_diffs.imports_of("common/low.py") == expected
 
 
 def test_imports_point_down():

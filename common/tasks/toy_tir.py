@@ -1,8 +1,8 @@
 """The TIR toy (`--preset toy_tir`): the toy task's multi-turn variant, under runs/toy_tir.
 
 `prepare_toy_tir(path)` builds sums of two 3- to 5-digit numbers, too long for the tiny model to add
-by itself, and a calculator tool (`--tool toy`, common/engines/multiturn.py's) that it calls by writing the sum in
-brackets. One trajectory:
+by itself, and a calculator tool (`--tool toy`, common/engines/multiturn.py's) that it calls by
+writing the sum in brackets. One trajectory:
 
     12345+54321=[12345+54321]=66666\n66666<eos>
     '- prompt -''-- model --'' tool '' model -'
