@@ -135,9 +135,9 @@ def trl_config_and_data(argv: list[str], threads: int):
     from trl import GRPOConfig
 
     import grpo
-    from common.args import PRESET_MODULES, parse_args
+    from common.args import parse_args
     from common.sampling import step_prompts
-    from common.tasks.data import load_prompts, resolve_dataset
+    from common.tasks.data import PRESET_MODULES, load_prompts, resolve_dataset
 
     args = parse_args(grpo.Args, argv)
     M = args.mini_batch_size or args.batch_size
@@ -189,7 +189,7 @@ def run_trl(argv: list[str], threads: int) -> dict:
     from trl import GRPOTrainer
 
     from common.metrics import peak_memory_gib
-    from common.tasks.rewards import get_reward_function
+    from common.tasks.reward_names import get_reward_function
 
     torch.set_num_threads(threads)
     args, config, dataset, tokenizer = trl_config_and_data(argv, threads)

@@ -39,7 +39,7 @@ def main() -> None:
     from benchmarks.step_time import trl_config_and_data
     from common.engines.rollout import HFEngine
     from common.run import load_data
-    from common.tasks.rewards import get_reward_function
+    from common.tasks.reward_names import get_reward_function
 
     torch.set_num_threads(a.threads)
     args, config, dataset, tokenizer = trl_config_and_data(["--preset", a.preset, *a.extra], a.threads)

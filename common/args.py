@@ -8,8 +8,6 @@ changes in view."""
 import argparse
 import copy
 import dataclasses
-import importlib
-import os
 import re
 import sys
 import types
@@ -18,16 +16,7 @@ from typing import Literal
 
 from transformers import HfArgumentParser
 
-# --preset NAME: the module holding its defaults (PRESETS) and building what it reads
-# (prepare_preset), imported only when the preset is asked for: the toys' common/tasks/toy.py, the real
-# model's common/tasks/smollm2.py
-PRESET_MODULES = {"toy": "common.tasks.toy", "toy_tir": "common.tasks.toy_tir", "smollm2": "common.tasks.smollm2"}
-PRESET_NAMES = tuple(PRESET_MODULES)
-
-
-def preset_defaults(preset: str | None) -> dict:
-    """The defaults a --preset sets (none without one)."""
-    return {} if preset is None else importlib.import_module(PRESET_MODULES[preset]).PRESETS[preset]
+from common.tasks.data import PRESET_NAMES, preset_defaults
 
 
 def arg(default, help: str, at_least: float | None = None):
@@ -255,8 +244,9 @@ def parse_args(args_cls, argv: list[str] | None = None):
     # --resume_from RUN alone: the run's own settings for every flag not given
     resumed = {}
     if known.resume_from:
-        resumed = importlib.import_module("common.rails.command_line").resumed_args(known.resume_from,
-                                                                              args_cls)
+        from common.rails.command_line import resumed_args
+
+        resumed = resumed_args(known.resume_from, args_cls)
     # a recipe's preset: its defaults too
     preset = recipe.get("preset") if known.preset is None else known.preset
     if preset is None and known.config is None:
@@ -299,7 +289,9 @@ def parse_args(args_cls, argv: list[str] | None = None):
     if (command_line and preset is None and "model" not in {**recipe, **resumed}
             and "model" in {f.name for f in dataclasses.fields(args_cls)}
             and not any(a.split("=")[0] in ("--model", "-h", "--help") for a in argv)):
-        importlib.import_module("common.rails.command_line").cpu_guard(args.model, PRESET_NAMES)
+        from common.rails.command_line import cpu_guard
+
+        cpu_guard(args.model, PRESET_NAMES)
     return args
 
 
@@ -329,9 +321,3 @@ def did_you_mean(unknown: list[str], args_cls, others: tuple[str, ...] = ()) -> 
     if len(flags) == 1 and hints:
         return f" ({hints[flags[0]]})"
     return f" ({'; '.join(f'{flag}: {h}' for flag, h in hints.items())})" if hints else ""
-
-
-def warn(message: str) -> None:
-    """One line on stderr from the first process of each machine (the others would repeat it)."""
-    if os.environ.get("LOCAL_RANK", "0") == "0":
-        print(f"warning: {message}", file=sys.stderr, flush=True)

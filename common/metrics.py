@@ -3,6 +3,8 @@ lengths, the sampler/trainer log-prob gap (and the check that stops a run whose 
 the trainer's weights), peak memory. docs/metrics.md says what each one means."""
 
 import contextlib
+import os
+import sys
 import time
 
 import torch
@@ -92,3 +94,9 @@ def peak_memory_gib(device: torch.device) -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+def warn(message: str) -> None:
+    """One line on stderr from the first process of each machine (the others would repeat it)."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"warning: {message}", file=sys.stderr, flush=True)

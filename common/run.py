@@ -22,8 +22,7 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import broadcast_object_list, gather_object, set_seed
 from tqdm.auto import tqdm
 
-from common.args import PRESET_MODULES
-from common.engines.rollout import HFEngine, single_turn
+from common.engines.rollout import HFEngine, single_turn, vllm_installed
 from common.metrics import (
     batch_metrics,
     check_weight_sync,
@@ -38,14 +37,14 @@ from common.models.devices import (
     prepare_policy,
     prepare_reference,
     sharded_parameters,
-    vllm_installed,
 )
 from common.rails.checks import brought, check_args, stop_if_nonfinite
 from common.run_folder.checkpoints import MetricsLog, TrainState, save_checkpoint
 from common.run_folder.run_dir import claim_run_dir, record_args
-from common.sampling import RolloutQueue
-from common.tasks.data import load_prompts, resolve_dataset
-from common.tasks.rewards import RewardError, compute_rewards, get_reward_function
+from common.sampling import RolloutQueue, round_prompts
+from common.tasks.data import PRESET_MODULES, load_prompts, resolve_dataset
+from common.tasks.reward_names import get_reward_function
+from common.tasks.rewards import RewardError, compute_rewards
 
 
 @dataclass
@@ -234,7 +233,7 @@ def setup(args) -> Run:
     # the server samples steps s+1..s+K while step s trains
     if args.server_url and args.rollout_lag > 0:
         from common.engines.server_engine import overlap_queue
-        run.queue = overlap_queue(run)
+        run.queue = overlap_queue(run, lambda index: round_prompts(run, index, 0)[1:])
     # the batches (or requests) sampled ahead of the checkpoint's step: each process its own rows
     if resume:
         run.queue.load(os.path.join(resume, "state"), accelerator.process_index)
@@ -285,7 +284,9 @@ def load_models(args, tokenizer):
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
     # a model from outside: a NaN weight named at load (the reference is the same files)
     if brought(args):
-        importlib.import_module("common.rails.real_checks").weight_problems(model, args.model)
+        from common.rails.real_checks import weight_problems
+
+        weight_problems(model, args.model)
     if args.gradient_checkpointing:
         checkpoint_layers(model, args.gradient_checkpointing_every)
     ref_model = None

@@ -6,6 +6,10 @@ A page holds a generated block between two HTML comments (invisible on GitHub an
     <!-- begin: algo grpo.py -->                  grpo.py's `# ALGO LOGIC` section, from that line up to `def main(`
     <!-- begin: layout common -->                 every module of common/ by folder, with its lines (each line's
                                                   description is kept from the page; a module without one is stale)
+    <!-- begin: imports common -->               common/'s floors (FLOORS), top first: each
+                                                  module with the modules of common/ it imports
+                                                  (tests/test_siblings.py holds every import to
+                                                  its own floor or one below)
     ```diff / ```python ... ```
     <!-- end -->
 
@@ -37,11 +41,27 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run as `python docs/make_diffs.py`: the repository's evals/ (evals.stats) on the path
 BLOCK = re.compile(r"(?P<begin><!-- begin: (?P<what>diff -u grpo\.py (?P<diff>\w+)\.py|algo (?P<algo>\w+)\.py"
-                   r"|layout common|study (?P<study>[a-z0-9_.-]+)(?: (?P<only>[a-z0-9_,]+))?"
+                   r"|layout common|imports common"
+                   r"|study (?P<study>[a-z0-9_.-]+)(?: (?P<only>[a-z0-9_,]+))?"
                    r"|study-vs (?P<vs_study>[a-z0-9_.-]+) (?P<base>[a-z0-9_]+)) -->\n)"
                    r"(?P<body>.*?)(?P<end><!-- end -->)", re.S)
 # The layout block's folders, in order: the step's own parts first, then the machinery by role.
 FOLDER_ORDER = ["common", "common/engines", "common/tasks", "common/models", "common/run_folder", "common/rails"]
+# common/'s floors, bottom first: a module imports only modules of its own floor or of one below
+# (tests/test_siblings.py), so the drawing of the imports reads from the top down.
+FLOORS = [
+    ("a step's arithmetic and metrics", ["common/nucleus.py", "common/logprobs.py",
+                                         "common/update.py", "common/metrics.py",
+                                         "common/offpolicy.py", "common/dapo.py"]),
+    ("where the policy lives", ["common/models"]),
+    ("who samples", ["common/engines"]),
+    ("what is learned and scored", ["common/tasks"]),
+    ("a step's batch", ["common/sampling.py"]),
+    ("the run folder", ["common/run_folder"]),
+    ("the rails", ["common/rails"]),
+    ("the command line", ["common/args.py"]),
+    ("the run", ["common/run.py"]),
+]
 EXCERPT = re.compile(r"<!-- excerpt: diff -u grpo\.py (\w+)\.py -->\n```diff\n(.*?)```", re.S)
 
 
@@ -97,6 +117,58 @@ def layout(block: str) -> list[str]:
                 count = len(f.read().splitlines())
             text = descriptions.get(path) or "UNDESCRIBED: say what this module holds"
             body.append(f"  {os.path.basename(path):20s}{count:5d}  {text}")
+    return body
+
+
+def common_modules() -> list[str]:
+    """Every module of common/ but the packages' __init__.py, as a path from the repository's
+    root."""
+    paths = glob.glob(os.path.join(ROOT, "common", "**", "*.py"), recursive=True)
+    return sorted(os.path.relpath(p, ROOT) for p in paths if not p.endswith("__init__.py"))
+
+
+def floor_of(path: str) -> int | None:
+    """The index in FLOORS of the floor holding `path` (a module, or a folder's module), or None."""
+    for i, (_, members) in enumerate(FLOORS):
+        if path in members or os.path.dirname(path) in members:
+            return i
+    return None
+
+
+def imports_of(path: str) -> set[str]:
+    """The modules of common/ that `path` imports: import statements at the top or inside a
+    function, importlib.import_module of a literal, and a string that is a module's whole name (a
+    registry's value, such as PRESET_MODULES' "common.tasks.toy")."""
+    import ast
+
+    from benchmarks.copy_cost import all_imports, module_file
+
+    with open(os.path.join(ROOT, path)) as f:
+        tree = ast.parse(f.read())
+    names = all_imports(os.path.join(ROOT, path))
+    names += [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)
+              and isinstance(n.value, str) and re.fullmatch(r"common(\.\w+)+", n.value)]
+    found = {module_file(name) for name in names}
+    return {os.path.relpath(f, ROOT) for f in found
+            if f and not f.endswith("__init__.py") and os.path.relpath(f, ROOT) != path}
+
+
+def import_floors() -> list[str]:
+    """common/'s floors, top first: each module with the modules of common/ it imports."""
+    body = []
+    for i, (name, members) in reversed(list(enumerate(FLOORS))):
+        shown = [m.removeprefix("common/") + ("" if m.endswith(".py") else "/") for m in members]
+        body.append(f"{i + 1}. {name}: {', '.join(shown)}")
+        for path in [p for p in common_modules() if floor_of(p) == i]:
+            imported = sorted(m.removeprefix("common/").removesuffix(".py")
+                              for m in imports_of(path))
+            line = f"    {path.removeprefix('common/').removesuffix('.py'):24s}"
+            for k, name in enumerate(imported or ["-"]):
+                if len(line) + len(name) + 2 > 100:
+                    body.append(line.rstrip())
+                    line = " " * 28
+                line += name + (", " if k < len(imported) - 1 else "")
+            body.append(line)
     return body
 
 
@@ -248,6 +320,8 @@ def rendered(match: re.Match) -> str:
         return match.group("begin") + "\n".join(study_table(study, match.group("only"))) + "\n" + match.group("end")
     if match.group("what") == "layout common":
         body, lang = layout(match.group("body")), "text"
+    elif match.group("what") == "imports common":
+        body, lang = import_floors(), "text"
     else:
         body, lang = (live_diff(diff_of), "diff") if diff_of else (algo_section(algo_of), "python")
     while body and not body[-1].strip():

@@ -130,7 +130,7 @@ def check_compare_args(args: CompareArgs, out_dir: str) -> list[str]:
         problems.append(f"--vary {args.vary!r}: write FLAG=V1,V2,... (e.g. rollout_lag=0,1,2,4)")
     if problems:
         raise SystemExit("\n".join(f"error: {p}" for p in problems))
-    from common.args import PRESET_MODULES
+    from common.tasks.data import PRESET_MODULES
 
     importlib.import_module(PRESET_MODULES[args.preset]).prepare_preset(args.preset)  # build the shared warm start
     # once, before parallel runs race to

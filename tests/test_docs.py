@@ -406,7 +406,8 @@ def test_the_readme_reward_example_runs(tmp_path, monkeypatch):
     """README's custom reward function, saved as the file its first line names, selected by the `--reward_funcs`
     of the command under it, and called as the trainer calls it (common/tasks/rewards.py compute_rewards) on toy rows:
     one finite number per completion, the right sum above a wrong one. At most ten lines, as the README says."""
-    from common.tasks.rewards import compute_rewards, get_reward_function
+    from common.tasks.reward_names import get_reward_function
+    from common.tasks.rewards import compute_rewards
 
     readme = read(README)
     section = readme[readme.index("## Your own data and reward"):]

@@ -18,7 +18,7 @@ from common.tasks.benchmarks import BENCHMARKS, get_benchmark, get_grader, load_
 from common.tasks.choice_grader import choice_accuracy, extract_choice
 from common.tasks.evaluation import _stats, evaluate_benchmarks, k_values, load_eval_sets, pass_at_k, run_eval_set
 from common.tasks.math_grader import is_equivalent, math_accuracy
-from common.tasks.rewards import get_reward_function
+from common.tasks.reward_names import get_reward_function
 from common.tasks.toy import TOY_DIR, toy_addition
 from evals.run import EvalArgs, load_model, main
 

@@ -44,7 +44,7 @@ WRAPPED_FILES = [
     "common/offpolicy.py",
     "common/rails/real_checks.py",
     "common/rails/recipes.py",
-    "common/rails/repair.py",
+    "common/run_folder/repair.py",
     "common/run_folder/resume.py",
     "common/tasks/reward_files.py",
     "common/tasks/rewards.py",

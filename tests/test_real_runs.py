@@ -573,7 +573,7 @@ def test_a_disk_that_fills_in_the_middle_of_a_save(workdir, tmp_path, small_disk
 
     from accelerate import Accelerator
 
-    from common.rails import repair
+    from common.run_folder import repair
     from common.run_folder.checkpoints import save_checkpoint
     from common.run_folder.resume import find_checkpoint
 

@@ -22,12 +22,12 @@ from common.tasks.math_grader import (
     is_equivalent,
     math_accuracy,
 )
+from common.tasks.reward_names import get_reward_function
 from common.tasks.rewards import (
     REWARD_FUNCTIONS,
     RewardError,
     Rewards,
     compute_rewards,
-    get_reward_function,
     register_reward,
 )
 

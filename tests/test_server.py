@@ -229,8 +229,8 @@ def test_a_server_with_another_dtype_is_refused(served):
 
 
 def test_the_server_refuses_an_engine_it_cannot_run(tmp_path):
+    from common.engines.rollout import vllm_installed
     from common.engines.serve import main
-    from common.models.devices import vllm_installed
 
     if vllm_installed():
         pytest.skip("vLLM is installed here")

@@ -233,9 +233,9 @@ def test_the_documented_copy_cost_command_runs_from_the_repository_root(monkeypa
 
 
 def test_the_toy_is_imported_by_the_toy_alone():
-    """No module but the TIR toy imports common/tasks/toy.py (a preset, a reward or a tool name loads it through a
-    registry: common/args.py PRESET_MODULES, common/tasks/rewards.py BUILT_IN_MODULES, common/engines/multiturn.py
-    TOOL_MODULES)."""
+    """No module but the TIR toy imports common/tasks/toy.py (a preset or a reward name loads it
+    through a registry: common/tasks/data.py PRESET_MODULES, common/tasks/reward_names.py
+    BUILT_IN_MODULES)."""
     import ast
 
     paths = glob.glob(os.path.join(REPO, "*.py")) + python_files("common") + python_files("evals")
@@ -247,14 +247,22 @@ def test_the_toy_is_imported_by_the_toy_alone():
         assert "common.tasks.toy" not in names and "common.tasks.toy_tir" not in names, path
 
 
-def test_common_and_evals_import_in_no_circle():
-    """Following every import (inside functions too, and importlib.import_module of a literal), no module of common/
-    or evals/ reaches itself."""
-    from benchmarks.copy_cost import all_imports, module_file
+def load_make_diffs():
+    path = os.path.join(REPO, "docs", "make_diffs.py")
+    spec = importlib.util.spec_from_file_location("make_diffs", path)
+    make_diffs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_diffs)
+    return make_diffs
 
+
+def test_common_and_evals_import_in_no_circle():
+    """Following every import (inside functions too, importlib.import_module of a literal, and a
+    registry's module names such as PRESET_MODULES' "common.tasks.toy"), no module of common/ or
+    evals/ reaches itself."""
+    imports_of = load_make_diffs().imports_of
     graph = {}
     for path in python_files("common") + python_files("evals"):
-        graph[path] = {f for f in map(module_file, all_imports(path)) if f and f != path}
+        graph[path] = {os.path.join(REPO, f) for f in imports_of(os.path.relpath(path, REPO))}
     for start in graph:
         seen, todo = set(), list(graph[start])
         while todo:
@@ -263,6 +271,44 @@ def test_common_and_evals_import_in_no_circle():
             if path not in seen:
                 seen.add(path)
                 todo += graph.get(path, ())
+
+
+def test_common_imports_stay_on_their_floor_or_below():
+    """Issue 66: every module of common/ stands on one of docs/make_diffs.py's FLOORS and imports
+    (at the top, inside a function, by importlib or through a registry's names) only modules of its
+    own floor or of one below; the drawing of these imports in docs/layout.md is written from the
+    same floors (tests/test_docs.py holds it)."""
+    make_diffs = load_make_diffs()
+    floor_of = make_diffs.floor_of
+    modules = make_diffs.common_modules()
+    assert len(modules) > 40, modules
+    unplaced = [path for path in modules if floor_of(path) is None]
+    assert not unplaced, f"place these on a floor of docs/make_diffs.py's FLOORS: {unplaced}"
+    upward = [f"{path} (floor {floor_of(path) + 1}) imports {other} (floor {floor_of(other) + 1})"
+              for path in modules for other in sorted(make_diffs.imports_of(path))
+              if floor_of(other) > floor_of(path)]
+    assert not upward, "imports up a floor:\n" + "\n".join(upward)
+
+
+def test_the_floor_test_sees_an_import_up_a_floor_and_through_a_registry(tmp_path, monkeypatch):
+    """The floors' checks count what they claim: an import inside a function, a registry's module
+    name and importlib.import_module of a literal, each an import of common/."""
+    make_diffs = load_make_diffs()
+    (tmp_path / "common").mkdir()
+    for name in ("low", "high", "named", "loaded"):
+        (tmp_path / "common" / f"{name}.py").write_text("")
+    (tmp_path / "common" / "low.py").write_text(
+        "import importlib\n"
+        "NAMES = {'x': 'common.named'}\n"
+        "def f():\n"
+        "    from common.high import g\n"
+        "    importlib.import_module('common.loaded')\n")
+    monkeypatch.setattr(make_diffs, "ROOT", str(tmp_path))
+    from benchmarks import copy_cost
+
+    monkeypatch.setattr(copy_cost, "REPO", str(tmp_path))
+    expected = {"common/high.py", "common/named.py", "common/loaded.py"}
+    assert make_diffs.imports_of("common/low.py") == expected
 
 
 def test_imports_point_down():

@@ -35,7 +35,7 @@ vLLM, a max_model_len of at least the longest prompt plus max_tokens (a later tu
 the earlier turns).
 """
 
-import importlib
+import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -280,18 +280,22 @@ class Tool:
     is_final: Callable[..., bool] | None = None
 
 
+def calculator_output(result) -> str:
+    """The TIR toy's calculator turn (common/tasks/toy_tir.py): "=<digits>\\n", or "=E\\n" when the
+    call failed or printed anything but a whole number (a traceback, True, 1e+20: the TIR toy's
+    tokenizer encodes only its own characters)."""
+    text = result.output.strip()
+    return f"={text}\n" if result.error is None and re.fullmatch(r"[0-9]+", text) else "=E\n"
+
+
 TOOLS = {  # --tool NAME
     "simpletir": Tool(CODE_START, CODE_END, lambda code: FINAL_ANSWER_PREAMBLE + code,
                       simpletir_output, simpletir_is_final),
+    # "[123+456]" runs print(123+456) in the sandbox; one call per model turn ("[" opens, "]"
+    # closes)
+    "toy": Tool(code_start="[", code_end="]", program=lambda code: f"print({code})",
+                format_output=calculator_output, is_final=None),
 }
-# tools registered by a module, imported when the tool is first asked for
-TOOL_MODULES = {"toy": "common.tasks.toy_tir"}
-
-
-def get_tool(name: str) -> Tool:
-    if name not in TOOLS and name in TOOL_MODULES:
-        importlib.import_module(TOOL_MODULES[name])  # registers it
-    return TOOLS[name]
 
 
 def sample_completions(engine, model, tokenizer, prompt_ids: list[list[int]], seeds: list[int], *,
@@ -308,7 +312,7 @@ def sample_completions(engine, model, tokenizer, prompt_ids: list[list[int]], se
         return out
     from common.engines.sandbox import run_python
 
-    spec = get_tool(tool)
+    spec = TOOLS[tool]
     return multi_turn_generate(engine, model, tokenizer, prompt_ids, seeds, max_turns=max_turns,
                                max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                run_tool=lambda code: run_python(spec.program(code)),
@@ -333,8 +337,8 @@ def multiturn_problems(tool: str) -> list[str]:
     """A known --tool, and a sandbox this machine can start (bubblewrap)."""
     from common.engines.sandbox import SandboxUnavailable, isolation
 
-    if tool not in TOOLS and tool not in TOOL_MODULES:
-        return [f"--tool {tool!r}: choose one of {sorted({*TOOLS, *TOOL_MODULES})}"]
+    if tool not in TOOLS:
+        return [f"--tool {tool!r}: choose one of {sorted(TOOLS)}"]
     try:
         isolation()
     except SandboxUnavailable as e:

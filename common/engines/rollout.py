@@ -14,6 +14,7 @@ seed, `sample_seed(seed, step, prompt_index, sample_index)`, never on the number
 how requests were batched."""
 
 import contextlib
+import importlib.util
 
 import torch
 from transformers import (
@@ -219,3 +220,13 @@ def single_turn(engine, model, tokenizer, prompt_ids: list[list[int]], seeds: li
                                  temperature=temperature, top_p=top_p)
     finish = ["eos" if c and c[-1] == tokenizer.eos_token_id else "length" for c in ids]
     return ids, logps, [[1] * len(c) for c in ids], finish
+
+
+def vllm_installed() -> bool:
+    """vLLM can be imported and has a device (checked without loading common/engines/vllm_engine.py
+    when it is absent)."""
+    if importlib.util.find_spec("vllm") is None:
+        return False
+    from common.engines.vllm_engine import vllm_available
+
+    return vllm_available()

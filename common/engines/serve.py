@@ -193,7 +193,7 @@ def parse(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse(argv)
-    from common.models.devices import vllm_installed
+    from common.engines.rollout import vllm_installed
 
     if args.engine == "vllm" and not vllm_installed():
         raise SystemExit("error: --engine vllm needs vLLM (pip install -r "

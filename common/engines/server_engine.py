@@ -554,13 +554,10 @@ class OverlapQueue:
             self.engine.ahead[tuple(seeds)] = ids, logps
 
 
-def overlap_queue(run) -> OverlapQueue:
-    """The queue of a server-mode run at --rollout_lag K >= 1: step s's requests from its prompts
-    (first round)."""
-    from common.sampling import round_prompts
-
+def overlap_queue(run, requests) -> OverlapQueue:
+    """The queue of a server-mode run at --rollout_lag K >= 1: `requests(index)`, step index's
+    prompt ids and seeds (common/sampling.py round_prompts, first round)."""
     args = run.args
-    return OverlapQueue(args.rollout_lag, run.engine,
-                        lambda index: round_prompts(run, index, 0)[1:],
+    return OverlapQueue(args.rollout_lag, run.engine, requests,
                         max_tokens=args.max_completion_length, temperature=args.temperature,
                         top_p=args.top_p)

@@ -2,7 +2,6 @@
 ZeRO-3), and the policy and its reference placed by accelerate (DeepSpeed and FSDP2 specifics in
 common/models/sharding.py)."""
 
-import importlib.util
 import logging
 import os
 
@@ -32,16 +31,6 @@ def padding_safe_attention() -> None:
     stopped with a NaN gradient norm while cuDNN's kernel was on, and ran finite with it off
     (docs/gpu.md). Without CUDA the flag is set and nothing reads it."""
     torch.backends.cuda.enable_cudnn_sdp(False)
-
-
-def vllm_installed() -> bool:
-    """vLLM can be imported and has a device (checked without loading common/engines/vllm_engine.py when it
-    is absent)."""
-    if importlib.util.find_spec("vllm") is None:
-        return False
-    from common.engines.vllm_engine import vllm_available
-
-    return vllm_available()
 
 
 def sharded_parameters(accelerator) -> bool:

@@ -23,8 +23,8 @@ import torch
 from accelerate import PartialState
 from accelerate.utils import broadcast_object_list, gather_object
 
-from common.args import preset_defaults, warn
-from common.models.devices import vllm_installed
+from common.engines.rollout import vllm_installed
+from common.metrics import warn
 from common.run_folder.checkpoints import latest_checkpoint
 from common.tasks.data import (
     LOCAL_FORMATS,
@@ -32,9 +32,11 @@ from common.tasks.data import (
     format_prompt,
     load_rows,
     looks_local,
+    preset_defaults,
     resolve_dataset,
 )
-from common.tasks.rewards import call_style, get_reward_function
+from common.tasks.reward_names import get_reward_function
+from common.tasks.rewards import call_style
 
 # (field, holds, what it must be and why). Fields a script does not have are skipped, so one table
 # serves all five. An estimator's own fields declare their bounds in its Args instead:
@@ -347,7 +349,8 @@ def data_problems(flag: str, path: str, name: str | None, split: str, prompt_col
         bad = [i for i, v in enumerate(batch[prompt_column], start)
                if not (isinstance(v, str) and v.strip())]
         if bad:  # TRL's conversational format (lists of messages) is no bad prompt
-            is_conversation = importlib.import_module("common.tasks.conversations").is_conversation
+            from common.tasks.conversations import is_conversation
+
             bad = [i for i in bad if not is_conversation(batch[prompt_column][i - start])]
         bad_prompts += bad
         if check_answers:
@@ -387,9 +390,13 @@ def argument_problems(args, num_processes: int) -> list[str]:
                             f"the weights keep the ratios in [floor, cap]")
     # tool turns, LoRA: checked by their modules, imported only when switched on
     if args.max_turns > 1:
-        problems += importlib.import_module("common.engines.multiturn").multiturn_problems(args.tool)
+        from common.engines.multiturn import multiturn_problems
+
+        problems += multiturn_problems(args.tool)
     if args.lora_r > 0:
-        problems += importlib.import_module("common.models.lora").lora_argument_problems(args)
+        from common.models.lora import lora_argument_problems
+
+        problems += lora_argument_problems(args)
     if args.report_to not in ("none", *TRACKER_MODULES):
         problems.append(f"--report_to {args.report_to!r}: choose none or one of "
                         f"{sorted(TRACKER_MODULES)}")
@@ -403,15 +410,18 @@ def argument_problems(args, num_processes: int) -> list[str]:
                         "or requirements-vllm-cpu.txt (CPU; see README); or use --rollout_engine "
                         "hf")
     if args.server_url:
-        problems += importlib.import_module("common.engines.server_engine").server_problems(args)
+        from common.engines.server_engine import server_problems
+
+        problems += server_problems(args)
     if "{prompt}" not in args.prompt_template:
         problems.append(f"--prompt_template {args.prompt_template!r} has no {{prompt}}: the "
                         f"question would never reach the model; put {{prompt}} where it goes")
     problems += reward_problems(args)
     # the benchmark registry, when benchmarks are asked for
     if args.eval_steps > 0 and args.eval_benchmarks:
-        problems += importlib.import_module("common.tasks.benchmarks").benchmark_problems(
-            args.eval_benchmarks, "--eval_benchmarks")
+        from common.tasks.benchmarks import benchmark_problems
+
+        problems += benchmark_problems(args.eval_benchmarks, "--eval_benchmarks")
     # a mistyped run folder, before a preset spends a minute building anything
     if args.resume_from and not os.path.exists(args.resume_from):
         problems.append(f"--resume_from {args.resume_from!r}: no such directory")
@@ -428,8 +438,12 @@ def resource_problems(args) -> tuple[list[str], object]:
     rows. Returns the problems and the model's config (None where it did not load)."""
     problems = []
     if args.resume_from:
-        problems = importlib.import_module("common.run_folder.resume").resume_problems(args)
-    real = importlib.import_module("common.rails.real_checks") if brought(args) else None
+        from common.run_folder.resume import resume_problems
+
+        problems = resume_problems(args)
+    real = None
+    if brought(args):
+        from common.rails import real_checks as real
     if real:
         found, config = real.model_problems(args, model_problems)
     else:
@@ -437,7 +451,9 @@ def resource_problems(args) -> tuple[list[str], object]:
     problems += found or tokenizer_problems(args) or (real.tokenizer_problems(args, config)
                                                       if real else [])
     if config is not None and args.lora_r > 0:
-        problems += importlib.import_module("common.models.lora").lora_target_problems(args, config)
+        from common.models.lora import lora_target_problems
+
+        problems += lora_target_problems(args, config)
     data = resolve_dataset(args.dataset, args.split, args.prompt_column, args.answer_column,
                            args.eval_split)
     # argument_problems: all exist

@@ -3,7 +3,6 @@ or another tool leaves behind. Imported by common/rails/checks.py when --model o
 preset's own (a preset builds its files and checks them); one line per problem naming the cause and
 the fix, before any weights load."""
 
-import importlib
 import json
 import os
 import struct
@@ -12,7 +11,7 @@ from transformers import AutoTokenizer
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from common.args import warn
+from common.metrics import warn
 
 # architectures with a language-model head
 HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
@@ -116,8 +115,9 @@ def tokenizer_problems(args, config) -> list[str]:
                 f"{vocab:,} rows, so some ids index outside it; save this model's own tokenizer "
                 f"beside it, {resize}"]
     if args.use_chat_template and tokenizer.chat_template:
-        return importlib.import_module("common.rails.template_checks").template_problems(
-            name, tokenizer, args.enable_thinking)
+        from common.rails.template_checks import template_problems
+
+        return template_problems(name, tokenizer, args.enable_thinking)
     return []
 
 

@@ -8,7 +8,6 @@ Reading a checkpoint back (and checking it is intact) is common/run_folder/resum
 with --resume_from."""
 
 import contextlib
-import importlib
 import json
 import logging
 import os
@@ -80,9 +79,11 @@ def save_checkpoint(accelerator, model, tokenizer, run_dir: str, step: int, save
             if save_total_limit > 0:
                 for old in checkpoint_steps(run_dir)[:-save_total_limit]:
                     shutil.rmtree(os.path.join(run_dir, "checkpoints", f"step_{old}"))
-    # no room left stops in one line (common/rails/repair.py disk_full), anything else as it is
+    # no room left stops in one line (common/run_folder/repair.py disk_full), anything else as it is
     except Exception as e:
-        importlib.import_module("common.rails.repair").disk_full(e, tmp, final, latest_checkpoint(run_dir), run_dir)
+        from common.run_folder.repair import disk_full
+
+        disk_full(e, tmp, final, latest_checkpoint(run_dir), run_dir)
         raise
     accelerator.wait_for_everyone()
     return final
@@ -168,7 +169,9 @@ class MetricsLog:
             return
         kept = []  # a new run starts in an empty folder (common.run_folder.run_dir.claim_run_dir)
         if resume_step and os.path.exists(self.path):  # less a line a killed run left half written
-            kept = importlib.import_module("common.rails.repair").metrics_until(self.path, resume_step)
+            from common.run_folder.repair import metrics_until
+
+            kept = metrics_until(self.path, resume_step)
         with open(self.path, "w") as f:
             f.writelines(kept)
 

@@ -6,9 +6,9 @@ import os
 
 from accelerate import PartialState
 
-from common.args import warn
-from common.rails.repair import json_lines
+from common.metrics import warn
 from common.run_folder.checkpoints import MANIFEST, checkpoint_steps
+from common.run_folder.repair import json_lines
 
 # Settings a resumed run may change without --resume_overrides: they change neither the data, the
 # samples' distribution, the optimisation nor the estimator (micro-batching and process count are

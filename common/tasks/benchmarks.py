@@ -25,7 +25,8 @@ from huggingface_hub.errors import GatedRepoError
 
 from common.tasks.choice_grader import LETTERS
 from common.tasks.data import LOCAL_FORMATS, load_rows
-from common.tasks.rewards import RewardFn, get_reward_function
+from common.tasks.reward_names import get_reward_function
+from common.tasks.rewards import RewardFn
 
 MATH_TEMPLATE = "{prompt}\nPlease reason step by step, and put your final answer within \\boxed{}."
 CHOICE_TEMPLATE = ("{prompt}\nPlease reason step by step, and put the letter of "

@@ -4,8 +4,9 @@ with the reference.
 It reads ``\\boxed{C}``, "the answer is (C)", "Answer: C", "Choice_C" or "Option C", or the one
 option whose text the answer is ("the answer is x^2/8"), with the options read from the prompt ("A.
 x", "A: x", "(A) x"; see ``options_of``); a list of letters ("A, B, C or D") is no answer and scores
-0. Registered by name and imported when a run or a benchmark asks for it (common/tasks/rewards.py
-BUILT_IN_MODULES); it reads boxes and answer sentences as the math grader does
+0. Registered by name and imported when a run or a benchmark asks for it
+(common/tasks/reward_names.py BUILT_IN_MODULES); it reads boxes and answer sentences as the math
+grader does
 (common/tasks/math_grader.py).
 """
 

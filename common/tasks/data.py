@@ -14,7 +14,22 @@ as keyword arguments) plus:
 import importlib
 import os
 
-from common.args import warn
+from common.metrics import warn
+
+# --preset NAME: the module holding its defaults (PRESETS) and building what it reads
+# (prepare_preset), imported only when the preset is asked for: the toys' common/tasks/toy.py and
+# common/tasks/toy_tir.py, the real model's common/tasks/smollm2.py
+PRESET_MODULES = {"toy": "common.tasks.toy", "toy_tir": "common.tasks.toy_tir",
+                  "smollm2": "common.tasks.smollm2"}
+PRESET_NAMES = tuple(PRESET_MODULES)
+
+
+def preset_defaults(preset: str | None) -> dict:
+    """The defaults a --preset sets (none without one)."""
+    if preset is None:
+        return {}
+    return importlib.import_module(PRESET_MODULES[preset]).PRESETS[preset]
+
 
 # The papers' datasets: `--dataset gsm8k` stands for the hub id, config, splits and columns below.
 DATASET_PRESETS = {
@@ -104,8 +119,9 @@ def format_prompt(tokenizer, prompt, template: str, system_prompt: str,
     one. A conversational prompt (a list of messages) is rendered as it is by the chat template,
     as TRL renders it: no `template`, and `system_prompt` only where it has no system turn."""
     if not isinstance(prompt, str):  # TRL's conversational format: common/tasks/conversations.py
-        return importlib.import_module("common.tasks.conversations").render(
-            tokenizer, prompt, system_prompt, use_chat_template, enable_thinking)
+        from common.tasks.conversations import render
+
+        return render(tokenizer, prompt, system_prompt, use_chat_template, enable_thinking)
     text = template.replace("{prompt}", prompt)
     if not (use_chat_template and tokenizer.chat_template):
         return text

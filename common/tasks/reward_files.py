@@ -1,6 +1,6 @@
 """Reward functions named by their import path, ``package.module:function``, or by their file,
-``path/to/my_rewards.py:function`` (common/tasks/rewards.py get_reward_function; imported only for such
-names)."""
+``path/to/my_rewards.py:function`` (common/tasks/reward_names.py get_reward_function; imported only
+for such names)."""
 
 import importlib
 import importlib.util

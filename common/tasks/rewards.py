@@ -17,13 +17,10 @@ values as ``"<name>/<key>"``.
 
 Adding one: decorate it with ``@register_reward("my_name")`` in any module that gets imported and
 select it by that name, or select it by its import path, ``"my_package.my_module:my_function"``, or
-by its file, ``"path/to/my_rewards.py:my_function"`` (``get_reward_function``). The built-in
-graders (``math_accuracy``, ``choice_accuracy``, ``format``) are common/tasks/math_grader.py's,
-imported the first time one of them is asked for by name: a run with other rewards does not load
-it.
+by its file, ``"path/to/my_rewards.py:my_function"`` (common/tasks/reward_names.py, which finds
+a function by its name and stands above the modules that register one here).
 """
 
-import importlib
 import inspect
 import math
 import queue
@@ -36,13 +33,6 @@ if TYPE_CHECKING:
 
 RewardFn = Callable[..., Sequence[float]]
 MAX_REWARD = 1e15  # larger rewards make a group's std overflow in float32 (inf, then NaN losses)
-# Registered names whose module is imported when they are first asked for
-# (common/tasks/math_grader.py is 800 lines).
-BUILT_IN_MODULES = {**{name: "common.tasks.math_grader" for name in ("math_accuracy", "format")},
-                    "choice_accuracy": "common.tasks.choice_grader",
-                    **{name: "common.tasks.toy" for name in ("toy_addition", "toy_closeness")},
-                    "toy_tir_addition": "common.tasks.toy_tir",
-                    "number_accuracy": "common.tasks.smollm2"}
 
 
 class Rewards(list):
@@ -71,24 +61,6 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
         return fn
 
     return decorator
-
-
-def get_reward_function(name: str) -> RewardFn:
-    """A registered reward function, or one given by its import path ``"package.module:function"``
-    or by its file ``"path/to/file.py:function"``."""
-    if name not in REWARD_FUNCTIONS and name in BUILT_IN_MODULES:
-        importlib.import_module(BUILT_IN_MODULES[name])  # registers it
-    if name in REWARD_FUNCTIONS:
-        return REWARD_FUNCTIONS[name]
-    if ":" in name:  # common/tasks/reward_files.py, imported only then
-        return importlib.import_module("common.tasks.reward_files").import_reward(name)
-    if name.endswith(".py") or "/" in name:
-        raise ValueError(f"reward function {name!r} names a file but no function in it; "
-                         f"give both, e.g. {name}:my_function")
-    raise ValueError(
-        f"unknown reward function {name!r}; registered: {sorted(REWARD_FUNCTIONS)}, "
-        "or give an import path 'package.module:function' or a file 'path/to/file.py:function'"
-    )
 
 
 class TrainerState:

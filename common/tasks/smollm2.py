@@ -234,7 +234,7 @@ def number_accuracy(prompts: list[str], completions: list,
                   and int(r.replace(",", "").strip()) == int(a)) for r, a in zip(reads, answer)]
 
 
-PRESETS = {"smollm2": SMOLLM2_PRESET}  # common/args.py PRESET_MODULES
+PRESETS = {"smollm2": SMOLLM2_PRESET}  # common/tasks/data.py PRESET_MODULES
 
 
 def prepare_preset(preset: str) -> None:

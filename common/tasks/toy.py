@@ -68,7 +68,7 @@ TOY_PRESET = dict(
 # `--preset toy_tir`: the TIR toy, two model turns with the calculator in between.
 
 
-PRESETS = {"toy": TOY_PRESET}  # common/args.py PRESET_MODULES
+PRESETS = {"toy": TOY_PRESET}  # common/tasks/data.py PRESET_MODULES
 
 # TRL's conversational rows on the toy: a user turn renders as the text prompt it holds ("12+34="),
 # so they train as the text rows do; an answer ends with EOS. The vocabulary is digits, + and =:
@@ -316,8 +316,8 @@ def build_toy(path: str, seed: int, settings: dict, target_accuracy: float) -> d
 
 
 def prepare_preset(preset: str | None) -> None:
-    """Build what --preset toy reads from disk (the toy's model and data), once (common/args.py
-    PRESET_MODULES)."""
+    """Build what --preset toy reads from disk (the toy's model and data), once
+    (common/tasks/data.py PRESET_MODULES)."""
     if preset == "toy":
         prepare_toy(TOY_DIR)
         # for the run too: a model this small gains nothing from more, busy cores lose much

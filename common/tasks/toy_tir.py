@@ -1,8 +1,8 @@
 """The TIR toy (`--preset toy_tir`): the toy task's multi-turn variant, under runs/toy_tir.
 
 `prepare_toy_tir(path)` builds sums of two 3- to 5-digit numbers, too long for the tiny model to add
-by itself, and a calculator tool (`--tool toy`, registered here) that it calls by writing the sum in
-brackets. One trajectory:
+by itself, and a calculator tool (`--tool toy`, common/engines/multiturn.py's) that it calls by
+writing the sum in brackets. One trajectory:
 
     12345+54321=[12345+54321]=66666\n66666<eos>
     '- prompt -''-- model --'' tool '' model -'
@@ -13,12 +13,11 @@ explores both and greedy decoding answers directly: RL with --max_turns 2 learns
 
 import os
 import random
-import re
 import time
 
 import torch
 
-from common.engines.multiturn import TOOLS, Tool
+from common.engines.multiturn import calculator_output
 from common.engines.sandbox import ToolResult
 from common.tasks.rewards import register_reward, texts_of
 from common.tasks.toy import (
@@ -74,21 +73,7 @@ TOY_TIR_PRESET = dict(
 )
 
 
-PRESETS = {"toy_tir": TOY_TIR_PRESET}  # common/args.py PRESET_MODULES
-
-
-def calculator_output(result) -> str:
-    """The calculator's tool turn: "=<digits>\\n", or "=E\\n" when the call failed or printed
-    anything but a whole number (a traceback, True, 1e+20: the TIR toy's tokenizer encodes only its
-    own characters)."""
-    text = result.output.strip()
-    return f"={text}\n" if result.error is None and re.fullmatch(r"[0-9]+", text) else "=E\n"
-
-
-# `--tool toy`: "[123+456]" runs print(123+456) in the sandbox; one call
-# per model turn ("[" opens, "]" closes)
-TOOLS["toy"] = Tool(code_start="[", code_end="]", program=lambda code: f"print({code})",
-                    format_output=calculator_output, is_final=None)
+PRESETS = {"toy_tir": TOY_TIR_PRESET}  # common/tasks/data.py PRESET_MODULES
 
 
 @register_reward("toy_tir_addition")

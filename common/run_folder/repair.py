@@ -1,6 +1,6 @@
 """What a killed or starved run leaves behind: a .jsonl file ending in half a line, a checkpoint
-save that filled the disk. Imported only then: on --resume_from (common/run_folder/checkpoints.py MetricsLog,
-common/run_folder/resume.py), when a save fails."""
+save that filled the disk. Imported only then: on --resume_from (common/run_folder/checkpoints.py
+MetricsLog, common/run_folder/resume.py), when a save fails."""
 
 import contextlib
 import errno
@@ -8,7 +8,7 @@ import json
 import os
 import shutil
 
-from common.args import warn
+from common.metrics import warn
 
 
 def json_lines(path: str) -> list[dict]:
