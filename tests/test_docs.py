@@ -6,12 +6,15 @@ The site itself is built by CI's docs stage (`mkdocs build --strict`, requiremen
 neither mkdocs nor the network.
 """
 
+import dataclasses
 import glob
 import gzip
+import importlib
 import importlib.util
 import json
 import os
 import re
+import shlex
 import subprocess
 
 import pytest
@@ -400,6 +403,46 @@ def test_every_metric_key_the_code_writes_is_in_metrics_md():
     assert len(written) > 40, sorted(written)
     missing = {name: sorted(where) for name, where in written.items() if f"`{name}`" not in page}
     assert not missing, f"metric keys written but not in docs/metrics.md: {missing}"
+
+
+def readme_script_commands() -> list[tuple[str, list[str]]]:
+    """Every command of README.md's code blocks that runs an estimator script, directly or under
+    `accelerate launch`: (the script's name, the arguments after it), continuation lines joined and
+    comments dropped."""
+    from evals import ALGORITHMS
+
+    commands = []
+    for block in re.findall(r"```[a-z]*\n(.*?)```", read(README), re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            for part in re.split(r"&&|;", line.split("  #")[0]):
+                if not part.strip().startswith(("python ", "accelerate ")):
+                    continue  # a pip line, or a line of a Python example
+                words = shlex.split(part)
+                scripts = [i for i, w in enumerate(words) if w.endswith(".py") and w[:-3] in ALGORITHMS]
+                if scripts and words[0] in ("python", "accelerate"):
+                    commands.append((words[scripts[0]][:-3], words[scripts[0] + 1:]))
+    return commands
+
+
+def test_every_readme_command_parses(tmp_path, monkeypatch):
+    """Issue 68: each script command the README shows parses with its script's own parser, TRL
+    habits and typos refused as they would be; a bare `--resume_from RUN` reads the settings its run
+    folder recorded, so the run it names (an earlier command's --run_name) is recorded first."""
+    from common.args import parse_args
+
+    monkeypatch.chdir(tmp_path)
+    commands = readme_script_commands()
+    assert len(commands) >= 6, commands
+    for name, argv in commands:
+        args_cls = importlib.import_module(name).Args
+        if "--resume_from" in argv:
+            run_dir = argv[argv.index("--resume_from") + 1]
+            assert os.path.isdir(run_dir), f"README resumes {run_dir}, which no command before it names"
+        args = parse_args(args_cls, argv)
+        if args.run_name:
+            os.makedirs(os.path.join("runs", args.run_name), exist_ok=True)
+            with open(os.path.join("runs", args.run_name, "args.json"), "w") as f:
+                json.dump(dataclasses.asdict(args), f)
 
 
 def test_the_readme_reward_example_runs(tmp_path, monkeypatch):
