@@ -592,9 +592,9 @@ def test_a_study_runs_in_one_evals_compare_at_a_time(tmp_path):
 
 
 def test_the_t_distribution_by_hand():
-    """Closed forms: with 1 degree of freedom t is Cauchy, its 0.975 quantile tan(0.475 pi) = 12.7062; with 2,
-    P(T <= t) = 1/2 + t / (2 sqrt(t^2 + 2)), so the 0.975 quantile is 0.95 sqrt(2 / (1 - 0.95^2)) = 4.3027; with
-    4, the printed tables' 2.7764."""
+    """Closed forms: with 1 degree of freedom t is Cauchy, its 0.975 quantile tan(0.475 pi) =
+    12.7062; with 2, P(T <= t) = 1/2 + t / (2 sqrt(t^2 + 2)), so the 0.975 quantile is 0.95 sqrt(2 /
+    (1 - 0.95^2)) = 4.3027; with 4, the printed tables' 2.7764."""
     import math
 
     from evals.stats import t_cdf, t_quantile
@@ -608,9 +608,9 @@ def test_the_t_distribution_by_hand():
 
 
 def test_the_paired_t_interval_by_hand():
-    """Differences 1, 2, 3: mean 2, sd 1, standard error 1 / sqrt 3; the interval 2 +- 4.3027 / sqrt 3 (2 degrees
-    of freedom: above); t = 2 sqrt 3 against 0, whose two-sided p with 2 degrees of freedom is
-    1 - t / sqrt(t^2 + 2) = 1 - sqrt(12 / 14); against 2 (the mean itself) p = 1."""
+    """Differences 1, 2, 3: mean 2, sd 1, standard error 1 / sqrt 3; the interval 2 +- 4.3027 / sqrt
+    3 (2 degrees of freedom: above); t = 2 sqrt 3 against 0, whose two-sided p with 2 degrees of
+    freedom is 1 - t / sqrt(t^2 + 2) = 1 - sqrt(12 / 14); against 2 (the mean itself) p = 1."""
     import math
 
     from evals.stats import paired_t
@@ -618,7 +618,8 @@ def test_the_paired_t_interval_by_hand():
     summary = paired_t([1.0, 2.0, 3.0])
     half = 0.95 * math.sqrt(2 / (1 - 0.95**2)) / math.sqrt(3)
     assert (summary.mean, summary.sd, summary.n) == (2.0, 1.0, 3)
-    assert summary.low == pytest.approx(2 - half, rel=1e-9) and summary.high == pytest.approx(2 + half, rel=1e-9)
+    assert summary.low == pytest.approx(2 - half, rel=1e-9)
+    assert summary.high == pytest.approx(2 + half, rel=1e-9)
     assert summary.p(0.0) == pytest.approx(1 - math.sqrt(12 / 14), rel=1e-9)
     assert summary.p(2.0) == pytest.approx(1.0)
     # the interval leaves a boundary out exactly when its p is under 0.05
@@ -628,8 +629,8 @@ def test_the_paired_t_interval_by_hand():
 
 
 def test_holms_correction_by_hand():
-    """p = 0.01, 0.04, 0.03, 0.005: sorted 0.005, 0.01, 0.03, 0.04 times 4, 3, 2, 1 = 0.02, 0.03, 0.06, 0.04; never
-    below the one before: 0.02, 0.03, 0.06, 0.06; back in their order."""
+    """p = 0.01, 0.04, 0.03, 0.005: sorted 0.005, 0.01, 0.03, 0.04 times 4, 3, 2, 1 = 0.02, 0.03,
+    0.06, 0.04; never below the one before: 0.02, 0.03, 0.06, 0.06; back in their order."""
     from evals.stats import holm
 
     assert holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
@@ -638,10 +639,11 @@ def test_holms_correction_by_hand():
 
 
 def test_one_verdict_rule_for_every_claim():
-    """The claim's region against the interval: differences 1, 2, 3 (interval 2 +- 2.48). Region above 0: the mean is
-    inside, its p against 0 decides (0.074: cannot tell at 0.05, "agree" had it been adjusted under 0.05). Parity
-    within +-5: the mean is inside, the larger of its p against -5 and +5 decides. Region above 6: the mean is
-    outside, its p against 6 decides and a small one says "disagree"."""
+    """The claim's region against the interval: differences 1, 2, 3 (interval 2 +- 2.48). Region
+    above 0: the mean is inside, its p against 0 decides (0.074: cannot tell at 0.05, "agree" had it
+    been adjusted under 0.05). Parity within +-5: the mean is inside, the larger of its p against -5
+    and +5 decides. Region above 6: the mean is outside, its p against 6 decides and a small one
+    says "disagree"."""
     import math
 
     from evals.stats import claim_p, paired_t, verdict
@@ -649,7 +651,8 @@ def test_one_verdict_rule_for_every_claim():
     summary = paired_t([1.0, 2.0, 3.0])
     assert claim_p(summary, 0.0, math.inf) == pytest.approx(summary.p(0.0))
     assert claim_p(summary, -5.0, 5.0) == pytest.approx(max(summary.p(-5.0), summary.p(5.0)))
-    assert claim_p(summary, 6.0, math.inf) == pytest.approx(summary.p(6.0)) and summary.p(6.0) < 0.05
+    assert claim_p(summary, 6.0, math.inf) == pytest.approx(summary.p(6.0))
+    assert summary.p(6.0) < 0.05
     assert verdict(summary, 0.0, math.inf, adjusted_p=0.074) == "cannot tell"
     assert verdict(summary, 0.0, math.inf, adjusted_p=0.01) == "agree"
     assert verdict(summary, 6.0, math.inf, adjusted_p=0.02) == "disagree"
@@ -657,51 +660,58 @@ def test_one_verdict_rule_for_every_claim():
 
 
 def test_the_power_of_the_paired_t_test():
-    """At no effect the test rejects with its level, 0.05; the textbook's cases (G*Power's tables for the paired
-    t-test, two-sided 0.05): an effect of one standard deviation is found with power 0.803 by 10 pairs, one of half a
-    standard deviation with 0.808 by 34; so 10 and 34 are the seeds those effects need for power 0.8."""
+    """At no effect the test rejects with its level, 0.05; the textbook's cases (G*Power's tables
+    for the paired t-test, two-sided 0.05): an effect of one standard deviation is found with power
+    0.803 by 10 pairs, one of half a standard deviation with 0.808 by 34; so 10 and 34 are the seeds
+    those effects need for power 0.8."""
     from evals.stats import paired_t_power, seeds_needed
 
     assert paired_t_power(5, 0.0, 1.0) == pytest.approx(0.05, abs=1e-3)
     assert paired_t_power(10, 1.0, 1.0) == pytest.approx(0.803, abs=2e-3)
     assert paired_t_power(34, 0.5, 1.0) == pytest.approx(0.808, abs=2e-3)
     assert seeds_needed(1.0, 1.0) == 10 and seeds_needed(0.5, 1.0) == 34
-    # the interval's width can ask for more: 2.262 / sqrt 10 = 0.72 sd on each side at 10 pairs, so 0.5 needs more
+    # the interval's width can ask for more: 2.262 / sqrt 10 = 0.72 sd on each side at 10 pairs, so
+    # 0.5 needs more
     assert seeds_needed(1.0, 1.0, half_width=0.5) > 10
 
 
 def test_eval_from_starts_the_evaluations_later(in_toy_workdir):
-    """--eval_from 2 with --eval_steps 1 over 3 steps: held-out accuracy at steps 2 and 3, none before training
-    (its default, 0, evaluates at step 0 too); each evaluation logs its seconds (time/eval)."""
+    """--eval_from 2 with --eval_steps 1 over 3 steps: held-out accuracy at steps 2 and 3, none
+    before training (its default, 0, evaluates at step 0 too); each evaluation logs its seconds
+    (time/eval)."""
     from conftest import read_metrics, run_script
 
     import grpo
 
-    argv = ["--preset", "toy", "--batch_size", "8", "--num_generations", "4", "--micro_batch_size", "4",
-            "--total_steps", "3", "--eval_steps", "1", "--eval_from", "2", "--eval_num_prompts", "8",
-            "--run_name", "eval_from"]
+    argv = ["--preset", "toy", "--batch_size", "8", "--num_generations", "4",
+            "--micro_batch_size", "4", "--total_steps", "3", "--eval_steps", "1",
+            "--eval_from", "2", "--eval_num_prompts", "8", "--run_name", "eval_from"]
     rows = read_metrics(run_script(grpo, argv))
     assert [m["step"] for m in rows if "eval/accuracy" in m] == [2, 3]
     assert all(m["time/eval"] > 0 for m in rows if "eval/accuracy" in m)
 
 
 def test_the_study_plans_claims_by_hand():
-    """evals.plan on two seeds made by hand: every arm's accuracy is the mean of its evaluations at steps 8 and 10;
-    CTPO's clip share, 10% then 30% over the steps, lies between GRPO's 5% and GSPO's 40% (the inside distance
-    min(20 - 5, 40 - 20) = 15 points on both seeds: sd 0, so p 0); its drift is 30 - 10 = +20 points, outside the
-    +-5 of "stable"; SNIB 2 points above GSPO on one seed and 4 on the other (mean 3, sd sqrt 2)."""
+    """evals.plan on two seeds made by hand: every arm's accuracy is the mean of its evaluations at
+    steps 8 and 10; CTPO's clip share, 10% then 30% over the steps, lies between GRPO's 5% and
+    GSPO's 40% (the inside distance min(20 - 5, 40 - 20) = 15 points on both seeds: sd 0, so p 0);
+    its drift is 30 - 10 = +20 points, outside the +-5 of "stable"; SNIB 2 points above GSPO on one
+    seed and 4 on the other (mean 3, sd sqrt 2)."""
     from evals import plan
 
     def run(accuracy, clip=0.0, late_clip=None, reward=(0.25, 0.125, 0.0625), capped=(0.5, 0.7)):
         late = clip if late_clip is None else late_clip
         series = {"policy/clip_frac": [(s, clip if s <= 5 else late) for s in range(1, 11)],
                   "reward/mean": [[s, r] for s, r in enumerate(reward, 1)],
-                  "p3o/capped_frac": [(s, capped[0] if s == 1 else capped[1]) for s in range(1, 11)]}
+                  "p3o/capped_frac": [(1, capped[0])] + [(s, capped[1]) for s in range(2, 11)]}
         return {"evals": [(8, accuracy - 0.01), (10, accuracy + 0.01)], "series": series}
 
-    runs = {"grpo": {1: run(0.50, 0.05), 2: run(0.40, 0.05)}, "gspo": {1: run(0.55, 0.40), 2: run(0.45, 0.40)},
-            "ctpo": {1: run(0.60, 0.10, 0.30), 2: run(0.50, 0.10, 0.30)}, "p3o": {1: run(0.30), 2: run(0.20)},
-            "snib": {1: run(0.57, 0.02), 2: run(0.49, 0.02)}, "grpo_on": {1: run(0.50), 2: run(0.41)}}
+    runs = {"grpo": {1: run(0.50, 0.05), 2: run(0.40, 0.05)},
+            "gspo": {1: run(0.55, 0.40), 2: run(0.45, 0.40)},
+            "ctpo": {1: run(0.60, 0.10, 0.30), 2: run(0.50, 0.10, 0.30)},
+            "p3o": {1: run(0.30), 2: run(0.20)},
+            "snib": {1: run(0.57, 0.02), 2: run(0.49, 0.02)},
+            "grpo_on": {1: run(0.50), 2: run(0.41)}}
     assert plan.accuracy(runs["grpo"][1]) == pytest.approx(50.0)
     rows = {row["claim"].effect: row for row in plan.verdicts(runs)}
     inside = rows["ctpo clip share inside grpo's..gspo's"]
@@ -709,18 +719,20 @@ def test_the_study_plans_claims_by_hand():
     drift = rows["ctpo clip share, steps 6-10 minus 1-5"]
     assert drift["values"] == pytest.approx([20.0, 20.0]) and drift["verdict"] == "disagree"
     snib = rows["snib - gspo, accuracy"]
-    assert snib["values"] == pytest.approx([2.0, 4.0]) and snib["summary"].sd == pytest.approx(2**0.5)
+    assert snib["values"] == pytest.approx([2.0, 4.0])
+    assert snib["summary"].sd == pytest.approx(2**0.5)
     assert rows["p3o capped share, stale minus fresh"]["values"] == pytest.approx([20.0, 20.0])
     assert rows["grpo on-policy - off-policy, accuracy"]["values"] == pytest.approx([0.0, 1.0])
     assert len(rows) == len(plan.CLAIMS) >= 7
     assert plan.first_rollouts_shared(runs) == {1: True, 2: True}
-    runs["p3o"][2]["series"]["reward/mean"][1][1] = 0.5  # another second batch: not the same rollouts
+    # another second batch for one arm: not the same rollouts
+    runs["p3o"][2]["series"]["reward/mean"][1][1] = 0.5
     assert plan.first_rollouts_shared(runs) == {1: True, 2: False}
 
 
 def test_the_study_stops_at_its_budget():
-    """60 runs of 14 minutes are the 14 CPU-hours: with 54 finished a tenth seed of six fits exactly, with 55 it
-    does not; before any run finishes, a seed is priced at 14 minutes a run."""
+    """60 runs of 14 minutes are the 14 CPU-hours: with 54 finished a tenth seed of six fits
+    exactly, with 55 it does not; before any run finishes, a seed is priced at 14 minutes a run."""
     from evals.plan import within_budget
 
     assert within_budget([14.0] * 54) and not within_budget([14.0] * 55)

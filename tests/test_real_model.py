@@ -177,8 +177,8 @@ def test_two_builders_build_once(tmp_path, monkeypatch):
 
 
 def test_the_larger_held_out_set_is_held_out():
-    """test_large.jsonl: the preset's 200 held-out sums first (so its first 200 are test.jsonl), then others; none
-    trained on, none twice."""
+    """test_large.jsonl: the preset's 200 held-out sums first (so its first 200 are test.jsonl),
+    then others; none trained on, none twice."""
     train, test = models.task_rows()
     large = models.large_test_rows()
     assert len(large) == models.TASK_NUM_LARGE_TEST and large[: len(test)] == test
