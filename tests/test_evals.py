@@ -737,3 +737,28 @@ def test_the_study_stops_at_its_budget():
 
     assert within_budget([14.0] * 54) and not within_budget([14.0] * 55)
     assert within_budget([]) and not within_budget([], budget_hours=1.0)
+
+
+def test_snibs_weights_read_from_its_dumps(tmp_path):
+    """One training step of two optimizer steps, G = 4, one group: first u = (0, 0, 0, 0) with
+    log wbar 0 (every w 1: none changed, ESS 1); then u = (log 2, 0, 0, 0) with log wbar =
+    log(5/4), so w = (8/5, 4/5, 4/5, 4/5): with eps a hair over 0.2 only 8/5 lies outside the band,
+    a share of 1/4, and the group ESS (mean w = 1) is 1 / mean w^2 = 4 / (2.56 + 3 x 0.64)."""
+    import math
+
+    from evals.snib_weights import group_ess, step_rows
+
+    (tmp_path / "stats").mkdir()
+    log_wbar = math.log(5 / 4)
+    dumps = [{"log_weight": torch.zeros(4), "log_wbar": torch.zeros(4)},
+             {"log_weight": torch.tensor([math.log(2), 0.0, 0.0, 0.0]),
+              "log_wbar": torch.full((4,), log_wbar)}]
+    torch.save(dumps, tmp_path / "stats" / "step_000001.rank0.pt")
+    row = {"step": 1, "reward/mean": 0.25, "policy/clip_frac": 0.125}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+    (r,) = step_rows(str(tmp_path), epsilon=0.2 + 1e-6, G=4)
+    assert (r["changed_first"], r["changed_last"]) == (0.0, 0.25) and r["changed"] == 0.125
+    assert r["ess_min"] == pytest.approx(4 / 4.48)
+    assert r["ess_mean"] == pytest.approx((1 + 4 / 4.48) / 2)
+    assert r["clip_logged"] == 0.125 and r["kl"] is None
+    assert group_ess(torch.tensor([4.0, 0.0, 0.0, 0.0]), 4).item() == pytest.approx(1 / 4)
