@@ -12,6 +12,7 @@ family of claims.
 """
 
 import argparse
+import glob
 import json
 import math
 import os
@@ -301,6 +302,29 @@ def spent_minutes(runs_dir: str) -> list[float]:
     return minutes
 
 
+def progress(runs_dir: str) -> list[str]:
+    """One line per finished run of the study under runs_dir: its minutes (the whole command), its
+    training minutes, each evaluation's seconds and its machine; then the total and the seeds that
+    every arm finished."""
+    lines, done = [], {}
+    for arm, (tag, script) in ARMS.items():
+        folder = os.path.join(runs_dir, f"compare-{tag}")
+        for path in sorted(glob.glob(os.path.join(folder, f"{script}__s*.result.json"))):
+            with open(path) as f:
+                r = json.load(f)
+            done.setdefault(arm, set()).add(r["seed"])
+            evals = ", ".join(f"{s:.0f}" for s in r.get("eval_seconds", []))
+            lines.append(
+                f"{tag} {script} seed {r['seed']}: {r['seconds'] / 60:.1f} min, training "
+                f"{r['minutes'][-1]:.1f}, evaluations {evals} s ({r['machine']})"
+            )
+    complete = sorted(set.intersection(*(done.get(arm, set()) for arm in ARMS)))
+    minutes = spent_minutes(runs_dir)
+    hours = sum(minutes) / 60
+    lines.append(f"{len(minutes)} runs, {hours:.2f} CPU-hours; complete seeds {complete}")
+    return lines
+
+
 def within_budget(
     minutes: list[float],
     arms: int = len(ARMS),
@@ -335,12 +359,16 @@ def main() -> None:
     add("--commands", type=int, metavar="SEED", help="print the commands up to SEED")
     add("--budget", metavar="RUNS", help="exit 1 when the next seed would pass the budget")
     add("--next", type=int, default=1, help="with --budget: the seed about to start")
+    add("--progress", metavar="RUNS", help="the finished runs, their minutes and machines")
     args = parser.parse_args()
     if args.seeds:
         print(SEEDS)
         return
     if args.commands:
         print("\n".join(commands(args.commands)))
+        return
+    if args.progress:
+        print("\n".join(progress(args.progress)))
         return
     if args.budget:
         minutes = spent_minutes(args.budget)

@@ -762,3 +762,21 @@ def test_snibs_weights_read_from_its_dumps(tmp_path):
     assert r["ess_mean"] == pytest.approx((1 + 4 / 4.48) / 2)
     assert r["clip_logged"] == 0.125 and r["kl"] is None
     assert group_ess(torch.tensor([4.0, 0.0, 0.0, 0.0]), 4).item() == pytest.approx(1 / 4)
+
+
+def test_the_studys_progress_lists_its_finished_runs(tmp_path):
+    """Two finished runs of seed 1 (GRPO off-policy, 30 and 18 minutes): both listed with their
+    training minutes and evaluations' seconds, 0.8 CPU-hours, and no seed complete (four arms of six
+    missing)."""
+    from evals.plan import progress
+
+    for tag, algo, seconds in (("study67", "grpo", 1800.0), ("study67_on", "grpo", 1080.0)):
+        folder = tmp_path / f"compare-{tag}"
+        folder.mkdir()
+        result = {"algo": algo, "seed": 1, "seconds": seconds, "minutes": [10.0, 12.5],
+                  "eval_seconds": [200.0, 210.0], "machine": "a CPU"}
+        (folder / f"{algo}__s1.result.json").write_text(json.dumps(result))
+    lines = progress(str(tmp_path))
+    assert lines[0] == ("study67 grpo seed 1: 30.0 min, training 12.5, evaluations 200, 210 s "
+                        "(a CPU)")
+    assert lines[-1] == "2 runs, 0.80 CPU-hours; complete seeds []"
