@@ -11,11 +11,12 @@ Differs from grpo.py (MiniMax-M1, arXiv:2506.13585, section 3.1, equations 4-5):
 - TIS / MIS weights multiply the policy term per token; the k3 KL (--beta > 0) joins the token mean,
   as TRL's.
 
-One step, in the order main() runs it: common/sampling.py (the rollouts, from
-common/engines/rollout.py, and their rewards, from common/tasks/rewards.py), compute_advantages,
-common/logprobs.py (the log-probs), batch_stats and compute_loss (their statistics), and
-common/update.py (the micro-batches, the statistics' base class and the optimizer step): five
-files besides this one.
+One step, in the order main() runs it, and the files it calls into (benchmarks/step_path.py lists
+their functions): the rollouts, through the lagged queue (common/sampling.py, with transformers'
+sampler of common/engines/rollout.py, the rewards of common/tasks/rewards.py and the toy's reward
+function of common/tasks/toy.py); compute_advantages; the log-probs (common/logprobs.py);
+batch_stats and compute_loss on micro-batches (common/update.py); the backward and the optimizer
+step, here.
 
 Run:
     python cispo.py --preset toy                                 # CPU, minutes
@@ -25,15 +26,16 @@ Run:
 import os
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from common.args import TrainArgs, arg
 from common.logprobs import completion_logprobs, logprob_metrics
 from common.offpolicy import importance_weights
-from common.run import end_step, finish, launch, progress_bar, setup, sum_over_processes
+from common.run import end_step, finish, launch, progress_bar, setup
 from common.sampling import old_and_reference_logprobs, sample_batch
-from common.update import BatchStats, backward_share, masked_mean, microbatches, minibatches, rows_of, save_dumps
+from common.update import BatchStats, masked_mean, microbatches, minibatches, rows_of, save_dumps
 
 
 @dataclass
@@ -116,7 +118,12 @@ def main(args: Args):
     optimizer = run.optimizer
     scheduler = run.scheduler
     accelerator = run.accelerator
-    total = sum_over_processes(accelerator)  # a tensor's sum over the processes
+    total = partial(accelerator.reduce, reduction="sum")  # a tensor's sum over the processes
+    # compute_loss returns a micro-batch's share of the whole batch's loss (its denominators are the
+    # batch's). accelerate divides each loss by the accumulation steps and DDP averages gradients
+    # over the processes, so each share is scaled back by both: the gradients then add up to the
+    # batch loss's, whatever the micro-batch size and the number of processes.
+    loss_scale = accelerator.gradient_accumulation_steps * accelerator.num_processes
     progress = progress_bar(run)
     for step in progress:
         step_start = time.time()
@@ -166,8 +173,9 @@ def main(args: Args):
                             logp, old_logp, ref_logp, advantages[rows], mask[rows], args,
                             stats.for_rows(rows - mini.start), rows_of(tis_weights, rows),
                         )
-                        # the micro-batch's share of the batch's loss, scaled as its gradient is
-                        loss_metrics["loss/policy"] = backward_share(accelerator, loss)
+                        share = loss * loss_scale  # this micro-batch's share, scaled as said above
+                        accelerator.backward(share)
+                        loss_metrics["loss/policy"] = share.detach()
                         if accelerator.sync_gradients:  # the mini-batch's last: an optimizer step
                             parameters = model.parameters()
                             grad_norm = accelerator.clip_grad_norm_(parameters, args.max_grad_norm)

@@ -6,15 +6,15 @@
 Differs from DeepSeekMath's description:
 - old_logp is the trainer's, not the sampler's; their gap is logged, and corrected with --tis_cap
   (off by default).
-- the ablations of "Towards Understanding the Optimization Landscape of GRPO and its Variants":
-  --advantage sign, --train_on positive|negative, --loss_agg token-sum-norm | token-mean (verl's);
-  docs/estimators/grpo.md.
+- no ablation switches: another paper's ablations of GRPO are that paper's script (the landscape
+  paper's sign advantages, one-sided losses and token-level normalisations: landscape.py).
 
-One step, in the order main() runs it: common/sampling.py (the rollouts, from
-common/engines/rollout.py, and their rewards, from common/tasks/rewards.py), compute_advantages,
-common/logprobs.py (the log-probs), batch_stats and compute_loss (their statistics), and
-common/update.py (the micro-batches, the statistics' base class and the optimizer step): five
-files besides this one.
+One step, in the order main() runs it, and the files it calls into (benchmarks/step_path.py lists
+their functions): the rollouts, through the lagged queue (common/sampling.py, with transformers'
+sampler of common/engines/rollout.py, the rewards of common/tasks/rewards.py and the toy's reward
+function of common/tasks/toy.py); compute_advantages; the log-probs (common/logprobs.py);
+batch_stats and compute_loss on micro-batches (common/update.py); the backward and the optimizer
+step, here.
 
 Run:
     python grpo.py --preset toy                                  # CPU, minutes
@@ -24,16 +24,16 @@ Run:
 import os
 import time
 from dataclasses import dataclass
-from typing import Literal
+from functools import partial
 
 import torch
 
 from common.args import TrainArgs, arg
 from common.logprobs import completion_logprobs, logprob_metrics
 from common.offpolicy import importance_weights
-from common.run import end_step, finish, launch, progress_bar, setup, sum_over_processes
+from common.run import end_step, finish, launch, progress_bar, setup
 from common.sampling import old_and_reference_logprobs, sample_batch
-from common.update import BatchStats, backward_share, masked_mean, microbatches, minibatches, rows_of, save_dumps
+from common.update import BatchStats, masked_mean, microbatches, minibatches, rows_of, save_dumps
 
 
 @dataclass
@@ -46,16 +46,6 @@ class Args(TrainArgs):
     beta: float = arg(0.04, "KL coefficient to the reference policy (k3 estimator)", at_least=0)
     epsilon: float = arg(0.2, "lower clip range", at_least=0)
     epsilon_high: float = arg(0.2, "upper clip range", at_least=0)
-    advantage: Literal["zscore", "sign"] = arg(
-        "zscore", "zscore, or sign: A = sign(R - group mean) (landscape paper)"
-    )
-    train_on: Literal["all", "positive", "negative"] = arg(
-        "all", "all rows, or only those with A > 0, or A < 0"
-    )
-    loss_agg: Literal["seq-mean-token-mean", "token-mean", "token-sum-norm"] = arg(
-        "seq-mean-token-mean",
-        "mean over rows of token means; token-mean, token-sum-norm: docs/estimators/grpo.md",
-    )
 
 
 # ALGO LOGIC: advantages and loss
@@ -63,8 +53,6 @@ def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
     """Group-normalised advantages; rows of one prompt are contiguous."""
     grouped = rewards.view(-1, args.num_generations)  # (N, G)
     centered = grouped - grouped.mean(dim=1, keepdim=True)  # (N, G)
-    if args.advantage == "sign":  # The landscape paper: A_i = sign(R_i - mean_g R).
-        return centered.sign().flatten()  # (B,)
     return (centered / (grouped.std(dim=1, keepdim=True) + 1e-6)).flatten()  # (B,)
 
 
@@ -72,24 +60,13 @@ def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
 class Stats(BatchStats):
     """The loss's denominators over the whole optimizer batch (every process's rows)."""
 
-    num_rows: torch.Tensor  # ()  rows in the loss
-    num_tokens: torch.Tensor  # ()  their valid tokens (--loss_agg token-mean)
-
-
-def kept_rows(advantages, mask, args: Args) -> torch.Tensor:
-    """(B,) the rows in the loss: a valid token (a removed row has none) and --train_on's sign."""
-    # (B,) the sign --train_on keeps (True: every row)
-    sign = {"positive": advantages > 0, "negative": advantages < 0}.get(args.train_on, True)
-    return (mask.sum(-1) > 0) & sign  # (B,)
+    num_rows: torch.Tensor  # ()  rows with a valid token (a removed row has none)
 
 
 def batch_stats(advantages, mask, args: Args, total=lambda x: x) -> Stats:
     """What compute_loss needs from the whole optimizer batch when it is called per micro-batch.
     `total` sums a tensor over the processes (the loop's all-reduce; alone, the identity)."""
-    keep = kept_rows(advantages, mask, args)  # (B,)
-    num_rows = total(keep.sum().float())  # ()
-    num_tokens = total((mask.sum(-1) * keep).sum().float())  # ()
-    return Stats(num_rows=num_rows, num_tokens=num_tokens)
+    return Stats(num_rows=total((mask.sum(-1) > 0).sum().float()))
 
 
 def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=None,
@@ -101,7 +78,6 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
     if stats is None:
         stats = batch_stats(advantages, mask, args)
     mask = mask.float()  # (B, T)
-    keep = kept_rows(advantages, mask, args).float()  # (B,)
     ratio = torch.exp(logp - old_logp)  # (B, T)  r_t
     A = advantages[:, None]  # (B, 1)
     clipped = torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high)  # (B, T)
@@ -112,17 +88,12 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
     if args.beta > 0:
         kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1  # (B, T)  k3
         per_token = per_token - args.beta * kl  # (B, T)
-    # Each row's token sum over L_i, its length (the default); over the longest a completion may
-    # be (token-sum-norm); or over 1, with the batch's valid tokens as the denominator (token-mean,
-    # verl's).
-    lengths = {"token-sum-norm": args.max_completion_length, "token-mean": 1}
-    lengths = lengths.get(args.loss_agg, mask.sum(-1).clamp(min=1))  # (B,) L_i, or a number
-    per_seq = (per_token * mask).sum(-1) / lengths  # (B,)
-    denominator = stats.num_tokens if args.loss_agg == "token-mean" else stats.num_rows  # ()
-    loss = -(per_seq * keep).sum() / denominator.clamp(min=1)
+    lengths = mask.sum(-1).clamp(min=1)  # (B,)  L_i
+    per_seq = (per_token * mask).sum(-1) / lengths  # (B,)  each row's token mean
+    loss = -per_seq.sum() / stats.num_rows.clamp(min=1)
 
     with torch.no_grad():
-        is_low = (ratio < 1 - args.epsilon) & (A < 0)  # (B, T)  clipped below (gradient zeroed)
+        is_low = (ratio < 1 - args.epsilon) & (A < 0)  # (B, T) clipped from below (gradient zeroed)
         is_high = (ratio > 1 + args.epsilon_high) & (A > 0)  # (B, T)
         metrics = {
             "loss/policy": loss.detach(),
@@ -144,7 +115,12 @@ def main(args: Args):
     optimizer = run.optimizer
     scheduler = run.scheduler
     accelerator = run.accelerator
-    total = sum_over_processes(accelerator)  # a tensor's sum over the processes
+    total = partial(accelerator.reduce, reduction="sum")  # a tensor's sum over the processes
+    # compute_loss returns a micro-batch's share of the whole batch's loss (its denominators are the
+    # batch's). accelerate divides each loss by the accumulation steps and DDP averages gradients
+    # over the processes, so each share is scaled back by both: the gradients then add up to the
+    # batch loss's, whatever the micro-batch size and the number of processes.
+    loss_scale = accelerator.gradient_accumulation_steps * accelerator.num_processes
     progress = progress_bar(run)
     for step in progress:
         step_start = time.time()
@@ -194,8 +170,9 @@ def main(args: Args):
                             logp, old_logp, ref_logp, advantages[rows], mask[rows], args,
                             stats.for_rows(rows - mini.start), rows_of(tis_weights, rows),
                         )
-                        # the micro-batch's share of the batch's loss, scaled as its gradient is
-                        loss_metrics["loss/policy"] = backward_share(accelerator, loss)
+                        share = loss * loss_scale  # this micro-batch's share, scaled as said above
+                        accelerator.backward(share)
+                        loss_metrics["loss/policy"] = share.detach()
                         if accelerator.sync_gradients:  # the mini-batch's last: an optimizer step
                             parameters = model.parameters()
                             grad_norm = accelerator.clip_grad_norm_(parameters, args.max_grad_norm)

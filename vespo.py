@@ -19,11 +19,12 @@ TRL 1.16's loss_type="vespo"):
 - from TRL's code: the z-score's 1e-6 is the authors' (verl's; TRL 1e-4); TIS weights are 0 at
   padding here (TRL: 1), so their logs are summed over valid tokens only (the authors' mask).
 
-One step, in the order main() runs it: common/sampling.py (the rollouts, from
-common/engines/rollout.py, and their rewards, from common/tasks/rewards.py), compute_advantages,
-common/logprobs.py (the log-probs), batch_stats and compute_loss (their statistics), and
-common/update.py (the micro-batches, the statistics' base class and the optimizer step): five
-files besides this one.
+One step, in the order main() runs it, and the files it calls into (benchmarks/step_path.py lists
+their functions): the rollouts, through the lagged queue (common/sampling.py, with transformers'
+sampler of common/engines/rollout.py, the rewards of common/tasks/rewards.py and the toy's reward
+function of common/tasks/toy.py); compute_advantages; the log-probs (common/logprobs.py);
+batch_stats and compute_loss on micro-batches (common/update.py); the backward and the optimizer
+step, here.
 
 Run:
     python vespo.py --preset toy                                 # CPU, minutes
@@ -33,15 +34,16 @@ Run:
 import os
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from common.args import TrainArgs, arg
 from common.logprobs import completion_logprobs, logprob_metrics
 from common.offpolicy import importance_weights
-from common.run import end_step, finish, launch, progress_bar, setup, sum_over_processes
+from common.run import end_step, finish, launch, progress_bar, setup
 from common.sampling import old_and_reference_logprobs, sample_batch
-from common.update import BatchStats, backward_share, masked_mean, microbatches, minibatches, rows_of, save_dumps
+from common.update import BatchStats, masked_mean, microbatches, minibatches, rows_of, save_dumps
 
 
 @dataclass
@@ -145,7 +147,12 @@ def main(args: Args):
     optimizer = run.optimizer
     scheduler = run.scheduler
     accelerator = run.accelerator
-    total = sum_over_processes(accelerator)  # a tensor's sum over the processes
+    total = partial(accelerator.reduce, reduction="sum")  # a tensor's sum over the processes
+    # compute_loss returns a micro-batch's share of the whole batch's loss (its denominators are the
+    # batch's). accelerate divides each loss by the accumulation steps and DDP averages gradients
+    # over the processes, so each share is scaled back by both: the gradients then add up to the
+    # batch loss's, whatever the micro-batch size and the number of processes.
+    loss_scale = accelerator.gradient_accumulation_steps * accelerator.num_processes
     progress = progress_bar(run)
     for step in progress:
         step_start = time.time()
@@ -195,8 +202,9 @@ def main(args: Args):
                             logp, old_logp, ref_logp, advantages[rows], mask[rows], args,
                             stats.for_rows(rows - mini.start), rows_of(tis_weights, rows),
                         )
-                        # the micro-batch's share of the batch's loss, scaled as its gradient is
-                        loss_metrics["loss/policy"] = backward_share(accelerator, loss)
+                        share = loss * loss_scale  # this micro-batch's share, scaled as said above
+                        accelerator.backward(share)
+                        loss_metrics["loss/policy"] = share.detach()
                         if accelerator.sync_gradients:  # the mini-batch's last: an optimizer step
                             parameters = model.parameters()
                             grad_norm = accelerator.clip_grad_norm_(parameters, args.max_grad_norm)

@@ -9,6 +9,8 @@ on the CPU that built it, and the gains depend on the toy far more than on the s
 
     python benchmarks/learning_bars.py --toys runs/toy,runs/toy_seed1 --seeds 3 \
         --out tests/data/learning_bars.json                                        # 84 runs of ~40 s
+    python benchmarks/learning_bars.py --algos landscape --toys runs/toy,runs/toy_seed1 --seeds 3 \
+        --out tests/data/learning_bars.json --merge                    # a new estimator's runs, the others kept
     python benchmarks/learning_bars.py --algos grpo --seeds 1 --extra "--total_steps 2 --eval_steps 2"  # smoke
 
 Each run is a process of its own in a folder holding its toy (runs/learning_bars/<toy>/), one thread each,
@@ -34,6 +36,8 @@ from evals import ALGORITHMS  # noqa: E402
 # The flags of each estimator's test_toy_learns besides the shared ones (tests/test_covpo.py runs both methods).
 VARIANTS = {"covpo": [("covpo_clip", ["--cov_method", "clip"]), ("covpo_kl", ["--cov_method", "kl"])]}
 VARIANTS["gdpo"] = [("gdpo", ["--reward_funcs", "toy_addition,toy_closeness"])]  # two rewards: GDPO's case
+# landscape.py with no switch is grpo.py to the bit: its test learns with CL, the paper's sign advantages
+VARIANTS["landscape"] = [("landscape", ["--advantage", "sign"])]
 COMMON = ["--preset", "toy", "--total_steps", "50", "--eval_steps", "25", "--save_steps", "0", "--report_to", "none"]
 
 
@@ -92,6 +96,8 @@ def main(argv=None):
     p.add_argument("--extra", default="", help="flags added to every run (after the shared ones)")
     p.add_argument("--evaluations", type=int, default=3, help="evaluations a finished run has logged")
     p.add_argument("--out", default="runs/learning_bars/summary.json")
+    p.add_argument("--merge", action="store_true",
+                   help="keep --out's runs of the estimators not run now (and its commands), replace the others")
     a = p.parse_args(argv)
     jobs = []
     for toy in a.toys.split(","):
@@ -101,6 +107,14 @@ def main(argv=None):
                     jobs.append((toy, name, f"{algo}.py", flags, seed, shlex.split(a.extra), a.evaluations))
     with ThreadPoolExecutor(a.jobs) as pool:
         results = list(pool.map(lambda job: run_one(*job), jobs))
+    command = shlex.join(["python", "benchmarks/learning_bars.py", *(argv or sys.argv[1:])])
+    commands = [command]
+    if a.merge and os.path.exists(a.out):
+        with open(a.out) as f:
+            kept = json.load(f)
+        names = {r["name"] for r in results}
+        results = [r for r in kept["runs"] if r["name"] not in names] + results
+        commands = [*kept.get("commands", [kept["command"]]), command]
     summary = {}
     for name in dict.fromkeys(r["name"] for r in results):
         summary[name] = {}
@@ -112,8 +126,8 @@ def main(argv=None):
             print(f"{name:12s} {toy or 'all':6s} gain {mean:+.3f} +- {std:.3f} over {len(gains)} runs")
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
-        json.dump({"command": shlex.join(["python", "benchmarks/learning_bars.py", *(argv or sys.argv[1:])]),
-                   "runs": results, "summary": summary}, f, indent=1)
+        json.dump({"command": commands[0], "commands": commands, "runs": results, "summary": summary}, f,
+                  indent=1)
     print(f"wrote {a.out}")
     return summary
 

@@ -23,9 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from accelerate import Accelerator  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from common.batch import pad_rows  # noqa: E402
 from common.engines.rollout import HFEngine  # noqa: E402
 from common.logprobs import completion_logprobs
+from common.sampling import pad_rows  # noqa: E402
 from common.tasks.data import load_prompts  # noqa: E402
 from common.tasks.toy import TOY_DIR, TOY_PRESET, prepare_toy  # noqa: E402
 

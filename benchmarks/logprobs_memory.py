@@ -38,23 +38,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common.logprobs import completion_logprobs
+from common.logprobs import textbook_logprobs as naive_completion_logprobs
 
 QWEN3_VOCAB = 151_936
-
-
-def naive_completion_logprobs(model, input_ids, attention_mask, num_completion_tokens, temperature,
-                              entropy_grad=False):
-    """The textbook form: one fp32 log-softmax over (B, T, V). The reference of tests/test_logprobs.py."""
-    T = num_completion_tokens
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   logits_to_keep=T + 1).logits[:, :-1]  # (B, T, V)
-    all_logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature,
-                                 dim=-1)  # (B, T, V) fp32 (fp64 stays fp64)
-    logp = all_logp.gather(-1, input_ids[:, -T:, None])[..., 0]  # (B, T)
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = -(all_logp.exp() * all_logp).sum(-1)  # (B, T)
-    return logp, entropy
 
 
 def rowwise_completion_logprobs(model, input_ids, attention_mask, num_completion_tokens, temperature,

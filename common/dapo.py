@@ -8,23 +8,21 @@ from dataclasses import fields
 
 import torch
 
-from common.batch import Rollouts
 
-
-def groups(rollouts: Rollouts, index: list[int], G: int) -> Rollouts:
-    """The rows of groups `index` (in that order)."""
+def groups(rollouts, index: list[int], G: int):
+    """The rows of groups `index` (in that order), a Rollouts (common/sampling.py) as `rollouts` is."""
     rows = [g * G + j for g in index for j in range(G)]
 
     def pick(x):
         return [x[i] for i in rows] if isinstance(x, list) else x[rows]
 
     values = {f.name: getattr(rollouts, f.name) for f in fields(rollouts)}
-    return Rollouts(**{k: {n: pick(x) for n, x in v.items()} if isinstance(v, dict) else pick(v)
-                       for k, v in values.items()})
+    return type(rollouts)(**{k: {n: pick(x) for n, x in v.items()} if isinstance(v, dict) else pick(v)
+                              for k, v in values.items()})
 
 
-def cat(parts: list[Rollouts]) -> Rollouts:
-    """The rows of `parts`, one after another."""
+def cat(parts: list):
+    """The rows of `parts` (Rollouts, common/sampling.py), one after another."""
 
     def join(xs):
         return sum(xs, []) if isinstance(xs[0], list) else torch.cat(xs)
@@ -34,11 +32,11 @@ def cat(parts: list[Rollouts]) -> Rollouts:
             return {k: join([getattr(p, name)[k] for p in parts]) for k in getattr(parts[0], name)}
         return join([getattr(p, name) for p in parts])
 
-    return Rollouts(**{f.name: joined(f.name) for f in fields(Rollouts)})
+    return type(parts[0])(**{f.name: joined(f.name) for f in fields(parts[0])})
 
 
 def fill_batch(sample_round, num_groups: int, G: int, accelerator, max_rounds: int,
-               metrics: dict) -> tuple[Rollouts, torch.Tensor]:
+               metrics: dict) -> tuple[object, torch.Tensor]:
     """DAPO's dynamic sampling: drop the groups whose rewards are all equal (their advantages are 0:
     no signal) and sample more prompts, `sample_round(1)`, `sample_round(2)`, ..., until
     `num_groups` groups are kept; the batch is the first `num_groups` kept, in sampling order. Every

@@ -1,6 +1,8 @@
 """Log-probs and entropies of completion tokens, a chunk of positions at a time: never a (B, T, V) fp32 tensor,
 and, where the model's head allows it, no (B, T, V) logits at all.
 
+    textbook_logprobs     read this first: one log-softmax over (B, T, V), the sampled tokens gathered; what
+                          completion_logprobs computes, and the reference its tests hold it equal to
     HeadLogprobs   from the last hidden states and the LM head's weight: the model's forward runs as usual up
                    to its head, whose forward head_logprobs swaps for this function for one call, so every hook of
                    DDP, FSDP2 or ZeRO-3 still fires around it; one chunk of positions' logits at a time.
@@ -30,6 +32,28 @@ WIDTH_STEP = {"cuda": 64}
 # Causal LMs whose forward ends in `logits = self.lm_head(hidden_states[:, slice_indices, :])` and returns them as
 # they are (no soft-capping, no logit scale): the head's output is the policy's logits.
 PLAIN_HEAD_MODELS = {"qwen2", "qwen3", "qwen3_moe", "llama", "mistral"}
+
+
+def textbook_logprobs(model, input_ids, attention_mask, num_completion_tokens, temperature,
+                      entropy_grad=False):
+    """The completion tokens' log-probs and entropies, the textbook way: one forward, the logits over
+    the temperature, one log-softmax over the whole (B, T, V), the sampled tokens' entries gathered.
+
+    completion_logprobs (below) returns the same values and gradients without ever holding the
+    (B, T, V) float32 tensor this one makes: tests/test_logprobs.py's test_toy_model_matches_naive,
+    test_large_vocabulary_matches_naive and test_lora_model_matches_naive hold them equal (at
+    top_p 1; with top_p < 1, test_top_p_matches_naive_on_a_large_vocabulary)."""
+    T = num_completion_tokens
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, P+T)
+    # the logits that predict the T completion tokens: positions P-1 .. P+T-2
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   logits_to_keep=T + 1).logits[:, :-1]  # (B, T, V)
+    dtype = torch.promote_types(logits.dtype, torch.float32)  # float32 (float64 stays float64)
+    all_logp = torch.log_softmax(logits.to(dtype) / temperature, dim=-1)  # (B, T, V)
+    logp = all_logp.gather(-1, input_ids[:, -T:, None])[..., 0]  # (B, T)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = -(all_logp.exp() * all_logp).sum(-1)  # (B, T)
+    return logp, entropy
 
 
 def fused_head(model):
@@ -383,19 +407,6 @@ def widen(x: torch.Tensor, P: int, T: int, P_b: int, T_b: int) -> torch.Tensor:
     left = P_b - prompt.shape[1]
     right = T_b - completion.shape[1]
     return torch.nn.functional.pad(torch.cat([prompt, completion], dim=1), (left, right))
-
-def length_buckets(mask: torch.Tensor, size: int, offset: int = 0, unit: int = 1) -> list[torch.Tensor]:
-    """Rows offset + i of `mask` (rows, T) in groups of `size`, longest completions first: each group's forward
-    runs on its own longest row's columns (completion_logprobs), so rows of similar length together waste little
-    padding. A micro-batch's gradient adds up the same whatever rows it holds (the loss normalisers are the
-    optimizer batch's), so only the order of floating-point sums changes. `unit` > 1 (`size` a multiple of it)
-    keeps consecutive runs of `unit` rows together and in order (a loss that needs whole groups in a micro-batch),
-    sorted by each run's longest row."""
-    longest = mask.sum(-1).view(-1, unit).amax(-1)  # (rows / unit,)
-    units = torch.argsort(longest, descending=True, stable=True)  # (rows / unit,)
-    order = (units[:, None] * unit + torch.arange(unit, device=mask.device)).flatten() + offset  # (rows,)
-    return list(order.split(size))
-
 
 def shared_prompt_cache(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, length: int,
                         pad_prefixes: bool = False):

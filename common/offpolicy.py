@@ -1,16 +1,11 @@
 """Off-policy machinery (docs/off-policy.md): the sampler/trainer importance weights (TIS and masked
-IS) and the rollout-lag queue. Neither changes an estimator's formulas, only which weights sampled
-the rows that reach them and how much each token counts (docs/estimators/conventions.md says how
-they compose).
+IS). They change no estimator's formula, only how much each token counts (docs/estimators/
+conventions.md says how they compose); the rollout-lag queue is common/sampling.py's RolloutQueue.
 """
 
 import math
-import os
-from collections import deque
 
 import torch
-
-from common.batch import Batch
 
 
 def importance_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor,
@@ -38,45 +33,3 @@ def importance_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask:
     if masked and valid.any():
         masked_frac = (outside if mode == "token" else outside[:, 0])[valid].float().mean().item()
     return weights, masked_frac
-
-
-class RolloutQueue:
-    """--rollout_lag K: the batch trained at step s was sampled at step s-K, with the weights of
-    that step, as in verl's one-step-off / fully async modes and prime-rl's async level. Colocated,
-    sampling K steps ahead is a FIFO: at step s the loop samples the batch of step s + K with the
-    current weights (`steps_to_sample`, `put`), then trains the batch of step s (`take`). At the
-    start, the batches of steps 0..K are all sampled with the initial weights (step s < K trains
-    with lag s). Each batch keeps its step's prompts and seeds, so a run with lag K sees the same
-    data as one with lag 0; only the weights that sampled it differ. Each process queues its own
-    rows and saves them in its checkpoint."""
-
-    def __init__(self, lag: int):
-        self.lag = lag
-        self.batches = deque()
-
-    def steps_to_sample(self, step: int, total_steps: int) -> list[int]:
-        """The steps whose batches are sampled now, before step `step` trains: `step` itself at lag
-        0; at lag K the step K ahead (at the start, steps 0..K); never a step at or past
-        `total_steps` (nothing would train it)."""
-        return list(range(step + len(self.batches), min(step + self.lag, total_steps - 1) + 1))
-
-    def put(self, batch: Batch, sampled_at: int) -> None:
-        """Queue the batch of the next step in line, sampled by the weights of step `sampled_at`."""
-        batch.sampled_at = sampled_at
-        self.batches.append(batch)
-
-    def take(self, step: int) -> Batch:
-        """The batch of `step`: sampled K steps ago, or fewer at the start (rollout/staleness)."""
-        batch = self.batches.popleft()
-        batch.staleness = step - batch.sampled_at
-        return batch
-
-    def save(self, state_dir: str, process_index: int) -> None:
-        if self.batches:  # lag 0 queues nothing between steps
-            path = os.path.join(state_dir, f"rollout_queue_{process_index}.pt")
-            torch.save([b.as_dict() for b in self.batches], path)
-
-    def load(self, state_dir: str, process_index: int) -> None:
-        path = os.path.join(state_dir, f"rollout_queue_{process_index}.pt")
-        saved = torch.load(path, weights_only=True) if os.path.exists(path) else []
-        self.batches = deque(Batch(**b) for b in saved)

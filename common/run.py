@@ -34,11 +34,17 @@ from common.metrics import (
     peak_memory_gib,
     timed,
 )
-from common.models.devices import on_cpu, prepare_policy, prepare_reference, vllm_installed
-from common.offpolicy import RolloutQueue
+from common.models.devices import (
+    on_cpu,
+    prepare_policy,
+    prepare_reference,
+    sharded_parameters,
+    vllm_installed,
+)
 from common.rails.checks import brought, check_args, stop_if_nonfinite
 from common.run_folder.checkpoints import MetricsLog, TrainState, save_checkpoint
 from common.run_folder.run_dir import claim_run_dir, record_args
+from common.sampling import RolloutQueue
 from common.tasks.data import load_prompts, resolve_dataset
 from common.tasks.rewards import RewardError, compute_rewards, get_reward_function
 
@@ -75,6 +81,9 @@ class Run:
     on_policy: bool
     # --eval_steps > 0 and something to evaluate on (held-out prompts or --eval_benchmarks)
     evaluating: bool
+    # the rows of a prompt share one forward of it in no-grad passes: --share_prompts, unless the
+    # weights are sharded (FSDP, ZeRO-3: every process must run as many forwards)
+    share_prompts: bool
 
 
 # the run folder of the run in progress in this process (setup sets it): for `launch`
@@ -134,15 +143,6 @@ def launch(main, args_cls) -> None:
             print("".join(traceback.format_exception(type(e.__cause__), e.__cause__, tb)),
                   file=sys.stderr)
         raise SystemExit(f"error: {e}\n{where_to_resume()}") from None
-
-
-def sum_over_processes(accelerator):
-    """A function that sums a tensor over every process (an all-reduce): whole-batch totals from each one's sums."""
-
-    def total(x: torch.Tensor) -> torch.Tensor:
-        return accelerator.reduce(x, "sum")
-
-    return total
 
 
 def setup(args) -> Run:
@@ -218,7 +218,8 @@ def setup(args) -> Run:
     run = Run(args, accelerator, run_dir, model, ref_model, tokenizer, optimizer, scheduler, engine,
               train_data, eval_data, eval_sets, reward_funcs, reward_weights, reward_columns,
               RolloutQueue(args.rollout_lag), train_state, log, local_rows, local_mini, on_policy,
-              evaluating=args.eval_steps > 0 and (eval_data is not None or len(eval_sets) > 0))
+              evaluating=args.eval_steps > 0 and (eval_data is not None or len(eval_sets) > 0),
+              share_prompts=args.share_prompts and not sharded_parameters(accelerator))
     # the server samples steps s+1..s+K while step s trains
     if args.server_url and args.rollout_lag > 0:
         from common.engines.server_engine import overlap_queue
@@ -333,7 +334,8 @@ def rollout_engine(args, accelerator, tokenizer, model, run_dir: str):
         # a resumed or LoRA-wrapped policy differs from the files on disk
         engine.push_weights(model)
         return engine
-    return HFEngine(tokenizer, accelerator, share_prompts=args.share_prompts)
+    return HFEngine(tokenizer, accelerator, share_prompts=args.share_prompts,
+                    sharded=sharded_parameters(accelerator))
 
 
 def evaluate(run: Run) -> dict:

@@ -4,15 +4,114 @@ trains the batch, at lag K K steps earlier, with the weights of then. The advant
 scripts compute them where the step trains the batch.
 """
 
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, fields, replace
 
 import torch
 
-from common.batch import Batch, Rollouts, pad_rows
 from common.engines.rollout import sample_seed, single_turn
-from common.logprobs import completion_logprobs, length_buckets
-from common.metrics import timed
-from common.models.devices import sharded_parameters
+from common.logprobs import completion_logprobs
 from common.tasks.rewards import RewardError, compute_rewards
+from common.update import length_buckets
+
+
+@dataclass
+class Rollouts:
+    """One process's sampled groups: G consecutive rows per prompt, lists (ragged) and (B,)
+    tensors."""
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    sampler_logp: list[list[float]]
+    rewards: torch.Tensor  # (B,)
+    per_func: dict[str, torch.Tensor]  # reward function -> (B,)
+    truncated: torch.Tensor  # (B,) bool: cut at max_completion_length
+    # 1 on the model's own tokens, 0 on tool output (multi-turn rollouts)
+    action_mask: list[list[int]]
+
+
+@dataclass
+class Batch:
+    """One step's rows on this process, as the update reads them."""
+
+    input_ids: torch.Tensor  # (B, P+T) prompt | completion
+    attention_mask: torch.Tensor  # (B, P+T) 1 on every prompt and completion token
+    # (B, T) 1 on every completion token (EOS and tool output included)
+    completion_tokens: torch.Tensor
+    # (B, T) the tokens the loss sees: the model's own, in rows not removed from the loss
+    mask: torch.Tensor
+    sampler_logp: torch.Tensor  # (B, T) the sampler's log-probs of its tokens (0 on tool output)
+    rewards: torch.Tensor  # (B,)
+    truncated: torch.Tensor  # (B,) bool: cut at --max_completion_length
+    per_func: dict[str, torch.Tensor]  # reward function -> (B,) its weighted-in reward
+    # (B, T) the behaviour policy's: the weights that sampled the batch
+    old_logp: torch.Tensor | None = None
+    ref_logp: torch.Tensor | None = None  # (B, T) the frozen reference's; None without a KL term
+    sampled_at: int = 0  # the step whose weights sampled it
+    staleness: int = 0  # steps between those weights and the ones it trains (<= --rollout_lag)
+
+    def to(self, device) -> "Batch":
+        def move(x):
+            return x.to(device) if torch.is_tensor(x) else x
+
+        return replace(self, **{f.name: move(getattr(self, f.name)) for f in fields(self)
+                                if f.name != "per_func"})
+
+    def as_dict(self) -> dict:
+        """Plain tensors and numbers, as a checkpoint saves them (torch.load(weights_only=True)
+        reads them back)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def pad_rows(rows: list[list], value, left: bool = False) -> torch.Tensor:
+    width = max(len(r) for r in rows)
+    return torch.tensor(
+        [([value] * (width - len(r)) + r) if left else (r + [value] * (width - len(r)))
+         for r in rows])
+
+
+class RolloutQueue:
+    """--rollout_lag K: the batch trained at step s was sampled at step s-K, with the weights of
+    that step, as in verl's one-step-off / fully async modes and prime-rl's async level. Colocated,
+    sampling K steps ahead is a FIFO: at step s the loop samples the batch of step s + K with the
+    current weights (`steps_to_sample`, `put`), then trains the batch of step s (`take`). At the
+    start, the batches of steps 0..K are all sampled with the initial weights (step s < K trains
+    with lag s). Each batch keeps its step's prompts and seeds, so a run with lag K sees the same
+    data as one with lag 0; only the weights that sampled it differ. Each process queues its own
+    rows and saves them in its checkpoint."""
+
+    def __init__(self, lag: int):
+        self.lag = lag
+        self.batches = deque()
+
+    def steps_to_sample(self, step: int, total_steps: int) -> list[int]:
+        """The steps whose batches are sampled now, before step `step` trains: `step` itself at lag
+        0; at lag K the step K ahead (at the start, steps 0..K); never a step at or past
+        `total_steps` (nothing would train it)."""
+        return list(range(step + len(self.batches), min(step + self.lag, total_steps - 1) + 1))
+
+    def put(self, batch: Batch, sampled_at: int) -> None:
+        """Queue the batch of the next step in line, sampled by the weights of step `sampled_at`."""
+        batch.sampled_at = sampled_at
+        self.batches.append(batch)
+
+    def take(self, step: int) -> Batch:
+        """The batch of `step`: sampled K steps ago, or fewer at the start (rollout/staleness)."""
+        batch = self.batches.popleft()
+        batch.staleness = step - batch.sampled_at
+        return batch
+
+    def save(self, state_dir: str, process_index: int) -> None:
+        if self.batches:  # lag 0 queues nothing between steps
+            path = os.path.join(state_dir, f"rollout_queue_{process_index}.pt")
+            torch.save([b.as_dict() for b in self.batches], path)
+
+    def load(self, state_dir: str, process_index: int) -> None:
+        path = os.path.join(state_dir, f"rollout_queue_{process_index}.pt")
+        saved = torch.load(path, weights_only=True) if os.path.exists(path) else []
+        self.batches = deque(Batch(**b) for b in saved)
 
 
 def sample_batch(run, index: int, metrics: dict) -> Batch:
@@ -37,20 +136,27 @@ def sample_round(run, index: int, r: int, metrics: dict) -> Rollouts:
     args, G = run.args, run.args.num_generations
     rows, prompt_ids, seeds = round_prompts(run, index, r)
     run.engine.wake_up()
-    with timed(metrics, "time/rollout"):
-        if args.max_turns == 1:  # one generate call: every token is the model's
-            completion_ids, sampler_logp, action_mask, finish = single_turn(
-                run.engine, run.model, run.tokenizer, prompt_ids, seeds, max_tokens=args.max_completion_length,
-                temperature=args.temperature, top_p=args.top_p)
-        else:  # tool turns (common/engines/multiturn.py): tool output is part of a completion, not its actions
-            from common.engines.multiturn import sample_completions, tool_metrics
+    start = time.time()
+    if args.max_turns == 1:  # one generate call: every token is the model's
+        completion_ids, sampler_logp, action_mask, finish = single_turn(
+            run.engine, run.model, run.tokenizer, prompt_ids, seeds,
+            max_tokens=args.max_completion_length, temperature=args.temperature, top_p=args.top_p,
+        )
+    else:  # tool turns (common/engines/multiturn.py): tool output is context, not actions
+        from common.engines.multiturn import sample_completions, tool_metrics
 
-            out = sample_completions(run.engine, run.model, run.tokenizer, prompt_ids, seeds,
-                                     max_tokens=args.max_completion_length, temperature=args.temperature,
-                                     top_p=args.top_p, max_turns=args.max_turns, tool=args.tool)
-            metrics.update(tool_metrics(out))  # turns, calls, errors, tool time
-            completion_ids, sampler_logp, action_mask, finish = (out.completion_ids, out.sampler_logp,
-                                                                 out.action_mask, out.finish)
+        out = sample_completions(
+            run.engine, run.model, run.tokenizer, prompt_ids, seeds,
+            max_tokens=args.max_completion_length, temperature=args.temperature,
+            top_p=args.top_p, max_turns=args.max_turns, tool=args.tool,
+        )
+        metrics.update(tool_metrics(out))  # turns, calls, errors, tool time
+        completion_ids = out.completion_ids
+        sampler_logp = out.sampler_logp
+        action_mask = out.action_mask
+        finish = out.finish
+    # a step may sample several batches (--rollout_lag): their times add up
+    metrics["time/rollout"] = metrics.get("time/rollout", 0.0) + time.time() - start
     run.engine.sleep()
     completions = run.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     columns = {c: [v for v in rows[c] for _ in range(G)] for c in run.reward_columns}
@@ -107,19 +213,22 @@ def old_and_reference_logprobs(run, batch: Batch, metrics: dict) -> tuple[torch.
     sampled, so old_logp is the update's own log-probs, which the loop records as it computes them: no extra pass.
     Until then it is NaN, so that a row the update did not reach cannot pass for a log-prob."""
     args = run.args
-    with timed(metrics, "time/logprobs"):
-        if run.on_policy:
-            old_logp = torch.full_like(batch.sampler_logp, float("nan"))  # (B, T) the update fills it in
-        elif args.old_logp_source == "sampler":
-            old_logp = batch.sampler_logp.clone()  # (B, T)
-        else:
-            old_logp = logprobs_of(run, run.model, batch)  # (B, T)
-        if args.beta == 0:
-            return old_logp, None
-        if run.ref_model is not None:
-            return old_logp, logprobs_of(run, run.ref_model, batch, top_p=1.0)  # (B, T)
-        with run.accelerator.unwrap_model(run.model).disable_adapter():  # LoRA: the base model is the reference
-            return old_logp, logprobs_of(run, run.model, batch, top_p=1.0)  # (B, T)
+    start = time.time()
+    if run.on_policy:
+        old_logp = torch.full_like(batch.sampler_logp, float("nan"))  # (B, T) the update fills it in
+    elif args.old_logp_source == "sampler":
+        old_logp = batch.sampler_logp.clone()  # (B, T)
+    else:
+        old_logp = logprobs_of(run, run.model, batch)  # (B, T)
+    ref_logp = None
+    if args.beta > 0 and run.ref_model is not None:
+        ref_logp = logprobs_of(run, run.ref_model, batch, top_p=1.0)  # (B, T)
+    elif args.beta > 0:
+        # LoRA: the reference is the base model, the adapter off
+        with run.accelerator.unwrap_model(run.model).disable_adapter():
+            ref_logp = logprobs_of(run, run.model, batch, top_p=1.0)  # (B, T)
+    metrics["time/logprobs"] = metrics.get("time/logprobs", 0.0) + time.time() - start
+    return old_logp, ref_logp
 
 
 def log_ratio_now(run, batch: Batch, rows: slice) -> torch.Tensor:
@@ -148,7 +257,7 @@ def logprobs_of(run, net, batch: Batch, rows: slice | None = None,
     when top_p < 1; the reference's are its full softmax's (top_p=1.0: docs/rollouts.md says why)."""
     rows = slice(0, run.local_rows) if rows is None else rows
     top_p = run.args.top_p if top_p is None else top_p
-    share = run.args.share_prompts and not sharded_parameters(run.accelerator)
+    share = run.share_prompts  # --share_prompts, unless the weights are sharded
     size = run.args.logprob_batch_size or run.args.micro_batch_size
     with torch.no_grad():
         buckets = length_buckets(batch.completion_tokens[rows], size, offset=rows.start)  # similar lengths

@@ -5,11 +5,12 @@ The scripts call their estimator once per micro-batch, but the estimator's loss 
 equal to one call on the whole batch:
 - `batch_stats` returns the script's `Stats`, a `BatchStats` dataclass (below) whose fields say what they hold:
   whole-batch totals, each summed over the processes by the `total` function the loop passes
-  (`sum_over_processes`, common/run.py), and, for a few estimators, per-row values (fields declared with
+  (the script's `total`: accelerate's `reduce`), and, for a few estimators, per-row values (fields declared with
   `BatchStats.per_row()`), which stay with their rows: a group never straddles processes, and `for_rows` cuts them
   to a micro-batch's rows;
-- `compute_loss` then returns each micro-batch's share of the batch loss, and `backward_share` undoes what
-  accelerate does to a loss (divide by the accumulation steps, average over processes);
+- `compute_loss` then returns each micro-batch's share of the batch loss, and the script's loop scales it by the
+  accumulation steps and the processes before `accelerator.backward`, undoing what accelerate does to a loss
+  (divide by the former, average over the latter);
 - one optimizer step per mini-batch: accelerate's `accumulate` says when (`sync_gradients`).
 """
 
@@ -17,8 +18,6 @@ import os
 from dataclasses import dataclass, field, fields, replace
 
 import torch
-
-from common.logprobs import length_buckets
 
 
 @dataclass
@@ -60,21 +59,22 @@ def microbatches(run, batch, mini: slice, whole_groups: bool = False) -> list[to
     return length_buckets(batch.completion_tokens[mini], run.args.micro_batch_size, offset=mini.start, unit=unit)
 
 
+def length_buckets(mask: torch.Tensor, size: int, offset: int = 0, unit: int = 1) -> list[torch.Tensor]:
+    """Rows offset + i of `mask` (rows, T) in groups of `size`, longest completions first: each group's forward
+    runs on its own longest row's columns (completion_logprobs), so rows of similar length together waste little
+    padding. A micro-batch's gradient adds up the same whatever rows it holds (the loss normalisers are the
+    optimizer batch's), so only the order of floating-point sums changes. `unit` > 1 (`size` a multiple of it)
+    keeps consecutive runs of `unit` rows together and in order (a loss that needs whole groups in a micro-batch),
+    sorted by each run's longest row."""
+    longest = mask.sum(-1).view(-1, unit).amax(-1)  # (rows / unit,)
+    units = torch.argsort(longest, descending=True, stable=True)  # (rows / unit,)
+    order = (units[:, None] * unit + torch.arange(unit, device=mask.device)).flatten() + offset  # (rows,)
+    return list(order.split(size))
+
+
 def rows_of(x: torch.Tensor | None, rows) -> torch.Tensor | None:
     """x[rows], or None for an absent tensor (ref_logp without a KL term, tis_weights without --tis_cap)."""
     return None if x is None else x[rows]
-
-
-def backward_share(accelerator, loss: torch.Tensor) -> torch.Tensor:
-    """Backward of a micro-batch's share of the optimizer batch's loss; returns the share scaled as the gradient is.
-
-    The shares of all micro-batches on all processes add up to the batch loss, so their gradients must add up too.
-    accelerate divides a loss by the accumulation steps and DDP averages gradients over processes: multiplying by
-    both undoes that. The returned value, averaged over micro-batches and processes, is the batch loss (logged as
-    loss/policy)."""
-    scale = accelerator.gradient_accumulation_steps * accelerator.num_processes
-    accelerator.backward(loss * scale)
-    return (loss * scale).detach()
 
 
 def save_dumps(run, step: int, dumps: list) -> None:

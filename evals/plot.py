@@ -11,7 +11,7 @@ writes each figure the runs have data for (a sweep figure needs runs that differ
     snib_fig2_logweights.png                 SNIB Figure 2: histograms of raw u_i and self-normalised u_i - log wbar_g
     snib_fig1a_reward_noise.png              SNIB Figure 1a: final reward against --reward_noise sigma
     snib_fig1b_reward_kl.png                 SNIB Figure 1b: final reward against final KL over a --beta sweep
-    landscape_fig9_fig10_length_entropy.png  landscape paper Figures 9, 10: GRPO, PL, NL, CL, TNCL runs of grpo.py
+    landscape_fig9_fig10_length_entropy.png  landscape paper Figures 9, 10: GRPO, PL, NL, CL, TNCL runs of landscape.py
 
 Every figure is a function of a list of `Run`s that returns the path it wrote, or None without the data.
 """

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from common.args import parse_args
-from common.batch import Batch, Rollouts
 from common.dapo import fill_batch, overlong_penalty
-from common.offpolicy import RolloutQueue, importance_weights
+from common.offpolicy import importance_weights
+from common.sampling import Batch, RolloutQueue, Rollouts
 from evals import ALGORITHMS
 
 SCRIPTS = {name: importlib.import_module(name) for name in ALGORITHMS}

@@ -307,6 +307,26 @@ def test_learning_bars_runs_and_resumes(toy_workdir, tmp_path, monkeypatch):
     assert learning_bars.main(argv) == first and metrics.stat().st_mtime_ns == stamp  # read, not run again
 
 
+def test_learning_bars_merge_keeps_the_other_estimators_runs(tmp_path, monkeypatch):
+    """--merge (a new estimator's runs added to the published file): the runs of the estimators run now replace
+    theirs, the others' stay, the summary is of the merged runs and both commands are kept."""
+    from benchmarks import learning_bars
+
+    def fake_run(toy, name, script, flags, seed, extra, expected):
+        return {"name": name, "toy": "seed0", "toy_sha256": "abc", "seed": seed, "gain": 0.5 + seed / 10}
+
+    monkeypatch.setattr(learning_bars, "run_one", fake_run)
+    out = tmp_path / "bars.json"
+    old = [{"name": n, "toy": "seed0", "toy_sha256": "abc", "seed": 1, "gain": g} for n, g in [("grpo", 0.1),
+                                                                                              ("gspo", 0.2)]]
+    out.write_text(json.dumps({"command": "python benchmarks/learning_bars.py --first", "runs": old, "summary": {}}))
+    summary = learning_bars.main(["--algos", "gspo", "--toys", "t", "--seeds", "2", "--out", str(out), "--merge"])
+    written = json.loads(out.read_text())
+    assert [(r["name"], r["gain"]) for r in written["runs"]] == [("grpo", 0.1), ("gspo", 0.6), ("gspo", 0.7)]
+    assert summary["grpo"]["all"]["gains"] == [0.1] and summary["gspo"]["all"]["gains"] == [0.6, 0.7]
+    assert written["commands"][0] == "python benchmarks/learning_bars.py --first" and len(written["commands"]) == 2
+
+
 def test_the_learning_bars_are_the_studys_figures(tmp_path):
     """tests/data/learning_bars.json, whose runs the learning tests take their bars from (conftest.learning_bar),
     is what benchmarks/learning_bars.py wrote: 3 seeds of every estimator on each of CI's two toys, its summary the

@@ -10,11 +10,10 @@ from accelerate import Accelerator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.args import parse_args
-from common.batch import pad_rows
 from common.engines.rollout import HFEngine, SeededSampler, row_uniforms, sample_seed
 from common.logprobs import completion_logprobs
 from common.models.devices import padding_safe_attention, prepare_policy
-from common.sampling import step_prompts
+from common.sampling import pad_rows, step_prompts
 from common.tasks.data import load_prompts, resolve_dataset
 from common.tasks.toy import TOY_DIR
 
@@ -321,8 +320,7 @@ def test_a_pad_token_inside_a_prompt_is_attended_to():
     """Chat templates end each turn with a token that is often also the pad token (SmolLM2: <|im_end|> is EOS and
     pad). The prompt's attention mask comes from its length, not from `!= pad`, or the trainer would read a prompt
     without its turn ends while the sampler read them: a log-prob gap of 0.12 per token on SmolLM2-135M-Instruct."""
-    from common.batch import Rollouts
-    from common.sampling import to_tensors
+    from common.sampling import Rollouts, to_tensors
 
     pad = 2
     rollouts = Rollouts(prompt_ids=[[5, 2, 7], [2, 9]], completion_ids=[[4, 2], [6]],

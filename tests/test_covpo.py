@@ -23,6 +23,7 @@ from test_train import SMALL, assert_same_gradient, sgd_gradient
 
 import covpo
 import grpo
+import landscape
 
 ARGS = covpo.Args(num_generations=4)
 CLIP, KL = replace(ARGS, cov_method="clip"), replace(ARGS, cov_method="kl")
@@ -35,8 +36,7 @@ def test_defaults_and_there_are_no_other_switches():
     assert (args.cov_method, args.beta, args.epsilon, args.epsilon_high) == ("clip", 0.0, 0.2, 0.2)
     assert (args.clip_cov_ratio, args.clip_cov_lb, args.clip_cov_ub) == (2e-4, 1.0, 5.0)
     assert (args.kl_cov_ratio, args.ppo_kl_coef) == (2e-4, 1.0)
-    shared = {f.name for f in dataclasses.fields(grpo.Args)} - {"beta", "epsilon", "epsilon_high", "advantage",
-                                                                 "train_on", "loss_agg"}
+    shared = {f.name for f in dataclasses.fields(grpo.Args)} - {"beta", "epsilon", "epsilon_high"}
     assert {f.name for f in dataclasses.fields(covpo.Args)} - shared == {
         "beta", "epsilon", "epsilon_high", "cov_method", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub",
         "kl_cov_ratio", "ppo_kl_coef"}
@@ -127,7 +127,7 @@ def test_on_policy_kl_cov_is_grpos_token_mean():
     """old_logp == logp: every r_t = 1 and every penalty |logp - old_logp| = 0 with gradient 0, whichever tokens the
     covariance picks: KL-Cov's loss and gradient are GRPO's --loss_agg token-mean, -A_i / n on every valid token."""
     logp, mask, A = on_policy_batch()
-    theirs = grpo.compute_loss(logp, logp.detach(), None, A, mask, grpo.Args(num_generations=1, beta=0.0,
+    theirs = landscape.compute_loss(logp, logp.detach(), None, A, mask, landscape.Args(num_generations=1, beta=0.0,
                                                                              loss_agg="token-mean"))[0]
     (expected,) = torch.autograd.grad(theirs, logp)
     for ratio in (2e-4, 0.5):

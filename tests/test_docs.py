@@ -700,9 +700,10 @@ def test_the_kl_defaults_the_choice_page_lists_are_the_scripts():
     from evals import ALGORITHMS
 
     defaults = {name: importlib.import_module(name).Args().beta for name in ALGORITHMS}
-    assert {k: v for k, v in defaults.items() if v} == {"grpo": 0.04, "gdpo": 0.04, "snib": 0.1, "rloo": 0.05,
-                                                      "reinforcepp": 0.01}
-    phrase = "the defaults: GRPO and GDPO 0.04, SNIB 0.1, RLOO 0.05 and REINFORCE++ 0.01 (in the reward), the others 0"
+    assert {k: v for k, v in defaults.items() if v} == {"grpo": 0.04, "landscape": 0.04, "gdpo": 0.04, "snib": 0.1,
+                                                      "rloo": 0.05, "reinforcepp": 0.01}
+    phrase = ("the defaults: GRPO, its landscape variants and GDPO 0.04, SNIB 0.1, RLOO 0.05 and REINFORCE++ 0.01 "
+              "(in the reward), the others 0")
     assert phrase in " ".join(read(os.path.join(DOCS, "estimators", "choosing.md")).split())
 
 

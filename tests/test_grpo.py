@@ -19,13 +19,6 @@ def test_zscore_advantages_by_hand():
     torch.testing.assert_close(A, expected)
 
 
-def test_sign_advantages():
-    # means 1/3, 4 and 7: signs of the centred rewards, 0 for a group of equal rewards
-    A = grpo.compute_advantages(torch.tensor([1.0, 0, 0, 2, 5, 5, 7, 7, 7]), replace(ARGS, num_generations=3,
-                                                                                      advantage="sign"))
-    torch.testing.assert_close(A, torch.tensor([1.0, -1, -1, -1, 1, 1, 0, 0, 0]))
-
-
 def on_policy_batch():
     logp = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, -0.5, -0.5]], requires_grad=True)  # (B=2, T=3)
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])  # lengths 2 and 3
@@ -72,48 +65,15 @@ def test_k3_kl_term():
     torch.testing.assert_close(logp.grad, 0.1 * torch.tensor([[1 - math.exp(-0.5), 1 - math.exp(0.5)]]) / 2)
 
 
-def test_train_on_positive_and_negative_average_over_kept_rows():
-    logp, mask = on_policy_batch()
-    A = torch.tensor([1.0, -2.0])
-    loss_pos, _ = grpo.compute_loss(logp, logp.detach(), None, A, mask, replace(ARGS, train_on="positive"))
-    loss_neg, _ = grpo.compute_loss(logp, logp.detach(), None, A, mask, replace(ARGS, train_on="negative"))
-    assert loss_pos.item() == pytest.approx(-1.0)  # only row 0, averaged over 1 kept row
-    assert loss_neg.item() == pytest.approx(2.0)
-
-
-def test_token_sum_norm_divides_by_batch_times_max_length():
-    logp, mask = on_policy_batch()
-    A = torch.tensor([1.0, -2.0])
-    loss, _ = grpo.compute_loss(logp, logp.detach(), None, A, mask, replace(ARGS, loss_agg="token-sum-norm"))
-    assert loss.item() == pytest.approx(-(1 * 2 + (-2) * 3) / (2 * 4))
-
-
-def test_token_mean_divides_by_the_batch_token_count():
-    logp, mask = on_policy_batch()  # lengths 2 and 3: 5 tokens
-    A = torch.tensor([1.0, -2.0])
-    loss, _ = grpo.compute_loss(logp, logp.detach(), None, A, mask, replace(ARGS, loss_agg="token-mean"))
-    assert loss.item() == pytest.approx(-(1 * 2 + (-2) * 3) / 5)  # every token weighs 1/5, not 1/(B L_i)
-    loss.backward()
-    torch.testing.assert_close(logp.grad, torch.tensor([[-1 / 5, -1 / 5, 0.0], [2 / 5, 2 / 5, 2 / 5]]))
-    # PL keeps row 0 only: its 2 tokens are the denominator
-    loss_pos, _ = grpo.compute_loss(logp, logp.detach(), None, A, mask, replace(ARGS, loss_agg="token-mean",
-                                                                                 train_on="positive"))
-    assert loss_pos.item() == pytest.approx(-1.0)
-    stats = grpo.batch_stats(A, mask, replace(ARGS, train_on="positive"))
-    assert (stats.num_rows.item(), stats.num_tokens.item()) == (1, 2) and stats.per_row_values() == {}
-
-
 def reference_loss(logp, old, ref, A, mask, args):
     """Loops, straight from the objective of docs/estimators/grpo.md."""
     B, T = logp.shape
-    keep = [bool(args.train_on == "all" or (args.train_on == "positive" and A[i] > 0)
-                 or (args.train_on == "negative" and A[i] < 0)) for i in range(B)]
-    total, tokens = 0.0, 0
+    total, rows = 0.0, 0
     for i in range(B):
-        if not keep[i]:
-            continue
         L = sum(mask[i]).item()
-        tokens += L
+        if L == 0:
+            continue
+        rows += 1
         s = 0.0
         for t in range(T):
             if mask[i, t]:
@@ -124,18 +84,14 @@ def reference_loss(logp, old, ref, A, mask, args):
                     d = ref[i, t] - logp[i, t]
                     term -= args.beta * (math.exp(d) - d - 1)
                 s += term
-        norm = args.max_completion_length if args.loss_agg == "token-sum-norm" else L
-        total += s if args.loss_agg == "token-mean" else s / norm
-    return -float(total) / max(tokens if args.loss_agg == "token-mean" else sum(keep), 1)  # pytest.approx: no tensors
+        total += s / L
+    return -float(total) / max(rows, 1)  # pytest.approx: no tensors
 
 
-@pytest.mark.parametrize("train_on", ["all", "positive", "negative"])
-@pytest.mark.parametrize("loss_agg", ["seq-mean-token-mean", "token-mean", "token-sum-norm"])
-def test_matches_reference_and_micro_batches_sum_to_full_batch(train_on, loss_agg):
+def test_matches_reference_and_micro_batches_sum_to_full_batch():
     torch.manual_seed(0)
     B, T = 8, 5
-    args = replace(ARGS, num_generations=4, beta=0.04, epsilon_high=0.28, train_on=train_on, loss_agg=loss_agg,
-                   max_completion_length=T)
+    args = replace(ARGS, num_generations=4, beta=0.04, epsilon_high=0.28, max_completion_length=T)
     logp = (torch.randn(B, T) * 0.3 - 1).requires_grad_()
     old = logp.detach() + torch.randn(B, T) * 0.3
     ref = logp.detach() + torch.randn(B, T) * 0.3
@@ -149,10 +105,9 @@ def test_matches_reference_and_micro_batches_sum_to_full_batch(train_on, loss_ag
     stats = grpo.batch_stats(A, mask, args)
     halves = [grpo.batch_stats(A[s], mask[s], args) for s in (slice(0, 4), slice(4, 8))]
     assert halves[0].num_rows + halves[1].num_rows == stats.num_rows  # what the all-reduce adds up
-    assert halves[0].num_tokens + halves[1].num_tokens == stats.num_tokens
     # Each process's sums go through `total`, the loop's all-reduce: two processes with these rows each double them.
     doubled = grpo.batch_stats(A, mask, args, total=lambda x: 2 * x)
-    assert (doubled.num_rows, doubled.num_tokens) == (2 * stats.num_rows, 2 * stats.num_tokens)
+    assert doubled.num_rows == 2 * stats.num_rows
     micro = sum(grpo.compute_loss(logp[s], old[s], ref[s], A[s], mask[s], args, stats)[0]
                 for s in [slice(0, 1), slice(1, 4), slice(4, 8)])
     assert micro.item() == pytest.approx(loss.item(), rel=1e-6)
@@ -172,22 +127,20 @@ def test_tis_weights_scale_the_policy_term_per_token():
 
 @pytest.mark.peer
 @pytest.mark.parametrize("beta", [0.0, 0.04])
-@pytest.mark.parametrize("loss_agg, trl_loss_type", [("seq-mean-token-mean", "grpo"), ("token-mean", "dapo"),
-                                                     ("token-sum-norm", "dr_grpo")])
-def test_equals_trls_grpo_loss_and_gradient(beta, loss_agg, trl_loss_type):
-    """GRPO's three aggregations against TRL's loss types of the same name (what benchmarks/step_time.py --trl and
-    benchmarks/trl_curve.py run TRL with: `grpo`), with a KL term or not, on a stale batch (ratios clipped both ways).
-    Every row has a token: where one has none, grpo.py averages over the rows that have, TRL over all."""
+def test_equals_trls_grpo_loss_and_gradient(beta):
+    """GRPO against TRL's `grpo` loss type (what benchmarks/step_time.py --trl and benchmarks/trl_curve.py run TRL
+    with), with a KL term or not, on a stale batch (ratios clipped both ways). Every row has a token: where one has
+    none, grpo.py averages over the rows that have, TRL over all. The other aggregations: tests/test_landscape.py."""
     torch.manual_seed(3)
     B, T = 8, 5
     logp = (torch.randn(B, T, dtype=torch.float64) * 0.3 - 1).requires_grad_()
     old = logp.detach() + torch.randn(B, T, dtype=torch.float64) * 0.3
     ref = logp.detach() + torch.randn(B, T, dtype=torch.float64) * 0.3
     mask = (torch.arange(T)[None] < torch.tensor([5, 1, 3, 4, 2, 5, 2, 1])[:, None]).long()  # (B, T)
-    args = replace(grpo.Args(), num_generations=4, beta=beta, loss_agg=loss_agg, max_completion_length=T)
+    args = replace(grpo.Args(), num_generations=4, beta=beta, max_completion_length=T)
     A = grpo.compute_advantages(torch.rand(B, dtype=torch.float64), args)
     ours = grpo.compute_loss(logp, old, ref, A, mask, args)[0]
-    theirs = trl_grpo_loss(trl_loss_type, logp, old, ref, A, mask.float(), beta, epsilon_high=args.epsilon_high,
+    theirs = trl_grpo_loss("grpo", logp, old, ref, A, mask.float(), beta, epsilon_high=args.epsilon_high,
                            max_completion_length=T)
     assert ours.item() == pytest.approx(theirs.item(), rel=1e-12)
     torch.testing.assert_close(torch.autograd.grad(ours, logp)[0], torch.autograd.grad(theirs, logp)[0])
@@ -198,7 +151,7 @@ def test_equals_trls_grpo_loss_and_gradient(beta, loss_agg, trl_loss_type):
 def test_a_row_without_valid_tokens_leaves_the_denominator():
     """A removed row (mask all 0: --mask_truncated, an unfilled dynamic-sampling slot) is not counted in the
     denominator: the loss and the gradient are those of test_on_policy_loss_and_gradient_by_hand's two rows, not
-    two thirds of them, and batch_stats counts 2 rows and 5 tokens."""
+    two thirds of them, and batch_stats counts 2 rows."""
     logp, mask = on_policy_batch()
     logp = torch.cat([logp.detach(), torch.tensor([[-3.0, -1.0, -2.0]])]).requires_grad_()  # row 2: removed
     mask = torch.cat([mask, torch.zeros(1, 3, dtype=mask.dtype)])
@@ -210,7 +163,7 @@ def test_a_row_without_valid_tokens_leaves_the_denominator():
     expected = torch.tensor([[-1 / 4, -1 / 4, 0.0], [2 / 6, 2 / 6, 2 / 6], [0.0, 0.0, 0.0]])
     torch.testing.assert_close(logp.grad, expected)
     stats = grpo.batch_stats(A, mask, ARGS)
-    assert (stats.num_rows.item(), stats.num_tokens.item()) == (2, 5)
+    assert stats.num_rows.item() == 2
 
 
 def test_zscore_epsilon_is_1e_6_added_to_the_std():

@@ -26,7 +26,6 @@ MAX_LONG_SHARE = 0.05
 # The files of common/ already brought under 100 columns: each must stay at most 5% over.
 WRAPPED_FILES = [
     "common/args.py",
-    "common/batch.py",
     "common/tasks/benchmarks.py",
     "common/rails/checks.py",
     "common/tasks/choice_grader.py",

@@ -15,9 +15,10 @@ from transformers import AutoModelForCausalLM
 import common.logprobs
 import common.nucleus
 from benchmarks.logprobs_memory import make_batch, naive_completion_logprobs, tiny_model
-from common.batch import pad_rows
-from common.logprobs import HeadLogprobs, TokenLogprobs, completion_logprobs, fused_head, length_buckets
+from common.logprobs import HeadLogprobs, TokenLogprobs, completion_logprobs, fused_head
+from common.sampling import pad_rows
 from common.tasks.toy import TOY_DIR
+from common.update import length_buckets
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 

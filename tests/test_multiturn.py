@@ -21,7 +21,6 @@ import transformers
 from accelerate import Accelerator
 from conftest import subprocess_env
 
-from common.batch import pad_rows
 from common.engines import multiturn
 from common.engines.multiturn import (
     FINAL_ANSWER_PREAMBLE,
@@ -34,6 +33,7 @@ from common.engines.multiturn import (
 )
 from common.engines.rollout import HFEngine
 from common.logprobs import completion_logprobs
+from common.sampling import pad_rows
 
 ToolResult = namedtuple("ToolResult", "output error seconds")  # as common.engines.sandbox.ToolResult
 FENCES = ["``", "```", "`\n", "```py\n", "\n```", "\n```\n"]  # tokens in which a fence ends inside, or spans two

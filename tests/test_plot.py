@@ -179,12 +179,12 @@ def test_landscape_variant_names_seed_003_objectives(name, switches):
     assert plot.landscape_variant({**args, "mini_batch_size": 256}) == name + ", off-policy"
 
 
-def test_landscape_figure_groups_grpo_runs_by_switches(tmp_path):
+def test_landscape_figure_groups_landscape_runs_by_switches(tmp_path):
     runs = []
     for name in ("GRPO", "PL", "NL", "CL", "TNCL"):
-        args = dict(zip(("advantage", "train_on", "loss_agg"), LANDSCAPE[name]), exp_name="grpo", batch_size=64)
+        args = dict(zip(("advantage", "train_on", "loss_agg"), LANDSCAPE[name]), exp_name="landscape", batch_size=64)
         runs.append(plot.load_run(write_run(tmp_path, name, curves(), args)))
-    snib = plot.load_run(write_run(tmp_path, "snib", curves(), {"exp_name": "snib"}))  # not a grpo.py run: ignored
+    snib = plot.load_run(write_run(tmp_path, "snib", curves(), {"exp_name": "snib"}))  # not a landscape.py run: ignored
     assert_png(plot.plot_landscape(runs + [snib], str(tmp_path / "landscape.png")))
     assert plot.plot_landscape(runs[:1] + [snib], str(tmp_path / "none.png")) is None
 

@@ -37,7 +37,7 @@ def test_every_paper_setting_has_a_recipe():
     names = {os.path.basename(p)[: -len(".yaml")] for p in RECIPES}
     assert {"snib_qwen3_4b", "ctpo_qwen3_4b", "ctpo_qwen3_14b"} <= names
     assert {script_of(p) for p in RECIPES} == set(SCRIPTS)
-    assert {f"grpo_landscape_{v}" for v in ("grpo", "pl", "nl", "cl", "tncl")} <= names
+    assert {f"landscape_{v}" for v in ("grpo", "pl", "nl", "cl", "tncl")} <= names
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=os.path.basename)

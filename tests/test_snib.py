@@ -27,8 +27,7 @@ def test_defaults_are_the_papers_and_there_are_no_other_switches():
     assert (args.epsilon, args.beta, args.num_generations) == (0.2, 0.1, 8)  # Table 1
     assert (args.self_normalize, args.stop_grad_norm, args.baseline, args.adv_std, args.reward_noise,
             args.kl_weight_grad) == (True, True, True, False, 0.0, True)
-    shared = {f.name for f in dataclasses.fields(grpo.Args)} - {"beta", "epsilon", "epsilon_high", "advantage",
-                                                                 "train_on", "loss_agg"}
+    shared = {f.name for f in dataclasses.fields(grpo.Args)} - {"beta", "epsilon", "epsilon_high"}
     assert {f.name for f in dataclasses.fields(snib.Args)} - shared == {
         "beta", "epsilon", "self_normalize", "stop_grad_norm", "baseline", "adv_std", "reward_noise", "kl_weight_grad"}
 

@@ -86,9 +86,12 @@ class SeededSampler(LogitsProcessor):
 class HFEngine:
     """transformers `generate` on the training model itself, so new weights need no push."""
 
-    def __init__(self, tokenizer, accelerator, share_prompts: bool = True):
+    def __init__(self, tokenizer, accelerator, share_prompts: bool = True, sharded: bool | None = None):
         self.tokenizer, self.accelerator = tokenizer, accelerator
         self.share_prompts = share_prompts  # the rows of a prompt share one prefill of it (--share_prompts)
+        # FSDP or ZeRO-3 (common.models.devices.sharded_parameters): generate is then a collective;
+        # None: asked of the accelerator on first use
+        self.is_sharded = sharded
         padding_safe_attention()  # left-padded prompts: no NaN from cuDNN's attention (common.models.devices)
 
     @torch.no_grad()
@@ -161,7 +164,9 @@ class HFEngine:
         return completions, logps
 
     def sharded(self) -> bool:
-        return sharded_parameters(self.accelerator)
+        if self.is_sharded is None:
+            self.is_sharded = sharded_parameters(self.accelerator)
+        return self.is_sharded
 
     def collective(self) -> bool:
         """Whether every process must make each generate call, with as many rows (FSDP, ZeRO-3: synced_gpus)."""

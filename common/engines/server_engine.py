@@ -495,7 +495,7 @@ class ServerEngine:
 
 
 class OverlapQueue:
-    """Server mode at --rollout_lag K >= 1, in place of offpolicy.RolloutQueue: before step s
+    """Server mode at --rollout_lag K >= 1, in place of sampling.RolloutQueue: before step s
     trains, the generate requests of steps s+1..s+K have been made, so the server samples them while
     the trainer trains (verl's one-step-off and fully async modes, prime-rl's async level). The
     request of step s+K is made at step s, after the push of step s's weights: the weights the

@@ -38,7 +38,7 @@ def save_checkpoint(accelerator, model, tokenizer, run_dir: str, step: int, save
     (merged for LoRA, to evaluate or serve). Written to a temporary folder and renamed when complete, so an
     interrupted save never leaves a half checkpoint behind that looks complete. Non-finite weights are never
     written; with `save_total_limit` N > 0 only the last N checkpoints are kept. Each process saves its own rows of
-    the rollout `queue` (common.offpolicy.RolloutQueue) in the state folder."""
+    the rollout `queue` (common.sampling.RolloutQueue) in the state folder."""
     final = os.path.join(run_dir, "checkpoints", f"step_{step}")
     tmp = final + ".tmp"
     # each process counts its own parameters (its shards under FSDP), the sum tells every process the same

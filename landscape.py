@@ -1,0 +1,229 @@
+"""GRPO's variants of "Towards Understanding the Optimization Landscape of GRPO and its Variants"
+(Jain, Agrawal, Goyal; the landscape paper): GRPO with that paper's ablation switches.
+
+    A_i = (R_i - mean_g R) / (std_g R + 1e-6)   or, --advantage sign, A_i = sign(R_i - mean_g R)
+    L   = -(1/|K|) sum_{i in K} (1/n_i) sum_t mask * [min(r_t A_i, clip(r_t, 1-eps, 1+eps_high) A_i)
+                                                     - beta * kl_t]
+    K: the rows kept (--train_on: all, A_i > 0, A_i < 0);  n_i: L_i (GRPO), T (token-sum-norm)
+
+Differs from grpo.py: the paper's objectives as switches: CL (clipped likelihood, --advantage sign),
+PL and NL (--train_on positive or negative: the loss is the mean over the kept rows), TNCL
+(--loss_agg token-sum-norm with --advantage sign: each row's token sum over the longest a
+completion may be, section 5), and the token-level normalisation the paper discusses beside it
+(--loss_agg token-mean: DAPO's and verl's, the batch's valid tokens as the denominator). The
+defaults are grpo.py's: with none of the switches, this is GRPO.
+
+One step, in the order main() runs it, and the files it calls into (benchmarks/step_path.py lists
+their functions): the rollouts, through the lagged queue (common/sampling.py, with transformers'
+sampler of common/engines/rollout.py, the rewards of common/tasks/rewards.py and the toy's reward
+function of common/tasks/toy.py); compute_advantages; the log-probs (common/logprobs.py);
+batch_stats and compute_loss on micro-batches (common/update.py); the backward and the optimizer
+step, here.
+
+Run:
+    python landscape.py --preset toy --advantage sign           # CL on the CPU, minutes
+    accelerate launch landscape.py --model Qwen/Qwen3-4B --dataset gsm8k --train_on positive
+"""
+
+import os
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Literal
+
+import torch
+
+from common.args import TrainArgs, arg
+from common.logprobs import completion_logprobs, logprob_metrics
+from common.offpolicy import importance_weights
+from common.run import end_step, finish, launch, progress_bar, setup
+from common.sampling import old_and_reference_logprobs, sample_batch
+from common.update import BatchStats, masked_mean, microbatches, minibatches, rows_of, save_dumps
+
+
+@dataclass
+class Args(TrainArgs):
+    """The estimator's flags. The run's, the model's, the data's, the rollouts' and the
+    optimisation's are TrainArgs' (common/args.py); --help lists them all."""
+
+    exp_name: str = arg(os.path.basename(__file__)[: -len(".py")], "name of this experiment")
+    # Algorithm-specific
+    beta: float = arg(0.04, "KL coefficient to the reference policy (k3 estimator)", at_least=0)
+    epsilon: float = arg(0.2, "lower clip range", at_least=0)
+    epsilon_high: float = arg(0.2, "upper clip range", at_least=0)
+    advantage: Literal["zscore", "sign"] = arg(
+        "zscore", "zscore, or sign: A = sign(R - group mean) (landscape paper)"
+    )
+    train_on: Literal["all", "positive", "negative"] = arg(
+        "all", "all rows, or only those with A > 0, or A < 0"
+    )
+    loss_agg: Literal["seq-mean-token-mean", "token-mean", "token-sum-norm"] = arg(
+        "seq-mean-token-mean",
+        "mean over rows of token means; token-mean, token-sum-norm: docs/estimators/landscape.md",
+    )
+
+
+# ALGO LOGIC: advantages and loss
+def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
+    """Group-normalised advantages; rows of one prompt are contiguous."""
+    grouped = rewards.view(-1, args.num_generations)  # (N, G)
+    centered = grouped - grouped.mean(dim=1, keepdim=True)  # (N, G)
+    if args.advantage == "sign":  # The landscape paper: A_i = sign(R_i - mean_g R).
+        return centered.sign().flatten()  # (B,)
+    return (centered / (grouped.std(dim=1, keepdim=True) + 1e-6)).flatten()  # (B,)
+
+
+@dataclass
+class Stats(BatchStats):
+    """The loss's denominators over the whole optimizer batch (every process's rows)."""
+
+    num_rows: torch.Tensor  # ()  rows in the loss
+    num_tokens: torch.Tensor  # ()  their valid tokens (--loss_agg token-mean)
+
+
+def kept_rows(advantages, mask, args: Args) -> torch.Tensor:
+    """(B,) the rows in the loss: a valid token (a removed row has none) and --train_on's sign."""
+    # (B,) the sign --train_on keeps (True: every row)
+    sign = {"positive": advantages > 0, "negative": advantages < 0}.get(args.train_on, True)
+    return (mask.sum(-1) > 0) & sign  # (B,)
+
+
+def batch_stats(advantages, mask, args: Args, total=lambda x: x) -> Stats:
+    """What compute_loss needs from the whole optimizer batch when it is called per micro-batch.
+    `total` sums a tensor over the processes (the loop's all-reduce; alone, the identity)."""
+    keep = kept_rows(advantages, mask, args)  # (B,)
+    num_rows = total(keep.sum().float())  # ()
+    num_tokens = total((mask.sum(-1) * keep).sum().float())  # ()
+    return Stats(num_rows=num_rows, num_tokens=num_tokens)
+
+
+def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=None,
+                 tis_weights=None):
+    """The landscape paper's objectives with full-batch semantics: `stats` hold the whole optimizer
+    batch's denominators when the loss is called per micro-batch (None: these rows are the whole
+    batch). `tis_weights` (B, T) multiply the policy term per token (TIS or masked IS, per token or
+    per sequence: common/offpolicy.py)."""
+    if stats is None:
+        stats = batch_stats(advantages, mask, args)
+    mask = mask.float()  # (B, T)
+    keep = kept_rows(advantages, mask, args).float()  # (B,)
+    ratio = torch.exp(logp - old_logp)  # (B, T)  r_t
+    A = advantages[:, None]  # (B, 1)
+    clipped = torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high)  # (B, T)
+    surrogate = torch.min(ratio * A, clipped * A)  # (B, T)  s_t
+    if tis_weights is not None:
+        surrogate = surrogate * tis_weights  # (B, T)
+    per_token = surrogate  # (B, T)
+    if args.beta > 0:
+        kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1  # (B, T)  k3
+        per_token = per_token - args.beta * kl  # (B, T)
+    # Each row's token sum over L_i, its length (the default); over the longest a completion may
+    # be (token-sum-norm); or over 1, with the batch's valid tokens as the denominator (token-mean,
+    # verl's).
+    lengths = {"token-sum-norm": args.max_completion_length, "token-mean": 1}
+    lengths = lengths.get(args.loss_agg, mask.sum(-1).clamp(min=1))  # (B,) L_i, or a number
+    per_seq = (per_token * mask).sum(-1) / lengths  # (B,)
+    denominator = stats.num_tokens if args.loss_agg == "token-mean" else stats.num_rows  # ()
+    loss = -(per_seq * keep).sum() / denominator.clamp(min=1)
+
+    with torch.no_grad():
+        is_low = (ratio < 1 - args.epsilon) & (A < 0)  # (B, T) clipped from below (gradient zeroed)
+        is_high = (ratio > 1 + args.epsilon_high) & (A > 0)  # (B, T)
+        metrics = {
+            "loss/policy": loss.detach(),
+            "policy/ratio_mean": masked_mean(ratio, mask),
+            "policy/clip_frac_low": masked_mean(is_low.float(), mask),
+            "policy/clip_frac_high": masked_mean(is_high.float(), mask),
+            "policy/clip_frac": masked_mean((is_low | is_high).float(), mask),
+        }
+        if args.beta > 0:
+            metrics["policy/kl"] = masked_mean(kl, mask)
+    return loss, metrics
+
+
+def main(args: Args):
+    # The processes, the run folder, the policy (+ LoRA), the reference, the data, the optimizer
+    # and the rollout engine (common/run.py).
+    run = setup(args)
+    model = run.model
+    optimizer = run.optimizer
+    scheduler = run.scheduler
+    accelerator = run.accelerator
+    total = partial(accelerator.reduce, reduction="sum")  # a tensor's sum over the processes
+    # compute_loss returns a micro-batch's share of the whole batch's loss (its denominators are the
+    # batch's). accelerate divides each loss by the accumulation steps and DDP averages gradients
+    # over the processes, so each share is scaled back by both: the gradients then add up to the
+    # batch loss's, whatever the micro-batch size and the number of processes.
+    loss_scale = accelerator.gradient_accumulation_steps * accelerator.num_processes
+    progress = progress_bar(run)
+    for step in progress:
+        step_start = time.time()
+        metrics = {}
+
+        # 1. Rollouts and rewards, with the log-probs of the weights that sampled them (the
+        # behaviour policy's, old) and the reference's. --rollout_lag K: the batch of step + K
+        # is sampled now, this step's K steps ago.
+        for index in run.queue.steps_to_sample(step, args.total_steps):  # [step] at lag 0
+            batch = sample_batch(run, index, metrics)  # this process's rows of step `index`
+            batch.old_logp, batch.ref_logp = old_and_reference_logprobs(run, batch, metrics)
+            run.queue.put(batch, sampled_at=step)
+        batch = run.queue.take(step)
+        mask = batch.mask  # (B, T)
+        T = mask.shape[1]
+
+        # 2. Advantages, and for a sampler/trainer mismatch, truncated or masked importance weights
+        advantages = compute_advantages(batch.rewards, args)  # (B,)
+        tis_weights = None
+        if args.tis_cap > 0:
+            tis_weights, metrics["rollout/is_masked_frac"] = importance_weights(
+                batch.old_logp, batch.sampler_logp, mask, args.tis_cap, args.tis_mode, args.mis,
+                args.tis_floor,
+            )  # (B, T)
+
+        # 3. Policy updates: num_iterations passes over the batch, one optimizer step per mini-batch
+        model.train()
+        update_start = time.time()
+        update_metrics, grad_norms, dumps = [], [], []
+        for _ in range(args.num_iterations):
+            for mini in minibatches(run):  # a slice of this process's rows
+                stats = batch_stats(advantages[mini], mask[mini], args, total)  # whole-batch
+                dumps.append(stats)  # --dump_stats_steps (e.g. SNIB's Figure 2)
+                for rows in microbatches(run, batch, mini):  # (b,) indices of this process's rows
+                    input_ids = batch.input_ids[rows]  # (b, P+T)
+                    attention = batch.attention_mask[rows]  # (b, P+T)
+                    with accelerator.accumulate(model):
+                        logp, entropy = completion_logprobs(
+                            model, input_ids, attention, T, args.temperature,
+                            top_p=args.top_p,
+                        )
+                        if run.on_policy:  # these weights sampled the batch: old is current
+                            batch.old_logp[rows] = logp.detach()
+                        old_logp = batch.old_logp[rows]  # (b, T)
+                        ref_logp = rows_of(batch.ref_logp, rows)  # (b, T), or None: no KL term
+                        loss, loss_metrics = compute_loss(
+                            logp, old_logp, ref_logp, advantages[rows], mask[rows], args,
+                            stats.for_rows(rows - mini.start), rows_of(tis_weights, rows),
+                        )
+                        share = loss * loss_scale  # this micro-batch's share, scaled as said above
+                        accelerator.backward(share)
+                        loss_metrics["loss/policy"] = share.detach()
+                        if accelerator.sync_gradients:  # the mini-batch's last: an optimizer step
+                            parameters = model.parameters()
+                            grad_norm = accelerator.clip_grad_norm_(parameters, args.max_grad_norm)
+                            grad_norms.append(grad_norm)
+                            optimizer.step()
+                            optimizer.zero_grad()
+                    loss_metrics.update(logprob_metrics(entropy, logp, old_logp, mask[rows]))
+                    update_metrics.append(loss_metrics)
+                scheduler.step()
+        metrics["time/update"] = time.time() - update_start
+        if args.dump_stats_steps > 0 and (step + 1) % args.dump_stats_steps == 0:
+            save_dumps(run, step, dumps)
+
+        # 4. Push the new weights to the sampler; log, evaluate and save
+        end_step(run, step, step_start, batch, metrics, update_metrics, grad_norms, progress)
+    return finish(run)
+
+
+if __name__ == "__main__":
+    launch(main, Args)  # parse the arguments, train; Ctrl-C says where to resume
