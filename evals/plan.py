@@ -381,7 +381,11 @@ def main() -> None:
         raise SystemExit(0 if fits else 1)
     if args.verdicts:
         runs = read_runs(args.verdicts)
-        print(f"the same first rollouts, by seed: {first_rollouts_shared(runs)}")
+        shared = first_rollouts_shared(runs)
+        print(f"the same first rollouts, by seed: {shared}")
+        if len(shared) < 2:
+            print("fewer than two seeds finished by every arm: no interval yet")
+            return
         for row in verdicts(runs):
             s = row["summary"]
             print(
