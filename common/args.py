@@ -167,6 +167,9 @@ class TrainArgs:
     max_grad_norm: float = arg(1.0, "gradient clipping")
     eval_steps: int = arg(50, "held-out greedy accuracy every this many steps (0: off)")
     eval_num_prompts: int = arg(500, "held-out prompts per evaluation")
+    eval_from: int = arg(
+        0, "the first step evaluated (0: before training too); later, every --eval_steps",
+    )
     eval_benchmarks: str = arg(
         "", "benchmarks to evaluate, e.g. math500,aime25 (NAME=FILE: a local copy)",
     )

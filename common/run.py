@@ -237,7 +237,7 @@ def setup(args) -> Run:
     # the batches (or requests) sampled ahead of the checkpoint's step: each process its own rows
     if resume:
         run.queue.load(os.path.join(resume, "state"), accelerator.process_index)
-    if run.evaluating and train_state.step == 0:
+    if run.evaluating and train_state.step == 0 and args.eval_from <= 0:
         metrics = evaluate(run)
         log.write({"step": 0, **metrics})
         # where the learning starts, before the first step's line
@@ -362,6 +362,7 @@ def evaluate(run: Run) -> dict:
     each process its slice, reduced."""
     args = run.args
     accelerator = run.accelerator
+    start = time.time()
     metrics = {}
     if run.eval_sets:
         from common.tasks.evaluation import evaluate_benchmarks
@@ -374,7 +375,7 @@ def evaluate(run: Run) -> dict:
                                 process_index=accelerator.process_index,
                                 num_processes=accelerator.num_processes, gather=gather_object))
     if run.eval_data is None:
-        return metrics
+        return {**metrics, "time/eval": time.time() - start}
     rows = run.eval_data.select(
         range(accelerator.process_index, len(run.eval_data), accelerator.num_processes))
     greedy = dict(max_tokens=args.max_completion_length, temperature=0.0, top_p=1.0)
@@ -397,7 +398,8 @@ def evaluate(run: Run) -> dict:
     correct, _ = compute_rewards(run.reward_funcs[:1], None, rows["prompt"], texts, columns, args.reward_timeout)
     stats = accelerator.reduce(
         torch.tensor([correct.sum().item(), len(correct)], device=accelerator.device), "sum")
-    return {**metrics, "eval/accuracy": (stats[0] / stats[1]).item()}
+    accuracy = (stats[0] / stats[1]).item()
+    return {**metrics, "eval/accuracy": accuracy, "time/eval": time.time() - start}
 
 
 def progress_bar(run: Run) -> tqdm:
@@ -435,7 +437,7 @@ def end_step(run: Run, step: int, step_start: float, batch, metrics: dict,
     # a broken update is neither evaluated nor saved
     stop_if_nonfinite(metrics, run.run_dir, run.log)
     run.train_state.step = step + 1
-    if run.evaluating and (step + 1) % args.eval_steps == 0:
+    if run.evaluating and (step + 1) % args.eval_steps == 0 and step + 1 >= args.eval_from:
         metrics.update(evaluate(run))
         # the learning, as it happens
         if "eval/accuracy" in metrics and accelerator.is_local_main_process:

@@ -200,13 +200,16 @@ def run_one(algo: str, seed: int, args: CompareArgs, out_dir: str, value: str | 
 # each of these that a run logs (docs/metrics.md), kept in its result beside its evaluations.
 DIAGNOSTICS = ("policy/ess", "policy/log_ratio_std", "policy/clip_frac", "policy/entropy", "policy/kl",
                "p3o/capped_frac", "covpo/selected_frac",  # P3O's clip (capped at the ESS); Clip-Cov's dropped tokens
-               "p3o/ess", "snib/ess", "snib/raw_logweight_std", "reward/mean")  # the papers' claims (issue 53)
+               "p3o/ess", "snib/ess", "snib/raw_logweight_std", "reward/mean",  # claims (issue 53)
+               # issue 67: the stale steps, and what a completion's length costs an evaluation
+               "rollout/staleness", "completion/length_mean")
 
 
 def run_record(run_dir: str) -> dict:
     """From a run's metrics.jsonl: its evaluations [(step, accuracy)], the training minutes before each (time/step
-    summed over the steps up to it: the evaluations' own time left out), the mean over steps of each DIAGNOSTICS
-    metric it logs, and each one's series [(step, value)] (a claim about a trend needs the steps)."""
+    summed over the steps up to it: the evaluations' own time left out), each evaluation's seconds
+    (time/eval, where logged), the mean over steps of each DIAGNOSTICS metric it logs, and each
+    one's series [(step, value)] (a claim about a trend needs the steps)."""
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f if line.strip()]
     evals = [(m["step"], m["eval/accuracy"]) for m in records if "eval/accuracy" in m]
@@ -218,7 +221,9 @@ def run_record(run_dir: str) -> dict:
         if steps:
             diagnostics[name] = statistics.mean(value for _, value in steps)
             series[name] = steps
-    return {"evals": evals, "minutes": minutes, "diagnostics": diagnostics, "series": series}
+    eval_seconds = [m["time/eval"] for m in records if "eval/accuracy" in m and "time/eval" in m]
+    return {"evals": evals, "minutes": minutes, "eval_seconds": eval_seconds,
+            "diagnostics": diagnostics, "series": series}
 
 
 def machine() -> str:

@@ -589,3 +589,194 @@ def test_a_study_runs_in_one_evals_compare_at_a_time(tmp_path):
                 pass
     with claim_study(str(tmp_path)):  # the first one ended: free again
         pass
+
+
+def test_the_t_distribution_by_hand():
+    """Closed forms: with 1 degree of freedom t is Cauchy, its 0.975 quantile tan(0.475 pi) =
+    12.7062; with 2, P(T <= t) = 1/2 + t / (2 sqrt(t^2 + 2)), so the 0.975 quantile is 0.95 sqrt(2 /
+    (1 - 0.95^2)) = 4.3027; with 4, the printed tables' 2.7764."""
+    import math
+
+    from evals.stats import t_cdf, t_quantile
+
+    assert t_quantile(0.975, 1) == pytest.approx(math.tan(0.475 * math.pi), rel=1e-9)
+    assert t_quantile(0.975, 2) == pytest.approx(0.95 * math.sqrt(2 / (1 - 0.95**2)), rel=1e-9)
+    assert t_quantile(0.975, 4) == pytest.approx(2.7764, abs=1e-4)
+    assert t_cdf(1.0, 2) == pytest.approx(0.5 + 1 / (2 * math.sqrt(3)), rel=1e-12)
+    assert t_cdf(-1.0, 2) == pytest.approx(0.5 - 1 / (2 * math.sqrt(3)), rel=1e-12)
+    assert t_cdf(0.0, 7) == 0.5
+
+
+def test_the_paired_t_interval_by_hand():
+    """Differences 1, 2, 3: mean 2, sd 1, standard error 1 / sqrt 3; the interval 2 +- 4.3027 / sqrt
+    3 (2 degrees of freedom: above); t = 2 sqrt 3 against 0, whose two-sided p with 2 degrees of
+    freedom is 1 - t / sqrt(t^2 + 2) = 1 - sqrt(12 / 14); against 2 (the mean itself) p = 1."""
+    import math
+
+    from evals.stats import paired_t
+
+    summary = paired_t([1.0, 2.0, 3.0])
+    half = 0.95 * math.sqrt(2 / (1 - 0.95**2)) / math.sqrt(3)
+    assert (summary.mean, summary.sd, summary.n) == (2.0, 1.0, 3)
+    assert summary.low == pytest.approx(2 - half, rel=1e-9)
+    assert summary.high == pytest.approx(2 + half, rel=1e-9)
+    assert summary.p(0.0) == pytest.approx(1 - math.sqrt(12 / 14), rel=1e-9)
+    assert summary.p(2.0) == pytest.approx(1.0)
+    # the interval leaves a boundary out exactly when its p is under 0.05
+    assert summary.p(summary.low - 1e-6) < 0.05 < summary.p(summary.low + 1e-6)
+    with pytest.raises(ValueError):
+        paired_t([1.0])
+
+
+def test_holms_correction_by_hand():
+    """p = 0.01, 0.04, 0.03, 0.005: sorted 0.005, 0.01, 0.03, 0.04 times 4, 3, 2, 1 = 0.02, 0.03,
+    0.06, 0.04; never below the one before: 0.02, 0.03, 0.06, 0.06; back in their order."""
+    from evals.stats import holm
+
+    assert holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert holm([0.5, 0.9]) == pytest.approx([1.0, 1.0])
+    assert holm([0.01]) == pytest.approx([0.01])
+
+
+def test_one_verdict_rule_for_every_claim():
+    """The claim's region against the interval: differences 1, 2, 3 (interval 2 +- 2.48). Region
+    above 0: the mean is inside, its p against 0 decides (0.074: cannot tell at 0.05, "agree" had it
+    been adjusted under 0.05). Parity within +-5: the mean is inside, the larger of its p against -5
+    and +5 decides. Region above 6: the mean is outside, its p against 6 decides and a small one
+    says "disagree"."""
+    import math
+
+    from evals.stats import claim_p, paired_t, verdict
+
+    summary = paired_t([1.0, 2.0, 3.0])
+    assert claim_p(summary, 0.0, math.inf) == pytest.approx(summary.p(0.0))
+    assert claim_p(summary, -5.0, 5.0) == pytest.approx(max(summary.p(-5.0), summary.p(5.0)))
+    assert claim_p(summary, 6.0, math.inf) == pytest.approx(summary.p(6.0))
+    assert summary.p(6.0) < 0.05
+    assert verdict(summary, 0.0, math.inf, adjusted_p=0.074) == "cannot tell"
+    assert verdict(summary, 0.0, math.inf, adjusted_p=0.01) == "agree"
+    assert verdict(summary, 6.0, math.inf, adjusted_p=0.02) == "disagree"
+    assert verdict(summary, -5.0, 5.0, adjusted_p=0.049) == "agree"
+
+
+def test_the_power_of_the_paired_t_test():
+    """At no effect the test rejects with its level, 0.05; the textbook's cases (G*Power's tables
+    for the paired t-test, two-sided 0.05): an effect of one standard deviation is found with power
+    0.803 by 10 pairs, one of half a standard deviation with 0.808 by 34; so 10 and 34 are the seeds
+    those effects need for power 0.8."""
+    from evals.stats import paired_t_power, seeds_needed
+
+    assert paired_t_power(5, 0.0, 1.0) == pytest.approx(0.05, abs=1e-3)
+    assert paired_t_power(10, 1.0, 1.0) == pytest.approx(0.803, abs=2e-3)
+    assert paired_t_power(34, 0.5, 1.0) == pytest.approx(0.808, abs=2e-3)
+    assert seeds_needed(1.0, 1.0) == 10 and seeds_needed(0.5, 1.0) == 34
+    # the interval's width can ask for more: 2.262 / sqrt 10 = 0.72 sd on each side at 10 pairs, so
+    # 0.5 needs more
+    assert seeds_needed(1.0, 1.0, half_width=0.5) > 10
+
+
+def test_eval_from_starts_the_evaluations_later(in_toy_workdir):
+    """--eval_from 2 with --eval_steps 1 over 3 steps: held-out accuracy at steps 2 and 3, none
+    before training (its default, 0, evaluates at step 0 too); each evaluation logs its seconds
+    (time/eval)."""
+    from conftest import read_metrics, run_script
+
+    import grpo
+
+    argv = ["--preset", "toy", "--batch_size", "8", "--num_generations", "4",
+            "--micro_batch_size", "4", "--total_steps", "3", "--eval_steps", "1",
+            "--eval_from", "2", "--eval_num_prompts", "8", "--run_name", "eval_from"]
+    rows = read_metrics(run_script(grpo, argv))
+    assert [m["step"] for m in rows if "eval/accuracy" in m] == [2, 3]
+    assert all(m["time/eval"] > 0 for m in rows if "eval/accuracy" in m)
+
+
+def test_the_study_plans_claims_by_hand():
+    """evals.plan on two seeds made by hand: every arm's accuracy is the mean of its evaluations at
+    steps 8 and 10; CTPO's clip share, 10% then 30% over the steps, lies between GRPO's 5% and
+    GSPO's 40% (the inside distance min(20 - 5, 40 - 20) = 15 points on both seeds: sd 0, so p 0);
+    its drift is 30 - 10 = +20 points, outside the +-5 of "stable"; SNIB 2 points above GSPO on one
+    seed and 4 on the other (mean 3, sd sqrt 2)."""
+    from evals import plan
+
+    def run(accuracy, clip=0.0, late_clip=None, reward=(0.25, 0.125, 0.0625), capped=(0.5, 0.7)):
+        late = clip if late_clip is None else late_clip
+        series = {"policy/clip_frac": [(s, clip if s <= 5 else late) for s in range(1, 11)],
+                  "reward/mean": [[s, r] for s, r in enumerate(reward, 1)],
+                  "p3o/capped_frac": [(1, capped[0])] + [(s, capped[1]) for s in range(2, 11)]}
+        return {"evals": [(8, accuracy - 0.01), (10, accuracy + 0.01)], "series": series}
+
+    runs = {"grpo": {1: run(0.50, 0.05), 2: run(0.40, 0.05)},
+            "gspo": {1: run(0.55, 0.40), 2: run(0.45, 0.40)},
+            "ctpo": {1: run(0.60, 0.10, 0.30), 2: run(0.50, 0.10, 0.30)},
+            "p3o": {1: run(0.30), 2: run(0.20)},
+            "snib": {1: run(0.57, 0.02), 2: run(0.49, 0.02)},
+            "grpo_on": {1: run(0.50), 2: run(0.41)}}
+    assert plan.accuracy(runs["grpo"][1]) == pytest.approx(50.0)
+    rows = {row["claim"].effect: row for row in plan.verdicts(runs)}
+    inside = rows["ctpo clip share inside grpo's..gspo's"]
+    assert inside["values"] == pytest.approx([15.0, 15.0]) and inside["p"] == 0.0
+    drift = rows["ctpo clip share, steps 6-10 minus 1-5"]
+    assert drift["values"] == pytest.approx([20.0, 20.0]) and drift["verdict"] == "disagree"
+    snib = rows["snib - gspo, accuracy"]
+    assert snib["values"] == pytest.approx([2.0, 4.0])
+    assert snib["summary"].sd == pytest.approx(2**0.5)
+    assert rows["p3o capped share, stale minus fresh"]["values"] == pytest.approx([20.0, 20.0])
+    assert rows["grpo on-policy - off-policy, accuracy"]["values"] == pytest.approx([0.0, 1.0])
+    assert len(rows) == len(plan.CLAIMS) >= 7
+    assert plan.first_rollouts_shared(runs) == {1: True, 2: True}
+    # another second batch for one arm: not the same rollouts
+    runs["p3o"][2]["series"]["reward/mean"][1][1] = 0.5
+    assert plan.first_rollouts_shared(runs) == {1: True, 2: False}
+
+
+def test_the_study_stops_at_its_budget():
+    """60 runs of 14 minutes are the 14 CPU-hours: with 54 finished a tenth seed of six fits
+    exactly, with 55 it does not; before any run finishes, a seed is priced at 14 minutes a run."""
+    from evals.plan import within_budget
+
+    assert within_budget([14.0] * 54) and not within_budget([14.0] * 55)
+    assert within_budget([]) and not within_budget([], budget_hours=1.0)
+
+
+def test_snibs_weights_read_from_its_dumps(tmp_path):
+    """One training step of two optimizer steps, G = 4, one group: first u = (0, 0, 0, 0) with
+    log wbar 0 (every w 1: none changed, ESS 1); then u = (log 2, 0, 0, 0) with log wbar =
+    log(5/4), so w = (8/5, 4/5, 4/5, 4/5): with eps a hair over 0.2 only 8/5 lies outside the band,
+    a share of 1/4, and the group ESS (mean w = 1) is 1 / mean w^2 = 4 / (2.56 + 3 x 0.64)."""
+    import math
+
+    from evals.snib_weights import group_ess, step_rows
+
+    (tmp_path / "stats").mkdir()
+    log_wbar = math.log(5 / 4)
+    dumps = [{"log_weight": torch.zeros(4), "log_wbar": torch.zeros(4)},
+             {"log_weight": torch.tensor([math.log(2), 0.0, 0.0, 0.0]),
+              "log_wbar": torch.full((4,), log_wbar)}]
+    torch.save(dumps, tmp_path / "stats" / "step_000001.rank0.pt")
+    row = {"step": 1, "reward/mean": 0.25, "policy/clip_frac": 0.125}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+    (r,) = step_rows(str(tmp_path), epsilon=0.2 + 1e-6, G=4)
+    assert (r["changed_first"], r["changed_last"]) == (0.0, 0.25) and r["changed"] == 0.125
+    assert r["ess_min"] == pytest.approx(4 / 4.48)
+    assert r["ess_mean"] == pytest.approx((1 + 4 / 4.48) / 2)
+    assert r["clip_logged"] == 0.125 and r["kl"] is None
+    assert group_ess(torch.tensor([4.0, 0.0, 0.0, 0.0]), 4).item() == pytest.approx(1 / 4)
+
+
+def test_the_studys_progress_lists_its_finished_runs(tmp_path):
+    """Two finished runs of seed 1 (GRPO off-policy, 30 and 18 minutes): both listed with their
+    training minutes and evaluations' seconds, 0.8 CPU-hours, and no seed complete (four arms of six
+    missing)."""
+    from evals.plan import progress
+
+    for tag, algo, seconds in (("study67", "grpo", 1800.0), ("study67_on", "grpo", 1080.0)):
+        folder = tmp_path / f"compare-{tag}"
+        folder.mkdir()
+        result = {"algo": algo, "seed": 1, "seconds": seconds, "minutes": [10.0, 12.5],
+                  "eval_seconds": [200.0, 210.0], "machine": "a CPU"}
+        (folder / f"{algo}__s1.result.json").write_text(json.dumps(result))
+    lines = progress(str(tmp_path))
+    assert lines[0] == ("study67 grpo seed 1: 30.0 min, training 12.5, evaluations 200, 210 s "
+                        "(a CPU)")
+    assert lines[-1] == "2 runs, 0.80 CPU-hours; complete seeds []"

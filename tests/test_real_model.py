@@ -174,3 +174,13 @@ def test_two_builders_build_once(tmp_path, monkeypatch):
     for t in threads:
         t.join()
     assert len(calls) == 1 and len(results) == 2 and results[0] == results[1]
+
+
+def test_the_larger_held_out_set_is_held_out():
+    """test_large.jsonl: the preset's 200 held-out sums first (so its first 200 are test.jsonl),
+    then others; none trained on, none twice."""
+    train, test = models.task_rows()
+    large = models.large_test_rows()
+    assert len(large) == models.TASK_NUM_LARGE_TEST and large[: len(test)] == test
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in large}
+    assert len({r["prompt"] for r in large}) == len(large)

@@ -14,7 +14,7 @@ from common.run_folder.repair import json_lines
 # samples' distribution, the optimisation nor the estimator (micro-batching and process count are
 # tested invariances).
 RESUME_MAY_CHANGE = {"run_name", "output_dir", "resume_from", "resume_overrides", "preset",
-                     "report_to", "save_steps", "save_total_limit", "eval_steps",
+                     "report_to", "save_steps", "save_total_limit", "eval_steps", "eval_from",
                      "eval_num_prompts", "eval_benchmarks", "eval_num_samples", "dump_stats_steps",
                      "micro_batch_size", "logprob_batch_size", "gradient_checkpointing",
                      "gradient_checkpointing_every", "rollout_engine", "vllm_gpu_memory_utilization",

