@@ -161,6 +161,15 @@ def learning_bar(name: str, toy: str = TOY_DIR, digest: str | None = None) -> fl
     return max(statistics.mean(gains) - 3 * spread, 0.04)
 
 
+def step_files_named(script: str = "grpo.py") -> set[str]:
+    """The common/ files a script's docstring names in its "One step" paragraph: the files one step
+    calls into (benchmarks/step_path.py records them; tests/test_siblings.py holds the two equal)."""
+    with open(os.path.join(REPO, script)) as f:
+        docstring = f.read().split('"""')[1]
+    paragraph = docstring[docstring.index("One step"):].split("\n\n")[0]
+    return set(re.findall(r"common/[\w/]+\.py", " ".join(paragraph.split())))
+
+
 def read_metrics(run_dir: str) -> list[dict]:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]

@@ -105,13 +105,15 @@ def test_wrapped_files_stay_under_100_columns():
 def test_the_files_a_step_reads_stay_within_100_columns():
     """Issue 66: the common/ files one warm toy step calls into (grpo.py's "One step" paragraph, held to
     benchmarks/step_path.py's record by tests/test_siblings.py) have no line past MAX_COLUMNS."""
-    with open(os.path.join(REPO, "grpo.py")) as f:
-        docstring = f.read().split('"""')[1]
-    paragraph = " ".join(docstring[docstring.index("One step"):].split("\n\n")[0].split())
-    files = sorted(set(re.findall(r"common/[\w/]+\.py", paragraph)))
+    from conftest import step_files_named
+
+    files = sorted(step_files_named("grpo.py"))
     assert len(files) >= 4, files
-    long = {path: [n for n, line in enumerate(open(os.path.join(REPO, path)).read().splitlines(), 1)
-                   if len(line) > MAX_COLUMNS] for path in files}
+    long = {}
+    for path in files:
+        with open(os.path.join(REPO, path)) as f:
+            lines = f.read().splitlines()
+        long[path] = [n for n, line in enumerate(lines, 1) if len(line) > MAX_COLUMNS]
     assert not any(long.values()), {path: lines for path, lines in long.items() if lines}
 
 

@@ -11,12 +11,11 @@ import glob
 import importlib
 import json
 import os
-import re
 import subprocess
 import sys
 
 import pytest
-from conftest import subprocess_env
+from conftest import step_files_named, subprocess_env
 
 from evals import ALGORITHMS
 
@@ -212,10 +211,7 @@ def test_grpos_header_names_the_files_one_step_calls(in_toy_workdir):
                          cwd=in_toy_workdir, capture_output=True, text=True, timeout=600, env=subprocess_env())
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     path = json.loads(out.stdout.strip().splitlines()[-1])
-    with open(os.path.join(REPO, "grpo.py")) as f:
-        docstring = f.read().split('"""')[1]
-    paragraph = docstring[docstring.index("One step"):].split("\n\n")[0]
-    named = set(re.findall(r"common/[\w/]+\.py", " ".join(paragraph.split())))
+    named = step_files_named("grpo.py")
     assert named == set(path), (sorted(named), path)
     assert len(path) <= STEP_FILES, path
 
