@@ -149,6 +149,11 @@ def launch(main, args_cls) -> None:
                   file=sys.stderr)
         resume = where_to_resume(ACTIVE_RUN["run_dir"], args.save_steps)
         raise SystemExit(f"error: {e}\n{resume}") from None
+    finally:
+        # The run is over (done, refused or stopped). A signal from here on, such as the
+        # launcher's SIGTERM to a process still exiting after another one failed, exits at once
+        # and quietly: there is nothing left to stop cleanly.
+        interrupted.append(signal.SIGTERM)
 
 
 def setup(args) -> Run:

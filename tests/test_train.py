@@ -308,6 +308,43 @@ launch(main, Args)
         assert "interrupted before training started" in err
 
 
+def test_a_signal_after_the_run_ended_exits_quietly(tmp_path):
+    """A refused multi-process run: every process raises the refusal, the first to exit makes the launcher SIGTERM
+    the others, and one may get it while it is still exiting (its atexit handlers, here one that waits). That signal
+    ends it at once, without a traceback of ours; it raised KeyboardInterrupt outside `launch` before."""
+    import signal
+
+    script = tmp_path / "refused.py"
+    script.write_text(f"""import atexit, dataclasses, sys, time
+sys.path.insert(0, {REPO!r})
+from common.run import launch
+
+def exiting():
+    print("exiting", flush=True)
+    time.sleep(60)
+
+@dataclasses.dataclass
+class Args:
+    pass
+
+def main(args):
+    atexit.register(exiting)
+    raise SystemExit("error: refused")
+
+launch(main, Args)
+""")
+    proc = subprocess.Popen([sys.executable, str(script)], env=subprocess_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert read_line(proc) == "exiting", proc.stderr.read()[-3000:]
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, err[-2000:])
+    assert "Traceback" not in err and "error: refused" in err, err[-2000:]
+
+
 @pytest.mark.slow
 def test_a_reward_function_that_raises_mid_run_names_step_function_sample_and_shows_only_its_own_frames(
         toy_workdir, tmp_path):
