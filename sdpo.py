@@ -6,12 +6,10 @@ Hübotter et al. 2026, arXiv:2601.20802), in TRL 1.16's sampled-token form (trl.
     L    = -(1/B) sum_i (1/L_i) sum_t mask [(1 - lam) s_t - beta kl_t] + lam L_sd   (s_t: GRPO's)
 
 Differs from grpo.py:
-- a self-teacher scores the sampled tokens on a re-prompted context x'_i, once per micro-batch: the
-  policy itself (--teacher live), its first weights (base) or their EMA (ema). The gradient of
-  sg(logp_t - q_t) logp_t is the sampled-token reverse KL's; w_t is the distillation IS clip.
-- x'_i is row i's prompt with the first other success of its group (reward >= --success_threshold)
-  and the data's privileged_context (--include_environment_feedback); a row with neither keeps its
-  prompt and has no term: mask'_it = 0 (TRL's rule).
+- a self-teacher, the policy (--teacher live), its first weights (base) or their EMA (ema), scores
+  the sampled tokens on x'_i, once per micro-batch; sg(logp_t - q_t) logp_t has the gradient of the
+  sampled-token reverse KL. x'_i: the prompt with the first other success of its group (reward >=
+  --success_threshold); a row without one keeps its prompt and has mask'_i = 0 (TRL's rule).
 - lam = --distillation_weight 1 (the paper's, TRL's): the distillation term alone; beta 0.
 
 One step, in the order main() runs it, and the files it calls into (benchmarks/step_path.py lists
@@ -35,7 +33,6 @@ from functools import partial
 from typing import Literal
 
 import torch
-from torch.nn.utils.rnn import pad_sequence  # SDPO: the teacher's contexts, left-padded
 
 from common.args import TrainArgs, arg
 from common.logprobs import completion_logprobs, logprob_metrics
@@ -59,18 +56,13 @@ class Args(TrainArgs):
     distillation_weight: float = arg(1.0, "lam: (1 - lam) policy term + lam distillation term")
     teacher: Literal["ema", "base", "live"] = arg("ema", "the policy's EMA, its start, or itself")
     teacher_update_rate: float = arg(0.05, "EMA: teacher += rate (policy - teacher)", at_least=0)
-    distillation_is_clip: float = arg(2.0, "cap of the distillation IS weight (0: none)",
-                                      at_least=0)
+    distillation_is_clip: float = arg(2.0, "cap of the distillation IS weight (0: off)", at_least=0)
     success_threshold: float = arg(1.0, "a completion with this reward or more is a demonstration")
     dont_reprompt_on_self_success: bool = arg(True, "a row is never its own demonstration")
-    include_environment_feedback: bool = arg(False, "add the data's privileged_context column")
     reprompt_template: str = arg("{prompt}{solution}{feedback}\n\nCorrectly solve the original "
                                  "question.\n", "the teacher's user turn")
     solution_template: str = arg("\nCorrect solution:\n\n{successful_previous_attempt}\n\n",
                                  "a demonstration, as {solution}")
-    feedback_template: str = arg("\nThe following is feedback from your unsuccessful earlier "
-                                 "attempt:\n\n{feedback_raw}\n\n", "feedback, as {feedback}")
-    max_reprompt_length: int = arg(10240, "tokens of the re-prompted context kept", at_least=1)
 
 # ALGO LOGIC: advantages and loss
 def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
@@ -94,13 +86,11 @@ def batch_stats(advantages, mask, args: Args, total=lambda x: x) -> Stats:
 
 
 def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=None,
-                 tis_weights=None, teacher_logp=None, distill_mask=None):
+                 tis_weights=None, teacher_logp=None, distill_mask=None):  # (B, T) q_t, mask'
     """SDPO loss with full-batch semantics: `stats` hold the whole optimizer batch's denominators
     when the loss is called per micro-batch (None: these rows are the whole batch). `tis_weights`
     (B, T) multiply the policy term per token (TIS or masked IS, per token or per sequence:
-    common/offpolicy.py). `teacher_logp` (B, T): the self-teacher's log-probs of the sampled tokens
-    (None: no distillation term); `distill_mask` (B, T): mask' on the rows re-prompted (None: mask).
-    """
+    common/offpolicy.py)."""
     if stats is None:
         stats = batch_stats(advantages, mask, args)
     mask = mask.float()  # (B, T)
@@ -153,31 +143,19 @@ def demonstrations(rewards, args: Args) -> list[int | None]:
     not itself with --dont_reprompt_on_self_success; None where there is none."""
     G = args.num_generations
     success = (rewards >= args.success_threshold).tolist()  # (B,)
+    own = args.dont_reprompt_on_self_success  # TRL's name
     chosen = []
     for i in range(len(success)):
-        others = [j for j in range(i - i % G, i - i % G + G) if success[j]]
-        if args.dont_reprompt_on_self_success and i in others:
-            others.remove(i)
+        others = [j for j in range(i - i % G, i - i % G + G) if success[j] and not (own and j == i)]
         chosen.append(others[0] if others else None)
     return chosen
-
-
-def reprompt(prompt, solution: str, feedback: str, args: Args):
-    """The teacher's prompt: the user turn in --reprompt_template (a conversation's last turn)."""
-    if not isinstance(prompt, str):  # TRL's conversational rows
-        plain = replace(args, prompt_template="{prompt}")  # the turn holds the prompt as it is
-        turn = reprompt(prompt[-1]["content"], solution, feedback, plain)
-        return prompt[:-1] + [{**prompt[-1], "content": turn}]
-    user = args.prompt_template.replace("{prompt}", prompt)
-    return args.reprompt_template.format(prompt=user, solution=solution, feedback=feedback)
 
 
 def teacher_contexts(run, step: int, batch, metrics: dict):
     """The teacher's batch: [left-padded re-prompted context | the same completion] (B, P'+T), and
     mask' (B, T), the mask on the rows re-prompted. Built from each row's own group (groups never
-    straddle processes), formatted and tokenized as the prompts are; a row with neither a
-    demonstration nor feedback keeps its prompt. The batch of `step` holds round_prompts' prompts.
-    """
+    straddle processes), formatted and tokenized as the prompts are; a row without a demonstration
+    keeps its prompt. The batch of `step` holds round_prompts' prompts of that step."""
     args, tokenizer, G = run.args, run.tokenizer, run.args.num_generations
     if args.dynamic_sampling:  # its later rounds draw other prompts
         raise ValueError("sdpo.py: --dynamic_sampling is not supported (docs/estimators/sdpo.md)")
@@ -185,30 +163,27 @@ def teacher_contexts(run, step: int, batch, metrics: dict):
     completions = batch.input_ids[:, -batch.mask.shape[1]:]  # (B, T)
     tokens = [c[m.bool()] for c, m in zip(completions, batch.completion_tokens)]  # EOS included
     texts = tokenizer.batch_decode(tokens, skip_special_tokens=True)
-    feedbacks = rows.get("privileged_context") or [None] * len(rows["prompt"])
     ids, on = [], []
     for i, j in enumerate(demonstrations(batch.rewards, args)):
-        feedback = feedbacks[i // G] if args.include_environment_feedback else None
-        on.append(j is not None or bool(feedback))
-        if not on[-1]:  # the teacher sees the prompt; the row has no distillation term
+        on.append(j is not None)
+        if j is None:  # the teacher sees the prompt; the row has no distillation term
             ids.append(rows["prompt_ids"][i // G])
             continue
-        solution = "" if j is None else args.solution_template.format(
-            successful_previous_attempt=texts[j])
-        feedback = args.feedback_template.format(feedback_raw=feedback) if feedback else ""
-        text = format_prompt(tokenizer, reprompt(rows["prompt"][i // G], solution, feedback, args),
-                             "{prompt}", args.system_prompt, args.use_chat_template,
-                             args.enable_thinking)
+        solution = args.solution_template.format(successful_previous_attempt=texts[j])
+        prompt = rows["prompt"][i // G]  # a text, or TRL's conversation: its last turn the user's
+        plain = isinstance(prompt, str)
+        user = args.prompt_template.replace("{prompt}", prompt) if plain else prompt[-1]["content"]
+        turn = args.reprompt_template.format(prompt=user, solution=solution, feedback="")
+        prompt = turn if plain else prompt[:-1] + [{**prompt[-1], "content": turn}]
+        text = format_prompt(tokenizer, prompt, "{prompt}", args.system_prompt,
+                             args.use_chat_template, args.enable_thinking)
         chat = args.use_chat_template and tokenizer.chat_template  # a chat template writes its BOS
-        tokenized = tokenizer(text, add_special_tokens=not chat)["input_ids"]
-        ids.append(tokenized[-args.max_reprompt_length:])  # the last tokens, as TRL keeps them
-    ids = [torch.tensor(p, device=completions.device) for p in ids]
-    prompts = pad_sequence(ids, True, tokenizer.pad_token_id, "left")  # (B, P')
-    prompt_tokens = pad_sequence([torch.ones_like(p) for p in ids], True, 0, "left")  # (B, P')
+        ids.append(tokenizer(text, add_special_tokens=not chat)["input_ids"])
+    padded = tokenizer.pad({"input_ids": ids}, return_tensors="pt").to(completions.device)  # left
     reprompted = torch.tensor(on, device=completions.device)  # (B,)
     metrics["sdpo/reprompted_frac"] = reprompted.float().mean().item()
-    return replace(batch, input_ids=torch.cat([prompts, completions], dim=1),  # (B, P'+T)
-                   attention_mask=torch.cat([prompt_tokens, batch.completion_tokens], dim=1),
+    return replace(batch, input_ids=torch.cat([padded["input_ids"], completions], 1),  # (B, P'+T)
+                   attention_mask=torch.cat([padded["attention_mask"], batch.completion_tokens], 1),
                    mask=batch.mask * reprompted[:, None])  # (B, T)  mask'
 
 
