@@ -38,6 +38,10 @@ VARIANTS = {"covpo": [("covpo_clip", ["--cov_method", "clip"]), ("covpo_kl", ["-
 VARIANTS["gdpo"] = [("gdpo", ["--reward_funcs", "toy_addition,toy_closeness"])]  # two rewards: GDPO's case
 # landscape.py with no switch is grpo.py to the bit: its test learns with CL, the paper's sign advantages
 VARIANTS["landscape"] = [("landscape", ["--advantage", "sign"])]
+# sdpo.py: the toy's own templates (its vocabulary has no letters), a tenth of the distillation term beside GRPO's
+# (the distillation term alone collapses the toy: docs/estimators/sdpo.md)
+VARIANTS["sdpo"] = [("sdpo", ["--distillation_weight", "0.1", "--reprompt_template", "{prompt}{solution}={prompt}",
+                              "--solution_template", "{successful_previous_attempt}"])]
 COMMON = ["--preset", "toy", "--total_steps", "50", "--eval_steps", "25", "--save_steps", "0", "--report_to", "none"]
 
 

@@ -1,5 +1,6 @@
 """Peers' own loss code, run on identical tensors: TRL 1.16's GRPOTrainer._compute_loss on a stand-in trainer (the
-`peer` tests of tests/test_cispo.py and tests/test_sapo.py; TRL comes from requirements-test.txt)."""
+`peer` tests of tests/test_cispo.py and tests/test_sapo.py) and its SDPOTrainer.compute_loss (tests/test_sdpo.py); TRL
+comes from requirements-test.txt."""
 
 from collections import defaultdict
 from types import SimpleNamespace
@@ -33,3 +34,38 @@ def trl_grpo_loss(loss_type: str, logp, old, ref, A, mask, beta: float, tis=None
               "advantages": A, "old_per_token_logps": old, "ref_per_token_logps": ref,
               "num_items_in_batch": mask.sum().to(logp.dtype), "importance_sampling_ratio": tis}
     return GRPOTrainer._compute_loss(trainer, None, inputs)
+
+
+def trl_sdpo_loss(student_logits, teacher_logits, completion_ids, mask, old, A, reprompted,
+                  distillation_weight: float, distillation_is_clip: float | None, loss_type: str = "grpo"):
+    """`SDPOTrainer.compute_loss` itself (TRL 1.16, trl.experimental.sdpo) in its sampled-token mode, on a stand-in
+    whose forwards return `student_logits` (the policy, with their gradient) and `teacher_logits` (the teacher on its
+    re-prompted rows): one process, no accumulation; `reprompted` (B,) is TRL's self_distillation_mask, `old` its
+    old_per_token_logps (None on-policy), `loss_type` that of its policy term."""
+    from contextlib import nullcontext
+    from types import MethodType
+
+    from trl.experimental.sdpo import SDPOTrainer
+
+    student, teacher = SimpleNamespace(training=True), SimpleNamespace(training=False)  # told apart by identity
+    accelerator = SimpleNamespace(gather=lambda x: x)
+    trainer = SimpleNamespace(
+        args=SimpleNamespace(distillation_weight=distillation_weight, distillation_mode="sampled_token",
+                             distillation_alpha=1.0, distillation_topk=None, distillation_add_tail=False,
+                             distillation_is_clip=distillation_is_clip),
+        use_teacher_server=False, teacher_model=teacher, current_gradient_accumulation_steps=1,
+        model=SimpleNamespace(training=True), importance_sampling_level="token", epsilon_low=0.2, epsilon_high=0.2,
+        loss_type=loss_type, max_completion_length=mask.shape[1], accelerator=accelerator, _name="SDPO",
+        _metrics=defaultdict(lambda: defaultdict(list)))
+    for name in ("_compute_teacher_student_logits", "_compute_self_distillation_loss", "_compute_policy_loss",
+                 "_log_self_distillation_metric"):
+        setattr(trainer, name, MethodType(getattr(SDPOTrainer, name), trainer))
+    trainer._forward_logits = lambda model, **_: student_logits if model is student else teacher_logits
+    trainer._get_teacher_context_for_self_distillation = nullcontext
+    B, T = mask.shape
+    inputs = {"prompt_ids": torch.zeros(B, 1, dtype=torch.long), "prompt_mask": torch.ones(B, 1, dtype=torch.long),
+              "completion_ids": completion_ids, "completion_mask": mask, "advantages": A,
+              "old_per_token_logps": old, "self_distillation_mask": reprompted,
+              "teacher_input_ids": torch.zeros(B, 1 + T, dtype=torch.long),
+              "teacher_attention_mask": torch.ones(B, 1 + T, dtype=torch.long)}
+    return SDPOTrainer.compute_loss(trainer, student, inputs)
