@@ -128,6 +128,12 @@ def test_rollout_queue_trains_each_step_on_the_batch_sampled_k_steps_earlier(tmp
     assert not os.path.exists(tmp_path / "none")
 
 
+def own_inputs(name: str, ref: torch.Tensor) -> dict:
+    """What a script's loss takes beyond the six: sdpo.py's self-teacher log-probs (the reference's stand in for them,
+    so that its distillation term is in every check here)."""
+    return {"teacher_logp": ref} if name == "sdpo" else {}
+
+
 def removal_batch(G: int = 4, seed: int = 0):
     """Two groups of G rows; the last row of each group will be removed (mask 0)."""
     gen = torch.Generator().manual_seed(seed)
@@ -149,14 +155,14 @@ def test_removed_rows_get_no_gradient_and_leave_every_denominator(name):
     logp, old, ref, rewards, mask = removal_batch(G)
     A = module.compute_advantages(rewards, args)
     removed = torch.tensor([j == G - 1 for _ in range(2) for j in range(G)])
-    loss, _ = module.compute_loss(logp, old, ref, A, mask * ~removed[:, None], args)
+    loss, _ = module.compute_loss(logp, old, ref, A, mask * ~removed[:, None], args, **own_inputs(name, ref))
     (grad,) = torch.autograd.grad(loss, logp)
     assert grad[removed].abs().max() == 0 and grad[~removed].abs().max() > 0
 
     kept = ~removed
     small = logp.detach()[kept].clone().requires_grad_()
     expected, _ = module.compute_loss(small, old[kept], ref[kept], A[kept], mask[kept],
-                                      replace(args, num_generations=G - 1))
+                                      replace(args, num_generations=G - 1), **own_inputs(name, ref[kept]))
     (expected_grad,) = torch.autograd.grad(expected, small)
     assert loss.item() == pytest.approx(expected.item(), rel=1e-12)
     torch.testing.assert_close(grad[kept], expected_grad, rtol=1e-10, atol=1e-14)
@@ -170,9 +176,9 @@ def test_a_whole_removed_group_changes_nothing(name):
     logp, old, ref, rewards, mask = removal_batch(G, seed=1)
     A = module.compute_advantages(rewards, args)
     removed = torch.arange(2 * G) >= G
-    loss, metrics = module.compute_loss(logp, old, ref, A, mask * ~removed[:, None], args)
+    loss, metrics = module.compute_loss(logp, old, ref, A, mask * ~removed[:, None], args, **own_inputs(name, ref))
     assert all(math.isfinite(float(v)) for v in metrics.values())
-    expected, _ = module.compute_loss(logp[:G], old[:G], ref[:G], A[:G], mask[:G], args)
+    expected, _ = module.compute_loss(logp[:G], old[:G], ref[:G], A[:G], mask[:G], args, **own_inputs(name, ref[:G]))
     assert loss.item() == pytest.approx(expected.item(), rel=1e-12)
 
 
@@ -189,12 +195,12 @@ def test_masked_is_weights_zero_a_rows_policy_gradient(name):
     sampler[0] -= 1.0  # row 0: rho_0 = e^L0 > 2
     weights, frac = importance_weights(old, sampler, mask, cap=2.0, mode="sequence", masked=True)
     assert weights[0].abs().max() == 0 and frac == pytest.approx(1 / (2 * G))
-    loss, _ = module.compute_loss(logp, old, ref, A, mask, args, tis_weights=weights)
+    loss, _ = module.compute_loss(logp, old, ref, A, mask, args, tis_weights=weights, **own_inputs(name, ref))
     (grad,) = torch.autograd.grad(loss, logp)
     # the same as row 0 having no advantage (its policy term gone), whatever its weight
     no_signal, ones = A.clone(), weights.clone()
     no_signal[0], ones[0] = 0.0, mask[0].double()
-    expected, _ = module.compute_loss(logp, old, ref, no_signal, mask, args, tis_weights=ones)
+    expected, _ = module.compute_loss(logp, old, ref, no_signal, mask, args, tis_weights=ones, **own_inputs(name, ref))
     (expected_grad,) = torch.autograd.grad(expected, logp)
     if name == "ipo":  # IPO: a row of zero advantage leaves the token count too (prime-rl drops it); MIS keeps it
         expected_grad = expected_grad * (module.batch_stats(no_signal, mask, args).num_tokens.item()
@@ -202,9 +208,9 @@ def test_masked_is_weights_zero_a_rows_policy_gradient(name):
     torch.testing.assert_close(grad, expected_grad, rtol=1e-10, atol=1e-14)
     if name == "vespo":  # VESPO folds the weight into w, floored at 1e-8: phi = e^lambda 1e-8^k ~ 2e-15, not 0
         assert grad[0].abs().max() < 1e-15 and grad[1:].abs().max() > 0
-    # P3O's trust region (1 - ESS) KL(old) and DRO's (tau/2) (logp - old_logp)^2 are not policy terms: they keep a
-    # gradient on every row
-    elif name not in ("p3o", "dro"):
+    # P3O's trust region (1 - ESS) KL(old), DRO's (tau/2) (logp - old_logp)^2 and SDPO's distillation term are not
+    # policy terms: they keep a gradient on every row
+    elif name not in ("p3o", "dro", "sdpo"):
         assert grad[0].abs().max() == 0 and grad[1:].abs().max() > 0
 
 
@@ -224,7 +230,8 @@ def test_tool_output_tokens_are_context_not_actions(name):
     losses, grads = [], []
     for shift in (0.0, 0.9):
         lp = noisy(logp, shift).requires_grad_()
-        loss, _ = module.compute_loss(lp, noisy(old, -shift), noisy(ref, shift / 2), A, mask, args)
+        loss, _ = module.compute_loss(lp, noisy(old, -shift), noisy(ref, shift / 2), A, mask, args,
+                                      **own_inputs(name, noisy(ref, shift / 2)))
         losses.append(loss.item())
         grads.append(torch.autograd.grad(loss, lp)[0])
     assert losses[0] == pytest.approx(losses[1], rel=1e-12)
@@ -232,6 +239,7 @@ def test_tool_output_tokens_are_context_not_actions(name):
     assert grads[0][:, 2:4].abs().max() == 0
     keep = [0, 1, 4]  # the model's tokens, with the tool turn cut out
     short = logp.detach()[:, keep].clone().requires_grad_()
-    expected, _ = module.compute_loss(short, old[:, keep], ref[:, keep], A, mask[:, keep], args)
+    expected, _ = module.compute_loss(short, old[:, keep], ref[:, keep], A, mask[:, keep], args,
+                                      **own_inputs(name, ref[:, keep]))
     assert losses[0] == pytest.approx(expected.item(), rel=1e-12)
     torch.testing.assert_close(grads[0][:, keep], torch.autograd.grad(expected, short)[0], rtol=1e-10, atol=1e-14)
