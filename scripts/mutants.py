@@ -100,6 +100,12 @@ MUTANTS = [
     ("gdpo", "/ (n + 1e-8) * n / (n - 1)  # ()", "/ (n + 1e-8)  # ()", "GDPO's unbiased batch variance"),
     ("gdpo", "normalised = centered / (grouped.std(dim=1, keepdim=True) + 1e-6)  # (N, G, K)",
      "normalised = centered  # (N, G, K)", "GDPO's z-score per reward"),
+    ("sdpo", "gap = (logp - teacher_logp).detach()  # (B, T)  logp_t - q_t",
+     "gap = (teacher_logp - logp).detach()  # (B, T)  logp_t - q_t", "SDPO's reverse-KL direction, to the teacher"),
+    ("sdpo", "log_ratio = (logp - old_logp).detach().clamp(-20.0, 20.0)  # (B, T)",
+     "log_ratio = (logp - old_logp).clamp(-20.0, 20.0)  # (B, T)", "SDPO's stop-gradient on the IS weight"),
+    ("sdpo", "if success[j] and not (own and j == i)]", "if success[j]]",
+     "SDPO's dont_reprompt_on_self_success: a success is not its own demonstration"),
 ]
 
 
