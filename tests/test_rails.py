@@ -256,6 +256,9 @@ TRAIN_CASES = [
     ("luspo", ["--beta=-1"], "--beta -1.0 must be >= 0"),
     ("gdpo", ["--epsilon_high=-0.2"], "--epsilon_high -0.2 must be >= 0"),
     ("gdpo", ["--beta=-0.04"], "--beta -0.04 must be >= 0"),
+    ("sdpo", ["--teacher_update_rate=-0.05"], "--teacher_update_rate -0.05 must be >= 0"),
+    ("sdpo", ["--distillation_is_clip=-2"], "--distillation_is_clip -2.0 must be >= 0"),
+    ("sdpo", ["--teacher", "best"], "invalid choice: 'best'"),
 ]
 if not vllm_available():
     TRAIN_CASES.append(("grpo", ["--rollout_engine", "vllm"], "--rollout_engine vllm needs vLLM: pip install"))
