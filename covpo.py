@@ -21,10 +21,9 @@ Differs from grpo.py (verl 0.5.0's compute_policy_loss_clip_cov / _kl_cov, from 
 
 One step, in the order main() runs it, and the files it calls into (benchmarks/step_path.py lists
 their functions): the rollouts, through the lagged queue (common/sampling.py, with transformers'
-sampler of common/engines/rollout.py, the rewards of common/tasks/rewards.py and the toy's reward
-function of common/tasks/toy.py); compute_advantages; the log-probs (common/logprobs.py);
-batch_stats and compute_loss on micro-batches (common/update.py); the backward and the optimizer
-step, here.
+sampler of common/engines/rollout.py and the rewards of common/tasks/rewards.py, the toy's among
+them); compute_advantages; the mini- and micro-batches (common/sampling.py again), their log-probs
+(common/logprobs.py), batch_stats and compute_loss; the backward and the optimizer step, here.
 
 Run:
     python covpo.py --preset toy                                 # CPU, minutes
@@ -43,8 +42,17 @@ from common.args import TrainArgs, arg
 from common.logprobs import completion_logprobs, logprob_metrics
 from common.offpolicy import importance_weights
 from common.run import end_step, finish, launch, progress_bar, setup
-from common.sampling import current_and_old_logprobs, old_and_reference_logprobs, sample_batch  # COVPO:
-from common.update import BatchStats, masked_mean, microbatches, minibatches, rows_of, save_dumps
+from common.sampling import (
+    BatchStats,
+    current_and_old_logprobs,  # COVPO:
+    masked_mean,
+    microbatches,
+    minibatches,
+    old_and_reference_logprobs,
+    rows_of,
+    sample_batch,
+    save_dumps,
+)
 
 
 @dataclass
@@ -100,7 +108,7 @@ def batch_stats(logp_now, old_logp, advantages, mask, args: Args, total=lambda x
     """What compute_loss needs from the whole optimizer batch when it is called per micro-batch.
     `logp_now` (B, T): log-probs at the current weights, without gradient; `total` sums a tensor
     over the processes."""
-    from common.update import gather_rows, own_rows  # COVPO: the tokens of every process
+    from common.sampling import gather_rows, own_rows  # COVPO: the tokens of every process
 
     # (B, T) each  COVPO: at the current weights
     logp, A = logp_now, advantages[:, None].expand(mask.shape)

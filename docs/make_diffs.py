@@ -51,7 +51,7 @@ FOLDER_ORDER = ["common", "common/engines", "common/tasks", "common/models", "co
 # (tests/test_siblings.py), so the drawing of the imports reads from the top down.
 FLOORS = [
     ("a step's arithmetic and metrics", ["common/nucleus.py", "common/logprobs.py",
-                                         "common/update.py", "common/metrics.py",
+                                         "common/metrics.py",
                                          "common/offpolicy.py", "common/dapo.py"]),
     ("where the policy lives", ["common/models"]),
     ("who samples", ["common/engines"]),

@@ -38,12 +38,15 @@ BUDGET = {"gspo": 60, "covpo": 140, "p3o": 140, "snib": 178}
 SIBLINGS = {name: BUDGET.get(name, 120) for name in ALGORITHMS if name != "grpo"}
 MAX_MAIN_LINES = 6
 # The repository files besides the script whose functions one warm toy step calls (benchmarks/step_path.py), the
-# task's own reward function included: 11 before issue 66 (2026-12-06), 6 since; the goal 4.
-STEP_FILES = 6
+# task's own reward function included: 11 before issue 66, 6 after its first part, 4 since the update's rules joined
+# common/sampling.py and the toy's reward common/tasks/rewards.py.
+STEP_FILES = 4
 # Lines of a whole script and of its main(), blank lines and comments included: the longest measured when these were
 # set (2026-11-27: covpo.py and snib.py 253, p3o.py's main 79 of which 61 are statements) plus about 10%. Issue 51
 # asked for 180 and 60; reaching them would take the estimators' metrics or main's named steps out, or pack lines.
-MAX_SCRIPT_LINES = 280
+# 280 became 290 when the update's pieces joined common/sampling.py (issue 66): the scripts import its eight names
+# one per line (ruff's wrapping at 100 columns), eight lines more each, and a sibling's own name is one diff line.
+MAX_SCRIPT_LINES = 290
 MAX_MAIN_FUNCTION_LINES = 88
 
 
