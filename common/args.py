@@ -165,6 +165,10 @@ class TrainArgs:
     warmup_steps: int = arg(0, "learning-rate warmup in optimizer steps")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     max_grad_norm: float = arg(1.0, "gradient clipping")
+    # The estimator's KL coefficient, which common/ reads: the reference model is loaded and its
+    # log-probs computed only when it is above 0. Each script's Args sets its own default (grpo.py
+    # 0.04, TRL's 0.0) and help.
+    beta: float = arg(0.0, "KL coefficient to the reference policy (0: no reference)", at_least=0)
     eval_steps: int = arg(50, "held-out greedy accuracy every this many steps (0: off)")
     eval_num_prompts: int = arg(500, "held-out prompts per evaluation")
     eval_from: int = arg(

@@ -323,3 +323,25 @@ def test_imports_point_down():
             imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
             upward = {m for m in imported if m.split(".")[0] in banned}
             assert not upward, f"{folder}/{name} imports {sorted(upward)}"
+
+
+def test_every_flag_common_reads_is_declared_in_trainargs():
+    """Every `args.NAME` attribute that common/ reads is a TrainArgs field, so no script's Args carries a field
+    that common/ depends on without saying so (issue 66: `args.beta` was one). common/engines/serve.py reads its
+    own parser's flags."""
+    import ast
+    import dataclasses
+
+    from common.args import TrainArgs
+
+    declared = {f.name for f in dataclasses.fields(TrainArgs)} | {"problems"}  # and its method a script extends
+    undeclared = set()
+    for path in python_files("common"):
+        if path.endswith(os.path.join("engines", "serve.py")):
+            continue
+        tree = ast.parse(open(path).read())
+        for node in ast.walk(tree):
+            is_args = isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+            if is_args and node.value.id == "args" and node.attr not in declared:
+                undeclared.add(f"{os.path.relpath(path, REPO)}: args.{node.attr}")
+    assert not undeclared, sorted(undeclared)
