@@ -14,9 +14,16 @@ import torch
 from huggingface_hub.errors import GatedRepoError
 
 from common.tasks import math_grader
-from common.tasks.benchmarks import BENCHMARKS, get_benchmark, get_grader, load_benchmark
+from common.tasks.benchmark_scoring import (
+    _stats,
+    evaluate_benchmarks,
+    k_values,
+    load_eval_sets,
+    pass_at_k,
+    run_eval_set,
+)
+from common.tasks.benchmark_sets import BENCHMARKS, get_benchmark, get_grader, load_benchmark
 from common.tasks.choice_grader import choice_accuracy, extract_choice
-from common.tasks.evaluation import _stats, evaluate_benchmarks, k_values, load_eval_sets, pass_at_k, run_eval_set
 from common.tasks.math_grader import is_equivalent, math_accuracy
 from common.tasks.reward_names import get_reward_function
 from common.tasks.toy import TOY_DIR, toy_addition
@@ -33,7 +40,7 @@ def patient_grader(monkeypatch):
     monkeypatch.setattr(math_grader, "TIME_LIMIT_S", 30.0)
 
 # The columns of each hub dataset and their types (None is allowed too), as the "schema:" comments of
-# common/tasks/benchmarks.py record where they were checked (GPQA: only the columns we read and a few more; the real
+# common/tasks/benchmark_sets.py record where they were checked (GPQA: only the columns we read and a few more; the real
 # file also has Pre-Revision* and validator columns). The fixtures must match exactly.
 MATH_ARENA = {"problem_idx": int, "problem": str, "answer": str, "problem_type": list}
 HUB_SCHEMA = {

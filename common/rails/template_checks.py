@@ -1,4 +1,4 @@
-"""A chat template as a run uses it (issue 43): imported by common/rails/real_checks.py where a model from
+"""A chat template as a run uses it (issue 43): imported by common/rails/outside_checks.py where a model from
 outside has one and --use_chat_template is on."""
 
 

@@ -70,7 +70,7 @@ def get_benchmark(name: str) -> Benchmark:
     if name not in BENCHMARKS:
         raise ValueError(f"unknown benchmark {name!r}; known benchmarks: "
                          f"{', '.join(sorted(BENCHMARKS))}. Add your own with "
-                         f"common.tasks.benchmarks.register_benchmark(Benchmark(...)).")
+                         f"common.tasks.benchmark_sets.register_benchmark(Benchmark(...)).")
     return BENCHMARKS[name]
 
 
