@@ -737,6 +737,40 @@ def test_the_study_plans_claims_by_hand():
     assert plan.first_rollouts_shared(runs) == {1: True, 2: False}
 
 
+def test_the_study_reads_carried_runs_as_it_reads_its_study_files(tmp_path):
+    """The finished runs carried in docs/studies/unfinished/TAG/ (one RUN.result.json each) are read
+    as the same results in a study.json; the table of docs/study-plan.md says how many seeds every
+    arm finished, and gives no interval before two."""
+    import json
+
+    from evals import plan
+
+    carried = tmp_path / "unfinished"
+    studies = tmp_path / "studies"
+    for arm, (tag, script) in plan.ARMS.items():
+        results = [{"algo": script, "seed": seed, "evals": [[8, 0.5], [10, 0.4 + 0.1 * seed]],
+                    "series": {"policy/clip_frac": [[step, 0.1 * seed] for step in range(1, 11)],
+                               "reward/mean": [[1, 0.25]],
+                               "p3o/capped_frac": [[step, 0.5] for step in range(1, 11)]}}
+                   for seed in (1, 2)]
+        (carried / tag).mkdir(parents=True, exist_ok=True)
+        for result in results:
+            with open(carried / tag / f"{script}__s{result['seed']}.result.json", "w") as f:
+                json.dump(result, f)
+        (studies / f"compare-{tag}").mkdir(parents=True, exist_ok=True)
+        study = studies / f"compare-{tag}" / "study.json"
+        previous = json.loads(study.read_text())["results"] if study.exists() else []
+        study.write_text(json.dumps({"results": previous + results}))
+    assert plan.read_runs(str(carried)) == plan.read_runs(str(studies))
+    assert all(set(by_seed) == {1, 2} for by_seed in plan.read_runs(str(carried)).values())
+    table = plan.verdict_table(str(carried))
+    assert table[0].startswith("Seeds finished by every arm: 2 (1, 2) of ")
+    assert len([line for line in table if line.startswith("| ")]) == 2 + len(plan.CLAIMS)
+    for path in (carried / "study67").glob("*__s2.result.json"):
+        path.unlink()
+    assert plan.verdict_table(str(carried))[-1] == "No interval yet: fewer than two seeds finished by every arm."
+
+
 def test_the_study_stops_at_its_budget():
     """60 runs of 14 minutes are the 14 CPU-hours: with 54 finished a tenth seed of six fits
     exactly, with 55 it does not; before any run finishes, a seed is priced at 14 minutes a run."""
