@@ -196,6 +196,21 @@ def test_copying_grpo_for_the_toy_takes_what_its_run_imports(in_toy_workdir):
     assert "common/tasks/toy.py" in files and not optional & set(files), optional & set(files)
 
 
+def test_copy_cost_lists_the_functions_a_run_never_called(in_toy_workdir):
+    """`copy_cost.py --uncalled`: per file, the lines of the functions the run never called. The toy was built
+    before the run, so its builder is among them; the rollouts' sample_batch ran, so it is not; the total is the
+    files' sum."""
+    out = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "copy_cost.py"), "--uncalled",
+                          *TOY_COMMAND, "--run_name", "uncalled"], cwd=in_toy_workdir, capture_output=True,
+                         text=True, timeout=900, env=subprocess_env())
+    assert out.returncode == 0, out.stderr[-3000:]
+    section = out.stdout[out.stdout.rindex("uncalled"):].splitlines()[1:]
+    rows = {line.split()[2].rstrip(":"): line for line in section[:-1]}
+    assert "warm_start" in rows["common/tasks/toy.py"], rows["common/tasks/toy.py"]
+    assert "sample_batch" not in rows["common/sampling.py"], rows["common/sampling.py"]
+    assert int(section[-1].split()[0]) == sum(int(line.split()[0]) for line in section[:-1])
+
+
 def test_copying_grpo_for_the_gpu_command_takes_what_its_run_imports(in_toy_workdir):
     cost, files = copy_cost(in_toy_workdir, GPU_STAND_IN + ["--rollout_engine", "hf", "--run_name", "copy_cost_gpu"])
     assert "common/tasks/math_grader.py" in files and "common/tasks/toy.py" not in files, files
