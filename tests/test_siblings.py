@@ -201,14 +201,23 @@ def test_copy_cost_lists_the_functions_a_run_never_called(in_toy_workdir):
     before the run, so its builder is among them; the rollouts' sample_batch ran, so it is not; the total is the
     files' sum."""
     out = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "copy_cost.py"), "--uncalled",
-                          *TOY_COMMAND, "--run_name", "uncalled"], cwd=in_toy_workdir, capture_output=True,
+                          *TOY_COMMAND], cwd=in_toy_workdir, capture_output=True,
                          text=True, timeout=900, env=subprocess_env())
     assert out.returncode == 0, out.stderr[-3000:]
     section = out.stdout[out.stdout.rindex("uncalled"):].splitlines()[1:]
     rows = {line.split()[2].rstrip(":"): line for line in section[:-1]}
     assert "warm_start" in rows["common/tasks/toy.py"], rows["common/tasks/toy.py"]
     assert "sample_batch" not in rows["common/sampling.py"], rows["common/sampling.py"]
-    assert int(section[-1].split()[0]) == sum(int(line.split()[0]) for line in section[:-1])
+    total = int(section[-1].split()[0])
+    assert total == sum(int(line.split()[0]) for line in section[:-1])
+    # docs/layout.md's figures are these
+    imported = out.stdout[out.stdout.rindex("imported:"):out.stdout.rindex("uncalled")].splitlines()
+    lines = int(next(line for line in imported if "total in" in line).split()[0])
+    with open(os.path.join(REPO, "docs", "layout.md")) as f:
+        layout = " ".join(f.read().split())
+    toy, logprobs = (int(rows[f"common/{name}"].split()[0]) for name in ("tasks/toy.py", "logprobs.py"))
+    assert (f"{total} of the {lines:,}, of which the toy's builder is {toy} " in layout
+            and f"not a plain linear map {logprobs}," in layout), (total, lines, toy, logprobs)
 
 
 def test_copying_grpo_for_the_gpu_command_takes_what_its_run_imports(in_toy_workdir):
