@@ -2,7 +2,8 @@
 with Lightning Attention", MiniMax 2025, arXiv:2506.13585).
 
     A_i = (R_i - mean_g R) / (std_g R + 1e-6),    r_t = exp(logp_t - old_logp_t)
-    L   = -(1/n) sum_{i,t} mask * [sg(clip(r_t, 1-eps, 1+eps_high)) A_i logp_t - beta * kl_t],   n: valid tokens
+    L   = -(1/n) sum_{i,t} mask * [sg(clip(r_t, 1-eps, 1+eps_high)) A_i logp_t - beta * kl_t],
+          n: valid tokens
 
 Differs from grpo.py (MiniMax-M1, arXiv:2506.13585, section 3.1, equations 4-5):
 - the clipped ratio is a detached weight on the score function, so no token loses its gradient; no
@@ -100,7 +101,8 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
     if args.beta > 0:
         kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1  # (B, T)  k3
         per_token = per_token - args.beta * kl  # (B, T)
-    loss = -(per_token * mask).sum() / stats.num_tokens.clamp(min=1)  # CISPO: token mean over the optimizer batch
+    # CISPO: token mean over the optimizer batch
+    loss = -(per_token * mask).sum() / stats.num_tokens.clamp(min=1)
 
     with torch.no_grad():
         is_low = ratio < 1 - args.epsilon  # (B, T)  CISPO: weight truncated (the gradient kept)

@@ -3,12 +3,14 @@ Models", Cui et al. 2025, arXiv:2505.22617): keep the policy's entropy from coll
 restraining the few tokens whose log-prob and advantage co-vary most, the tokens that drive the
 entropy down.
 
-    A_i = (R_i - mean_g R) / (std_g R + 1e-6),   r_t = exp(logp_t - old_logp_t),   n: valid tokens of the batch
-    C_t = (A_i - mean A) (logp_t - mean logp),   means over the batch's valid tokens, logp at the current weights
-    Clip-Cov: L = -(1/n) sum_{i,t} mask (1 - S_t) min(r_t A_i, clip(r_t, 1-eps, 1+eps_high) A_i),  S_t = 1 on
-              max(int(r n), 1) tokens drawn at random among those with lb < C_t < ub that the clip leaves alone
-    KL-Cov:   L = -(1/n) sum_{i,t} mask [r_t A_i - kappa S_t |logp_t - old_logp_t|],  S_t = 1 on the top
-              max(int(k n), 1) tokens by C_t
+    A_i = (R_i - mean_g R) / (std_g R + 1e-6),   r_t = exp(logp_t - old_logp_t)
+    C_t = (A_i - mean A) (logp_t - mean logp),   logp at the current weights, means over the
+          batch's n valid tokens
+    Clip-Cov: L = -(1/n) sum_{i,t} mask (1 - S_t) min(r_t A_i, clip(r_t, 1-eps, 1+eps_high) A_i),
+              S_t = 1 on max(int(r n), 1) tokens drawn at random among those with lb < C_t < ub
+              that the clip leaves alone
+    KL-Cov:   L = -(1/n) sum_{i,t} mask [r_t A_i - kappa S_t |logp_t - old_logp_t|],
+              S_t = 1 on the top max(int(k n), 1) tokens by C_t
 
 Differs from grpo.py (verl 0.5.0's compute_policy_loss_clip_cov / _kl_cov, from the authors' code):
 - a token mean over the optimizer batch (verl's token-mean); beta 0; KL-Cov has no ratio clip.
@@ -63,28 +65,32 @@ class Args(TrainArgs):
     exp_name: str = arg(os.path.basename(__file__)[: -len(".py")], "name of this experiment")
     # Algorithm-specific
     beta: float = arg(
-        0.0, "KL coefficient to the reference policy (k3; the authors' use_kl_loss off)", at_least=0,
+        0.0, "KL coefficient to the reference policy (k3; the authors' use_kl_loss off)",
+        at_least=0,
     )
     epsilon: float = arg(
-        0.2, "lower clip range, Clip-Cov (verl's clip_ratio_low; the authors' Clip-Cov 1)", at_least=0,
+        0.2, "lower clip range, Clip-Cov (verl's clip_ratio_low; the authors' Clip-Cov 1)",
+        at_least=0,
     )
     epsilon_high: float = arg(
         0.2, "upper clip range, Clip-Cov only (verl's clip_ratio_high)", at_least=0,
     )
-    cov_method: Literal["clip", "kl"] = arg("clip", "clip: Clip-Cov drops a few high-covariance tokens from the loss; "
-                                                    "kl: KL-Cov puts a |log-ratio| penalty on the top ones")
-    clip_cov_ratio: float = arg(2e-4, "Clip-Cov: share of the batch's tokens dropped, r (verl's and the authors')",
-                                at_least=0)
+    cov_method: Literal["clip", "kl"] = arg("clip", "clip: Clip-Cov drops a few high-covariance "
+                                                    "tokens from the loss; kl: KL-Cov puts a "
+                                                    "|log-ratio| penalty on the top ones")
+    clip_cov_ratio: float = arg(2e-4, "Clip-Cov: share of the batch's tokens dropped, r (verl's "
+                                      "and the authors')", at_least=0)
     clip_cov_lb: float = arg(
         1.0, "Clip-Cov: lowest covariance a dropped token may have (verl's clip_cov_lb)",
     )
     clip_cov_ub: float = arg(
         5.0, "Clip-Cov: highest covariance a dropped token may have (verl's clip_cov_ub)",
     )
-    kl_cov_ratio: float = arg(2e-4, "KL-Cov: share of the batch's tokens penalised, k (verl's; the authors': 2e-3 for "
-                                    "Qwen2.5-7B, 2e-4 for 32B)", at_least=0)
-    ppo_kl_coef: float = arg(1.0, "KL-Cov: coefficient kappa of the |log-ratio| penalty (the authors' scripts and "
-                                  "verl's function: 1; verl's actor.yaml 0.1)", at_least=0)
+    kl_cov_ratio: float = arg(2e-4, "KL-Cov: share of the batch's tokens penalised, k (verl's; the "
+                                    "authors': 2e-3 for Qwen2.5-7B, 2e-4 for 32B)", at_least=0)
+    ppo_kl_coef: float = arg(1.0, "KL-Cov: coefficient kappa of the |log-ratio| penalty (the "
+                                  "authors' scripts and verl's function: 1; verl's actor.yaml 0.1)",
+                             at_least=0)
 
 
 # ALGO LOGIC: advantages and loss
@@ -121,8 +127,9 @@ def batch_stats(logp_now, old_logp, advantages, mask, args: Args, total=lambda x
     mean_A = torch.where(valid, A_all, 0).sum() / max(n, 1)  # ()
     mean_logp = torch.where(valid, logp_all, 0).sum() / max(n, 1)  # ()
     cov = (A_all - mean_A) * (logp_all - mean_logp)  # (P B, T')  COVPO: C_t, centred cross-product
-    if args.cov_method == "clip":  # COVPO: Clip-Cov: a random draw among lb < C_t < ub that the clip leaves alone
-        eligible = torch.nonzero(valid & (clipped == 0) & (cov > args.clip_cov_lb) & (cov < args.clip_cov_ub))
+    if args.cov_method == "clip":  # COVPO: Clip-Cov: a random draw among lb < C_t < ub, unclipped
+        eligible = torch.nonzero(valid & (clipped == 0) & (cov > args.clip_cov_lb)
+                                 & (cov < args.clip_cov_ub))
         # (m, 2)  verl's
         chosen = eligible[torch.randperm(len(eligible))[: max(int(args.clip_cov_ratio * n), 1)]]
     else:  # COVPO: KL-Cov: the top k by C_t
@@ -146,8 +153,8 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
     ratio = torch.exp(logp - old_logp)  # (B, T)  r_t
     A = advantages[:, None]  # (B, 1)
     clipped = torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high)  # (B, T)
-    if args.cov_method == "clip":  # COVPO: Clip-Cov: the selected tokens leave the loss (verl: corr = 0)
-        surrogate = torch.min(ratio * A, clipped * A) * ~selected  # (B, T)  s_t
+    if args.cov_method == "clip":  # COVPO: Clip-Cov: the selected tokens leave the loss
+        surrogate = torch.min(ratio * A, clipped * A) * ~selected  # (B, T)  s_t  (verl: corr = 0)
     else:  # COVPO: KL-Cov: no clip; kappa |logp - old_logp| on the selected tokens
         surrogate = ratio * A - (logp - old_logp).abs() * selected * args.ppo_kl_coef  # (B, T)  s_t
     if tis_weights is not None:
@@ -170,7 +177,8 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
             "policy/clip_frac_low": masked_mean(is_low.float(), mask),
             "policy/clip_frac_high": masked_mean(is_high.float(), mask),
             "policy/clip_frac": masked_mean((is_low | is_high).float(), mask),
-            "covpo/selected_frac": masked_mean(selected.float(), mask),  # Clip-Cov: dropped; KL-Cov: penalised
+            # Clip-Cov: dropped; KL-Cov: penalised
+            "covpo/selected_frac": masked_mean(selected.float(), mask),
         }
         if args.beta > 0:
             metrics["policy/kl"] = masked_mean(kl, mask)
@@ -222,8 +230,10 @@ def main(args: Args):
         update_metrics, grad_norms, dumps = [], [], []
         for _ in range(args.num_iterations):
             for mini in minibatches(run):  # a slice of this process's rows
-                logp_now, old_logp = current_and_old_logprobs(run, batch, mini)  # COVPO: a pass, on-policy too
-                stats = batch_stats(logp_now, old_logp, advantages[mini], mask[mini], args, total)  # COVPO:
+                # COVPO: a pass, on-policy too
+                logp_now, old_logp = current_and_old_logprobs(run, batch, mini)  # COVPO:
+                stats = batch_stats(logp_now, old_logp,  # COVPO:
+                                    advantages[mini], mask[mini], args, total)  # COVPO:
                 dumps.append(stats)  # --dump_stats_steps (e.g. SNIB's Figure 2)
                 for rows in microbatches(run, batch, mini):  # (b,) indices of this process's rows
                     input_ids = batch.input_ids[rows]  # (b, P+T)

@@ -84,10 +84,13 @@ def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
         rewards = rewards * weights  # (B, 1)
         weights = torch.ones_like(weights)  # (1,)
     grouped = rewards.view(-1, args.num_generations, K)  # (N, G, K)
-    if grouped.isnan().any():  # a reward that does not apply to a sample (None, TRL): out of its z-score and sum
+    # a reward that does not apply to a sample (None, TRL): out of its z-score and sum
+    if grouped.isnan().any():
         centered = grouped - grouped.nanmean(dim=1, keepdim=True)  # (N, G, K)
-        count = (~grouped.isnan()).sum(dim=1, keepdim=True)  # (N, 1, K)  the samples each reward applies to
-        std = (centered.square().nansum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()  # (N, 1, K)
+        # (N, 1, K)  the samples each reward applies to
+        count = (~grouped.isnan()).sum(dim=1, keepdim=True)
+        std = (centered.square().nansum(dim=1, keepdim=True)
+               / (count - 1).clamp(min=1)).sqrt()  # (N, 1, K)
         normalised = (centered / (std + 1e-6)).nan_to_num(0.0)  # (N, G, K)
         return (normalised * weights).sum(-1).flatten()  # (B,)
     centered = grouped - grouped.mean(dim=1, keepdim=True)  # (N, G, K)

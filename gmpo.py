@@ -1,7 +1,8 @@
 """GMPO: "Geometric-Mean Policy Optimization" (Zhao et al. 2025, arXiv:2507.20673).
 
-    A_i = (R_i - mean_g R) / (std_g R + 1e-6),    d_t = logp_t - old_logp_t,    c_t = sign(A_i) min(sign(A_i) d_t,
-    sign(A_i) clip(d_t, -eps, eps_high)),    L = -(1/B) sum_i [exp((1/L_i) sum_t mask c_t) A_i - beta * K_i]
+    A_i = (R_i - mean_g R) / (std_g R + 1e-6),    d_t = logp_t - old_logp_t
+    c_t = sign(A_i) min(sign(A_i) d_t, sign(A_i) clip(d_t, -eps, eps_high))
+    L   = -(1/B) sum_i [exp((1/L_i) sum_t mask c_t) A_i - beta * K_i]
 
 Differs from grpo.py (section 3, the GMPO objective; code: github.com/callsys/GMPO, verl's
 "geo_mean" loss):
@@ -97,7 +98,8 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
     A = advantages[:, None]  # (B, 1)
     # (B, T)  GMPO: log-space bounds
     clamped = torch.clamp(log_ratio, -args.epsilon, args.epsilon_high)
-    clipped = torch.where(A > 0, torch.minimum(log_ratio, clamped), torch.maximum(log_ratio, clamped))  # GMPO: c_t
+    clipped = torch.where(A > 0, torch.minimum(log_ratio, clamped),
+                          torch.maximum(log_ratio, clamped))  # GMPO: c_t
     # (B,)  GMPO: geometric mean
     seq_ratio = torch.exp((mask * clipped).sum(-1) / mask.sum(-1).clamp(min=1))
     # (B, T)  GMPO: the row's weight on every token of row i

@@ -1,7 +1,8 @@
 """GRPO: Group Relative Policy Optimization (DeepSeekMath, Shao et al. 2024, arXiv:2402.03300).
 
     A_i = (R_i - mean_g R) / (std_g R + 1e-6),    r_t = exp(logp_t - old_logp_t)
-    L   = -(1/B) sum_i (1/L_i) sum_t mask * [min(r_t A_i, clip(r_t, 1-eps, 1+eps_high) A_i) - beta * kl_t]
+    L   = -(1/B) sum_i (1/L_i) sum_t mask * [min(r_t A_i, clip(r_t, 1-eps, 1+eps_high) A_i)
+                                             - beta * kl_t]
 
 Differs from DeepSeekMath's description:
 - old_logp is the trainer's, not the sampler's; their gap is logged, and corrected with --tis_cap

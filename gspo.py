@@ -1,7 +1,9 @@
 """GSPO: Group Sequence Policy Optimization (Zheng et al. 2025, arXiv:2507.18071, section 4.1).
 
-    A_i = (R_i - mean_g R) / (std_g R + 1e-6),    s_i = exp((1/L_i) sum_t mask * (logp_t - old_logp_t))
-    L   = -(1/B) sum_i [min(s_i A_i, clip(s_i, 1-eps, 1+eps_high) A_i) - beta * (1/L_i) sum_t mask * kl_t]
+    A_i = (R_i - mean_g R) / (std_g R + 1e-6)
+    s_i = exp((1/L_i) sum_t mask * (logp_t - old_logp_t))
+    L   = -(1/B) sum_i [min(s_i A_i, clip(s_i, 1-eps, 1+eps_high) A_i)
+                        - beta * (1/L_i) sum_t mask * kl_t]
 
 Differs from grpo.py: one ratio per completion, s_i, the geometric mean of its token ratios
 (gradient through the mean), clipped in a far narrower range (eps 3e-4, eps_high 4e-4); beta 0; no

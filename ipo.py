@@ -70,8 +70,8 @@ class Args(TrainArgs):
 
     exp_name: str = arg(os.path.basename(__file__)[: -len(".py")], "name of this experiment")
     # Algorithm-specific
-    beta: float = arg(0.0, "KL coefficient to the reference policy (k3 estimator; prime-rl has none)",
-                      at_least=0)
+    beta: float = arg(0.0, "KL coefficient to the reference policy "
+                           "(k3 estimator; prime-rl has none)", at_least=0)
     eps: float = arg(0.3, "a token whose probability moved more than eps from old_logp's loses its "
                      "policy term (prime-rl PR #3586)", at_least=0)
     kl_tau: float = arg(0.0, "coefficient of (log r_t)^2 on every valid token (Kimi K2.5; prime-rl "
@@ -129,7 +129,8 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
     if args.beta > 0:
         kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1  # (B, T)  k3
         per_token = per_token - args.beta * kl  # (B, T)
-    loss = -(per_token * mask).sum() / stats.num_tokens.clamp(min=1)  # IPO: token mean over the optimizer batch
+    # IPO: token mean over the optimizer batch
+    loss = -(per_token * mask).sum() / stats.num_tokens.clamp(min=1)
 
     with torch.no_grad():
         metrics = {

@@ -2,8 +2,10 @@
 batch ESS of "Trust the Batch, On- or Off-Policy: Adaptive Policy Optimization for RL Post-Training"
 (code: FeynRL's algs/P3O/p3o.py, github.com/FeynRL-project/FeynRL).
 
-    A_i = z-score,   r_t = exp(logp_t - old_logp_t),   ESS = (sum r)^2 / (n sum r^2) over the batch's n valid tokens
-    L   = (1/n) sum_{i,t} mask [-sg(min(r_t, ESS)) A_i logp_t + (1-ESS) kl_old_t + beta kl_ref_t - entropy_coeff H_t]
+    A_i = z-score,   r_t = exp(logp_t - old_logp_t)
+    ESS = (sum r)^2 / (n sum r^2) over the batch's n valid tokens
+    L   = (1/n) sum_{i,t} mask [-sg(min(r_t, ESS)) A_i logp_t + (1-ESS) kl_old_t + beta kl_ref_t
+                                - entropy_coeff H_t]
 
 Differs from grpo.py:
 - no clip: the batch ESS caps a detached score-function weight and weighs a KL to the behaviour
@@ -105,14 +107,16 @@ def ess_sums(log_ratio, mask, total=lambda x: x) -> Stats:
     return Stats(num_tokens, sum_r=total(ratio.sum()), sum_r2=total((ratio**2).sum()))
 
 
-def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=None, tis_weights=None,
-                 entropy=None):
+def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=None,
+                 tis_weights=None, entropy=None):
     """P3O loss with full-batch semantics: `stats` are the optimizer batch's sums over valid tokens
     at the current weights (None: these rows are the whole batch); `tis_weights` (B, T) scale the
     policy term, not the trust region; `entropy` (B, T) carries its gradient when entropy_coeff > 0.
     """
-    if args.entropy_coeff > 0 and (entropy is None or (logp.requires_grad and not entropy.requires_grad)):
-        raise ValueError("--entropy_coeff > 0 needs the entropy's gradient: completion_logprobs(entropy_grad=True)")
+    if args.entropy_coeff > 0 and (entropy is None
+                                   or (logp.requires_grad and not entropy.requires_grad)):
+        raise ValueError("--entropy_coeff > 0 needs the entropy's gradient: "
+                         "completion_logprobs(entropy_grad=True)")
     if stats is None:
         stats = batch_stats(logp.detach() - old_logp, advantages, mask, args)
     own = stats  # the optimizer batch's sums
@@ -137,7 +141,8 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
         per_token = per_token + args.beta * kl  # (B, T)
     if args.entropy_coeff > 0:
         per_token = per_token - args.entropy_coeff * entropy  # (B, T)  P3O: entropy bonus
-    loss = (per_token * mask).sum() / stats.num_tokens.to(logp.dtype)  # P3O: token mean over the optimizer batch
+    # P3O: token mean over the optimizer batch
+    loss = (per_token * mask).sum() / stats.num_tokens.to(logp.dtype)
 
     with torch.no_grad():
         metrics = {
@@ -197,7 +202,8 @@ def main(args: Args):
         update_metrics, grad_norms, dumps = [], [], []
         for _ in range(args.num_iterations):
             for mini in minibatches(run):  # a slice of this process's rows
-                log_ratio = log_ratio_now(run, batch, mini) if args.ess_scope == "batch" else None  # P3O:
+                log_ratio = (log_ratio_now(run, batch, mini)  # P3O:
+                             if args.ess_scope == "batch" else None)  # P3O:
                 stats = batch_stats(log_ratio, advantages[mini], mask[mini], args, total)  # P3O:
                 dumps.append(stats)  # --dump_stats_steps (e.g. SNIB's Figure 2)
                 for rows in microbatches(run, batch, mini):  # (b,) indices of this process's rows

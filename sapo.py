@@ -1,6 +1,7 @@
 """SAPO: "Soft Adaptive Policy Optimization" (Gao et al. 2025, Qwen Team, arXiv:2511.20347).
 
-    A_i = (R_i - mean_g R) / (std_g R + 1e-6),  r_t = exp(logp_t - old_logp_t),  tau_i = tau_pos if A_i > 0 else tau_neg
+    A_i = (R_i - mean_g R) / (std_g R + 1e-6),    r_t = exp(logp_t - old_logp_t)
+    tau_i = tau_pos if A_i > 0 else tau_neg
     L   = -(1/B) sum_i (1/L_i) sum_t mask * [(4 / tau_i) sigmoid(tau_i (r_t - 1)) A_i - beta * kl_t]
 
 Differs from grpo.py (the paper's objective: a soft gate f(r) = (4/tau) sigmoid(tau (r - 1)) for
@@ -56,10 +57,10 @@ class Args(TrainArgs):
     exp_name: str = arg(os.path.basename(__file__)[: -len(".py")], "name of this experiment")
     # Algorithm-specific
     beta: float = arg(0.0, "KL coefficient to the reference policy (k3 estimator)", at_least=0)
-    tau_pos: float = arg(1.0, "gate temperature for A > 0: the larger, the faster the gradient decays off-policy",
-                         at_least=1e-3)
-    tau_neg: float = arg(1.05, "gate temperature for A <= 0 (> tau_pos: a negative token's gradient decays faster)",
-                         at_least=1e-3)
+    tau_pos: float = arg(1.0, "gate temperature for A > 0: the larger, the faster the gradient "
+                              "decays off-policy", at_least=1e-3)
+    tau_neg: float = arg(1.05, "gate temperature for A <= 0 (> tau_pos: a negative token's "
+                               "gradient decays faster)", at_least=1e-3)
 
 # ALGO LOGIC: advantages and loss
 def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:

@@ -342,7 +342,8 @@ def load_data(args, tokenizer, accelerator):
 def rollout_engine(args, accelerator, tokenizer, model, run_dir: str):
     """A rollout server (--server_url), vLLM (--rollout_engine vllm, or auto where installed) or
     transformers'."""
-    # vllm serve (or python -m common.engines.serve) on devices of its own: common/engines/server_client.py
+    # vllm serve (or python -m common.engines.serve) on devices of its own:
+    # common/engines/server_client.py
     if args.server_url:
         from common.engines.server_client import ServerEngine
         return ServerEngine(args, accelerator, model,
@@ -362,9 +363,9 @@ def rollout_engine(args, accelerator, tokenizer, model, run_dir: str):
 
 
 def evaluate(run: Run) -> dict:
-    """The --eval_benchmarks (avg@k: common/tasks/benchmark_scoring.py) and eval/accuracy: the first reward
-    function's mean over greedy completions of the held-out prompts (with the run's tool turns),
-    each process its slice, reduced."""
+    """The --eval_benchmarks (avg@k: common/tasks/benchmark_scoring.py) and eval/accuracy: the first
+    reward function's mean over greedy completions of the held-out prompts (with the run's tool
+    turns), each process its slice, reduced."""
     args = run.args
     accelerator = run.accelerator
     start = time.time()
@@ -397,10 +398,12 @@ def evaluate(run: Run) -> dict:
                                             **greedy).completion_ids
     run.engine.sleep()
     texts = run.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    # the first reward function, called as in training (TRL's keyword style or positional, conversational form),
-    # with the training data's columns that the held-out data has too (a preset's held-out set has no `solution`)
+    # the first reward function, called as in training (TRL's keyword style or positional,
+    # conversational form), with the training data's columns that the held-out data has too (a
+    # preset's held-out set has no `solution`)
     columns = {c: rows[c] for c in run.reward_columns if c in rows.column_names}
-    correct, _ = compute_rewards(run.reward_funcs[:1], None, rows["prompt"], texts, columns, args.reward_timeout)
+    correct, _ = compute_rewards(run.reward_funcs[:1], None, rows["prompt"], texts, columns,
+                                 args.reward_timeout)
     stats = accelerator.reduce(
         torch.tensor([correct.sum().item(), len(correct)], device=accelerator.device), "sum")
     accuracy = (stats[0] / stats[1]).item()

@@ -33,8 +33,12 @@ def python_files(folder: str) -> list[str]:
 # The bounds are issue 66's: gspo 60, every other 120, but for three scripts whose own paper's method needs more:
 # covpo holds two methods (Clip-Cov and KL-Cov) and their token selection over every process, p3o its ESS pre-pass,
 # its scope switch and its entropy bonus, snib the paper's five ablations (Table 5), SNIB-fg's gradient through the
-# group mean among them. Theirs are the measured figure plus about 5%.
-BUDGET = {"gspo": 60, "covpo": 140, "p3o": 140, "snib": 178}
+# group mean among them. Theirs are the measured figure plus about 5%. Wrapping the scripts to 100 columns (issue
+# 66) gave lines to the objectives their docstrings write in ASCII math and to the estimators' own long lines:
+# measured then gspo 54, ..., reinforcepp 123, p3o 132, covpo 139, snib 180. Two bounds were raised rather than the
+# lines packed, to that figure plus about 5%: reinforcepp's four-line objective took seven, and snib's objective,
+# problems() message, reward noise and per-sequence min took a line more each.
+BUDGET = {"gspo": 60, "covpo": 140, "p3o": 140, "reinforcepp": 129, "snib": 189}
 SIBLINGS = {name: BUDGET.get(name, 120) for name in ALGORITHMS if name != "grpo"}
 MAX_MAIN_LINES = 6
 # The repository files besides the script whose functions one warm toy step calls (benchmarks/step_path.py), the
@@ -46,7 +50,8 @@ STEP_FILES = 4
 # asked for 180 and 60; reaching them would take the estimators' metrics or main's named steps out, or pack lines.
 # 280 became 290 when the update's pieces joined common/sampling.py (issue 66): the scripts import its eight names
 # one per line (ruff's wrapping at 100 columns), eight lines more each, and a sibling's own name is one diff line.
-MAX_SCRIPT_LINES = 290
+# 290 became 300 when every line of the scripts was wrapped to 100 columns (issue 66): snib.py 287 -> 296.
+MAX_SCRIPT_LINES = 300
 MAX_MAIN_FUNCTION_LINES = 88
 
 

@@ -376,7 +376,8 @@ def argument_problems(args, num_processes: int) -> list[str]:
     """Everything that needs no file, model or data: ranges, batch geometry, names."""
     problems = range_problems(args, TRAIN_RANGES) + field_bound_problems(args)
     if not problems:  # the geometry and the schedule divide and count with these
-        problems += geometry_problems(args, num_processes) + scheduler_problems(args) + args.problems()
+        problems += (geometry_problems(args, num_processes) + scheduler_problems(args)
+                     + args.problems())
     if args.overlong_buffer >= args.max_completion_length > 0:
         problems.append(f"--overlong_buffer {args.overlong_buffer} must be below "
                         f"--max_completion_length {args.max_completion_length} (DAPO: a buffer of "
@@ -613,10 +614,12 @@ def check_args(args, num_processes: int, files: bool = True) -> None:
     if state.is_main_process:
         problems = argument_problems(args, num_processes)
         notes = []
-        if not problems and not files and args.preset:  # a hub id the preset cannot reach: before it builds
+        # a hub id the preset cannot reach: before it builds
+        if not problems and not files and args.preset:
             problems = hub_problems(args)
         if not problems and files:  # the hub, files and the model only once the flags make sense
-            # a typo in a local path, before the hub is asked anything (with a preset it was asked before it built)
+            # a typo in a local path, before the hub is asked anything (with a preset it was asked
+            # before it built)
             problems = missing_path_problems(args) or ([] if args.preset else hub_problems(args))
             config = None
             if not problems:

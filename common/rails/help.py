@@ -62,7 +62,8 @@ def arrange(parser: argparse.ArgumentParser, args_cls, base_cls, preset: str | N
     parser.usage = USAGE
     # the script's own flags, in the order its Args declares them, and those of TrainArgs it sets
     # again (beta: its own default and help)
-    scripts = [c for c in reversed(args_cls.__mro__) if issubclass(c, base_cls) and c is not base_cls]
+    scripts = [c for c in reversed(args_cls.__mro__)
+               if issubclass(c, base_cls) and c is not base_cls]
     declared = [name for c in scripts for name in vars(c).get("__annotations__", {})]
     own = [name for name in dict.fromkeys(declared) if name != "exp_name"]
     fields = [f.name for f in dataclasses.fields(args_cls)]
