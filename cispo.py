@@ -2,7 +2,8 @@
 with Lightning Attention", MiniMax 2025, arXiv:2506.13585).
 
     A_i = (R_i - mean_g R) / (std_g R + 1e-6),    r_t = exp(logp_t - old_logp_t)
-    L   = -(1/n) sum_{i,t} mask * [sg(clip(r_t, 1-eps, 1+eps_high)) A_i logp_t - beta * kl_t],   n: valid tokens
+    L   = -(1/n) sum_{i,t} mask * [sg(clip(r_t, 1-eps, 1+eps_high)) A_i logp_t - beta * kl_t],
+          n: valid tokens
 
 Differs from grpo.py (MiniMax-M1, arXiv:2506.13585, section 3.1, equations 4-5):
 - the clipped ratio is a detached weight on the score function, so no token loses its gradient; no
@@ -13,10 +14,9 @@ Differs from grpo.py (MiniMax-M1, arXiv:2506.13585, section 3.1, equations 4-5):
 
 One step, in the order main() runs it, and the files it calls into (benchmarks/step_path.py lists
 their functions): the rollouts, through the lagged queue (common/sampling.py, with transformers'
-sampler of common/engines/rollout.py, the rewards of common/tasks/rewards.py and the toy's reward
-function of common/tasks/toy.py); compute_advantages; the log-probs (common/logprobs.py);
-batch_stats and compute_loss on micro-batches (common/update.py); the backward and the optimizer
-step, here.
+sampler of common/engines/rollout.py and the rewards of common/tasks/rewards.py, the toy's among
+them); compute_advantages; the mini- and micro-batches (common/sampling.py again), their log-probs
+(common/logprobs.py), batch_stats and compute_loss; the backward and the optimizer step, here.
 
 Run:
     python cispo.py --preset toy                                 # CPU, minutes
@@ -34,8 +34,16 @@ from common.args import TrainArgs, arg
 from common.logprobs import completion_logprobs, logprob_metrics
 from common.offpolicy import importance_weights
 from common.run import end_step, finish, launch, progress_bar, setup
-from common.sampling import old_and_reference_logprobs, sample_batch
-from common.update import BatchStats, masked_mean, microbatches, minibatches, rows_of, save_dumps
+from common.sampling import (
+    BatchStats,
+    masked_mean,
+    microbatches,
+    minibatches,
+    old_and_reference_logprobs,
+    rows_of,
+    sample_batch,
+    save_dumps,
+)
 
 
 @dataclass
@@ -93,7 +101,8 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
     if args.beta > 0:
         kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1  # (B, T)  k3
         per_token = per_token - args.beta * kl  # (B, T)
-    loss = -(per_token * mask).sum() / stats.num_tokens.clamp(min=1)  # CISPO: token mean over the optimizer batch
+    # CISPO: token mean over the optimizer batch
+    loss = -(per_token * mask).sum() / stats.num_tokens.clamp(min=1)
 
     with torch.no_grad():
         is_low = ratio < 1 - args.epsilon  # (B, T)  CISPO: weight truncated (the gradient kept)
@@ -171,7 +180,8 @@ def main(args: Args):
                         ref_logp = rows_of(batch.ref_logp, rows)  # (b, T), or None: no KL term
                         loss, loss_metrics = compute_loss(
                             logp, old_logp, ref_logp, advantages[rows], mask[rows], args,
-                            stats.for_rows(rows - mini.start), rows_of(tis_weights, rows),
+                            stats=stats.for_rows(rows - mini.start),
+                            tis_weights=rows_of(tis_weights, rows),
                         )
                         share = loss * loss_scale  # this micro-batch's share, scaled as said above
                         accelerator.backward(share)

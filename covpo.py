@@ -3,12 +3,14 @@ Models", Cui et al. 2025, arXiv:2505.22617): keep the policy's entropy from coll
 restraining the few tokens whose log-prob and advantage co-vary most, the tokens that drive the
 entropy down.
 
-    A_i = (R_i - mean_g R) / (std_g R + 1e-6),   r_t = exp(logp_t - old_logp_t),   n: valid tokens of the batch
-    C_t = (A_i - mean A) (logp_t - mean logp),   means over the batch's valid tokens, logp at the current weights
-    Clip-Cov: L = -(1/n) sum_{i,t} mask (1 - S_t) min(r_t A_i, clip(r_t, 1-eps, 1+eps_high) A_i),  S_t = 1 on
-              max(int(r n), 1) tokens drawn at random among those with lb < C_t < ub that the clip leaves alone
-    KL-Cov:   L = -(1/n) sum_{i,t} mask [r_t A_i - kappa S_t |logp_t - old_logp_t|],  S_t = 1 on the top
-              max(int(k n), 1) tokens by C_t
+    A_i = (R_i - mean_g R) / (std_g R + 1e-6),   r_t = exp(logp_t - old_logp_t)
+    C_t = (A_i - mean A) (logp_t - mean logp),   logp at the current weights, means over the
+          batch's n valid tokens
+    Clip-Cov: L = -(1/n) sum_{i,t} mask (1 - S_t) min(r_t A_i, clip(r_t, 1-eps, 1+eps_high) A_i),
+              S_t = 1 on max(int(r n), 1) tokens drawn at random among those with lb < C_t < ub
+              that the clip leaves alone
+    KL-Cov:   L = -(1/n) sum_{i,t} mask [r_t A_i - kappa S_t |logp_t - old_logp_t|],
+              S_t = 1 on the top max(int(k n), 1) tokens by C_t
 
 Differs from grpo.py (verl 0.5.0's compute_policy_loss_clip_cov / _kl_cov, from the authors' code):
 - a token mean over the optimizer batch (verl's token-mean); beta 0; KL-Cov has no ratio clip.
@@ -21,10 +23,9 @@ Differs from grpo.py (verl 0.5.0's compute_policy_loss_clip_cov / _kl_cov, from 
 
 One step, in the order main() runs it, and the files it calls into (benchmarks/step_path.py lists
 their functions): the rollouts, through the lagged queue (common/sampling.py, with transformers'
-sampler of common/engines/rollout.py, the rewards of common/tasks/rewards.py and the toy's reward
-function of common/tasks/toy.py); compute_advantages; the log-probs (common/logprobs.py);
-batch_stats and compute_loss on micro-batches (common/update.py); the backward and the optimizer
-step, here.
+sampler of common/engines/rollout.py and the rewards of common/tasks/rewards.py, the toy's among
+them); compute_advantages; the mini- and micro-batches (common/sampling.py again), their log-probs
+(common/logprobs.py), batch_stats and compute_loss; the backward and the optimizer step, here.
 
 Run:
     python covpo.py --preset toy                                 # CPU, minutes
@@ -43,8 +44,17 @@ from common.args import TrainArgs, arg
 from common.logprobs import completion_logprobs, logprob_metrics
 from common.offpolicy import importance_weights
 from common.run import end_step, finish, launch, progress_bar, setup
-from common.sampling import current_and_old_logprobs, old_and_reference_logprobs, sample_batch  # COVPO:
-from common.update import BatchStats, masked_mean, microbatches, minibatches, rows_of, save_dumps
+from common.sampling import (
+    BatchStats,
+    current_and_old_logprobs,  # COVPO:
+    masked_mean,
+    microbatches,
+    minibatches,
+    old_and_reference_logprobs,
+    rows_of,
+    sample_batch,
+    save_dumps,
+)
 
 
 @dataclass
@@ -55,28 +65,32 @@ class Args(TrainArgs):
     exp_name: str = arg(os.path.basename(__file__)[: -len(".py")], "name of this experiment")
     # Algorithm-specific
     beta: float = arg(
-        0.0, "KL coefficient to the reference policy (k3; the authors' use_kl_loss off)", at_least=0,
+        0.0, "KL coefficient to the reference policy (k3; the authors' use_kl_loss off)",
+        at_least=0,
     )
     epsilon: float = arg(
-        0.2, "lower clip range, Clip-Cov (verl's clip_ratio_low; the authors' Clip-Cov 1)", at_least=0,
+        0.2, "lower clip range, Clip-Cov (verl's clip_ratio_low; the authors' Clip-Cov 1)",
+        at_least=0,
     )
     epsilon_high: float = arg(
         0.2, "upper clip range, Clip-Cov only (verl's clip_ratio_high)", at_least=0,
     )
-    cov_method: Literal["clip", "kl"] = arg("clip", "clip: Clip-Cov drops a few high-covariance tokens from the loss; "
-                                                    "kl: KL-Cov puts a |log-ratio| penalty on the top ones")
-    clip_cov_ratio: float = arg(2e-4, "Clip-Cov: share of the batch's tokens dropped, r (verl's and the authors')",
-                                at_least=0)
+    cov_method: Literal["clip", "kl"] = arg("clip", "clip: Clip-Cov drops a few high-covariance "
+                                                    "tokens from the loss; kl: KL-Cov puts a "
+                                                    "|log-ratio| penalty on the top ones")
+    clip_cov_ratio: float = arg(2e-4, "Clip-Cov: share of the batch's tokens dropped, r (verl's "
+                                      "and the authors')", at_least=0)
     clip_cov_lb: float = arg(
         1.0, "Clip-Cov: lowest covariance a dropped token may have (verl's clip_cov_lb)",
     )
     clip_cov_ub: float = arg(
         5.0, "Clip-Cov: highest covariance a dropped token may have (verl's clip_cov_ub)",
     )
-    kl_cov_ratio: float = arg(2e-4, "KL-Cov: share of the batch's tokens penalised, k (verl's; the authors': 2e-3 for "
-                                    "Qwen2.5-7B, 2e-4 for 32B)", at_least=0)
-    ppo_kl_coef: float = arg(1.0, "KL-Cov: coefficient kappa of the |log-ratio| penalty (the authors' scripts and "
-                                  "verl's function: 1; verl's actor.yaml 0.1)", at_least=0)
+    kl_cov_ratio: float = arg(2e-4, "KL-Cov: share of the batch's tokens penalised, k (verl's; the "
+                                    "authors': 2e-3 for Qwen2.5-7B, 2e-4 for 32B)", at_least=0)
+    ppo_kl_coef: float = arg(1.0, "KL-Cov: coefficient kappa of the |log-ratio| penalty (the "
+                                  "authors' scripts and verl's function: 1; verl's actor.yaml 0.1)",
+                             at_least=0)
 
 
 # ALGO LOGIC: advantages and loss
@@ -100,7 +114,7 @@ def batch_stats(logp_now, old_logp, advantages, mask, args: Args, total=lambda x
     """What compute_loss needs from the whole optimizer batch when it is called per micro-batch.
     `logp_now` (B, T): log-probs at the current weights, without gradient; `total` sums a tensor
     over the processes."""
-    from common.update import gather_rows, own_rows  # COVPO: the tokens of every process
+    from common.sampling import gather_rows, own_rows  # COVPO: the tokens of every process
 
     # (B, T) each  COVPO: at the current weights
     logp, A = logp_now, advantages[:, None].expand(mask.shape)
@@ -113,8 +127,9 @@ def batch_stats(logp_now, old_logp, advantages, mask, args: Args, total=lambda x
     mean_A = torch.where(valid, A_all, 0).sum() / max(n, 1)  # ()
     mean_logp = torch.where(valid, logp_all, 0).sum() / max(n, 1)  # ()
     cov = (A_all - mean_A) * (logp_all - mean_logp)  # (P B, T')  COVPO: C_t, centred cross-product
-    if args.cov_method == "clip":  # COVPO: Clip-Cov: a random draw among lb < C_t < ub that the clip leaves alone
-        eligible = torch.nonzero(valid & (clipped == 0) & (cov > args.clip_cov_lb) & (cov < args.clip_cov_ub))
+    if args.cov_method == "clip":  # COVPO: Clip-Cov: a random draw among lb < C_t < ub, unclipped
+        eligible = torch.nonzero(valid & (clipped == 0) & (cov > args.clip_cov_lb)
+                                 & (cov < args.clip_cov_ub))
         # (m, 2)  verl's
         chosen = eligible[torch.randperm(len(eligible))[: max(int(args.clip_cov_ratio * n), 1)]]
     else:  # COVPO: KL-Cov: the top k by C_t
@@ -138,8 +153,8 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
     ratio = torch.exp(logp - old_logp)  # (B, T)  r_t
     A = advantages[:, None]  # (B, 1)
     clipped = torch.clamp(ratio, 1 - args.epsilon, 1 + args.epsilon_high)  # (B, T)
-    if args.cov_method == "clip":  # COVPO: Clip-Cov: the selected tokens leave the loss (verl: corr = 0)
-        surrogate = torch.min(ratio * A, clipped * A) * ~selected  # (B, T)  s_t
+    if args.cov_method == "clip":  # COVPO: Clip-Cov: the selected tokens leave the loss
+        surrogate = torch.min(ratio * A, clipped * A) * ~selected  # (B, T)  s_t  (verl: corr = 0)
     else:  # COVPO: KL-Cov: no clip; kappa |logp - old_logp| on the selected tokens
         surrogate = ratio * A - (logp - old_logp).abs() * selected * args.ppo_kl_coef  # (B, T)  s_t
     if tis_weights is not None:
@@ -162,7 +177,8 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
             "policy/clip_frac_low": masked_mean(is_low.float(), mask),
             "policy/clip_frac_high": masked_mean(is_high.float(), mask),
             "policy/clip_frac": masked_mean((is_low | is_high).float(), mask),
-            "covpo/selected_frac": masked_mean(selected.float(), mask),  # Clip-Cov: dropped; KL-Cov: penalised
+            # Clip-Cov: dropped; KL-Cov: penalised
+            "covpo/selected_frac": masked_mean(selected.float(), mask),
         }
         if args.beta > 0:
             metrics["policy/kl"] = masked_mean(kl, mask)
@@ -214,8 +230,10 @@ def main(args: Args):
         update_metrics, grad_norms, dumps = [], [], []
         for _ in range(args.num_iterations):
             for mini in minibatches(run):  # a slice of this process's rows
-                logp_now, old_logp = current_and_old_logprobs(run, batch, mini)  # COVPO: a pass, on-policy too
-                stats = batch_stats(logp_now, old_logp, advantages[mini], mask[mini], args, total)  # COVPO:
+                # COVPO: a pass, on-policy too
+                logp_now, old_logp = current_and_old_logprobs(run, batch, mini)  # COVPO:
+                stats = batch_stats(logp_now, old_logp,  # COVPO:
+                                    advantages[mini], mask[mini], args, total)  # COVPO:
                 dumps.append(stats)  # --dump_stats_steps (e.g. SNIB's Figure 2)
                 for rows in microbatches(run, batch, mini):  # (b,) indices of this process's rows
                     input_ids = batch.input_ids[rows]  # (b, P+T)
@@ -231,7 +249,8 @@ def main(args: Args):
                         ref_logp = rows_of(batch.ref_logp, rows)  # (b, T), or None: no KL term
                         loss, loss_metrics = compute_loss(
                             logp, old_logp, ref_logp, advantages[rows], mask[rows], args,
-                            stats.for_rows(rows - mini.start), rows_of(tis_weights, rows),
+                            stats=stats.for_rows(rows - mini.start),
+                            tis_weights=rows_of(tis_weights, rows),
                         )
                         share = loss * loss_scale  # this micro-batch's share, scaled as said above
                         accelerator.backward(share)

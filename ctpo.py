@@ -1,9 +1,12 @@
 """CTPO: "Rethinking Importance Sampling in LLM Policy Optimization: A Cumulative Token Perspective"
 (arXiv:2605.07331).
 
-    rho_t = exp(min(c_t, 10)),  c_t = sum_{k<=t} mask_k clamp(logp_k - old_logp_k, -20, 20)  (gradient via logp_t only)
-    L = mean_{valid i,t} [max(-A_i rho_t, -A_i exp(clamp(log rho_t, -clip_low b_t, clip_high b_t))) + beta kl_t],
-        b_t = p_t ** clip_power (p_t: 1-based position), and the term is capped at -A_i exp(clip_c b_t) when A_i < 0
+    rho_t = exp(min(c_t, 10)),  c_t = sum_{k<=t} mask_k clamp(logp_k - old_logp_k, -20, 20)
+            (gradient via logp_t only)
+    L = mean_{valid i,t} [max(-A_i rho_t, -A_i exp(clamp(log rho_t, -clip_low b_t, clip_high b_t)))
+                          + beta kl_t],
+        b_t = p_t ** clip_power (p_t: 1-based position), and the term is capped at
+        -A_i exp(clip_c b_t) when A_i < 0
 
 Differs from grpo.py (sections 3.1, 3.3, as in the authors' released loss "cum-token-cumprod-la"):
 - the ratio of token t is the prefix ratio pi(y_<=t) / pi_old(y_<=t), with a stop-gradient on the
@@ -13,10 +16,9 @@ Differs from grpo.py (sections 3.1, 3.3, as in the authors' released loss "cum-t
 
 One step, in the order main() runs it, and the files it calls into (benchmarks/step_path.py lists
 their functions): the rollouts, through the lagged queue (common/sampling.py, with transformers'
-sampler of common/engines/rollout.py, the rewards of common/tasks/rewards.py and the toy's reward
-function of common/tasks/toy.py); compute_advantages; the log-probs (common/logprobs.py);
-batch_stats and compute_loss on micro-batches (common/update.py); the backward and the optimizer
-step, here.
+sampler of common/engines/rollout.py and the rewards of common/tasks/rewards.py, the toy's among
+them); compute_advantages; the mini- and micro-batches (common/sampling.py again), their log-probs
+(common/logprobs.py), batch_stats and compute_loss; the backward and the optimizer step, here.
 
 Run:
     python ctpo.py --preset toy                                  # CPU, minutes
@@ -34,8 +36,16 @@ from common.args import TrainArgs, arg
 from common.logprobs import completion_logprobs, logprob_metrics
 from common.offpolicy import importance_weights
 from common.run import end_step, finish, launch, progress_bar, setup
-from common.sampling import old_and_reference_logprobs, sample_batch
-from common.update import BatchStats, masked_mean, microbatches, minibatches, rows_of, save_dumps
+from common.sampling import (
+    BatchStats,
+    masked_mean,
+    microbatches,
+    minibatches,
+    old_and_reference_logprobs,
+    rows_of,
+    sample_batch,
+    save_dumps,
+)
 
 
 @dataclass
@@ -53,7 +63,8 @@ class Args(TrainArgs):
         0.05, "upper log-space bound: log rho_t <= clip_high * p_t ** clip_power", at_least=0,
     )
     clip_c: float = arg(
-        0.05, "dual clip for A < 0: a token's loss <= -A * exp(clip_c * p_t ** clip_power)", at_least=0,
+        0.05, "dual clip for A < 0: a token's loss <= -A * exp(clip_c * p_t ** clip_power)",
+        at_least=0,
     )
     clip_power: float = arg(
         0.5, "the bounds grow like p_t ** clip_power; 0: fixed (Table 3's ablation)", at_least=0,
@@ -126,7 +137,8 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
     if args.beta > 0:
         kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1  # (B, T)  k3
         per_token = per_token - args.beta * kl  # (B, T)
-    loss = -(per_token * mask).sum() / stats.num_tokens.clamp(min=1)  # CTPO: token mean over the optimizer batch
+    # CTPO: token mean over the optimizer batch
+    loss = -(per_token * mask).sum() / stats.num_tokens.clamp(min=1)
 
     with torch.no_grad():
         # (B, T) clipped from below (gradient zeroed)
@@ -151,8 +163,10 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
             if lo <= mask.shape[1]:
                 in_bucket = (mask > 0) & (position >= lo) & (position <= hi)  # (B, T)
                 metrics[f"ctpo/cum_logratio_std/{name}"] = masked_std(cum_logratio, in_bucket)
-                for key, clipped_here in (("clip_frac", is_low | is_high), ("fixed_clip_frac", is_fixed)):
-                    metrics[f"ctpo/{key}/{name}"] = (clipped_here & in_bucket).sum() / in_bucket.sum().clamp(min=1)
+                for key, clipped_here in (("clip_frac", is_low | is_high),
+                                          ("fixed_clip_frac", is_fixed)):
+                    metrics[f"ctpo/{key}/{name}"] = ((clipped_here & in_bucket).sum()
+                                                     / in_bucket.sum().clamp(min=1))
         if args.beta > 0:
             metrics["policy/kl"] = masked_mean(kl, mask)
     return loss, metrics
@@ -219,7 +233,8 @@ def main(args: Args):
                         ref_logp = rows_of(batch.ref_logp, rows)  # (b, T), or None: no KL term
                         loss, loss_metrics = compute_loss(
                             logp, old_logp, ref_logp, advantages[rows], mask[rows], args,
-                            stats.for_rows(rows - mini.start), rows_of(tis_weights, rows),
+                            stats=stats.for_rows(rows - mini.start),
+                            tis_weights=rows_of(tis_weights, rows),
                         )
                         share = loss * loss_scale  # this micro-batch's share, scaled as said above
                         accelerator.backward(share)

@@ -1,10 +1,11 @@
 """DPPO: Divergence Proximal Policy Optimization ("Rethinking the Trust Region in LLM Reinforcement
 Learning", Qi et al. 2026, arXiv:2602.04879).
 
-    A_i = (R_i - mean_g R) / (std_g R + 1e-6),    r_t = exp(logp_t - old_logp_t),    p_t = exp(logp_t)
+    A_i = (R_i - mean_g R) / (std_g R + 1e-6),   r_t = exp(logp_t - old_logp_t),   p_t = exp(logp_t)
     L   = -(1/n) sum_{i,t} mask * [M_t sg(min(r_t, C)) A_i logp_t - beta * kl_t],   n: valid tokens
-    M_t = 0 where the update left the trust region on the side A_i pushes (A_i > 0, p_t > p_old_t, D_t > delta_high;
-          A_i <= 0, p_t < p_old_t, D_t > delta_low), else 1;  D_t = |p_t - p_old_t| (binary TV) or binary KL
+    M_t = 0 where the update left the trust region on the side A_i pushes
+          (A_i > 0, p_t > p_old_t, D_t > delta_high;  A_i <= 0, p_t < p_old_t, D_t > delta_low),
+          else 1;  D_t = |p_t - p_old_t| (binary TV) or binary KL
 
 Differs from grpo.py (DPPO-Binary-TV and -KL, arXiv:2602.04879; verl's dppo_tv / dppo_kl):
 - the trust region bounds a divergence of the sampled token's probability, not the ratio: a token
@@ -19,10 +20,9 @@ Differs from grpo.py (DPPO-Binary-TV and -KL, arXiv:2602.04879; verl's dppo_tv /
 
 One step, in the order main() runs it, and the files it calls into (benchmarks/step_path.py lists
 their functions): the rollouts, through the lagged queue (common/sampling.py, with transformers'
-sampler of common/engines/rollout.py, the rewards of common/tasks/rewards.py and the toy's reward
-function of common/tasks/toy.py); compute_advantages; the log-probs (common/logprobs.py);
-batch_stats and compute_loss on micro-batches (common/update.py); the backward and the optimizer
-step, here.
+sampler of common/engines/rollout.py and the rewards of common/tasks/rewards.py, the toy's among
+them); compute_advantages; the mini- and micro-batches (common/sampling.py again), their log-probs
+(common/logprobs.py), batch_stats and compute_loss; the backward and the optimizer step, here.
 
 Run:
     python dppo.py --preset toy                                  # CPU, minutes
@@ -41,8 +41,16 @@ from common.args import TrainArgs, arg
 from common.logprobs import completion_logprobs, logprob_metrics
 from common.offpolicy import importance_weights
 from common.run import end_step, finish, launch, progress_bar, setup
-from common.sampling import old_and_reference_logprobs, sample_batch
-from common.update import BatchStats, masked_mean, microbatches, minibatches, rows_of, save_dumps
+from common.sampling import (
+    BatchStats,
+    masked_mean,
+    microbatches,
+    minibatches,
+    old_and_reference_logprobs,
+    rows_of,
+    sample_batch,
+    save_dumps,
+)
 
 
 @dataclass
@@ -98,13 +106,14 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
     mask = mask.float()  # (B, T)
     ratio = torch.exp(logp - old_logp)  # (B, T)  r_t
     A = advantages[:, None]  # (B, 1)
-    default = {"tv": 0.15, "kl": 0.05}[args.divergence]  # DPPO: the authors' threshold for each divergence
+    # DPPO: the authors' threshold for each divergence
+    default = {"tv": 0.15, "kl": 0.05}[args.divergence]
     low = default if args.delta_low is None else args.delta_low  # DPPO: delta_low
     high = default if args.delta_high is None else args.delta_high  # DPPO: delta_high
     # (B, T)  DPPO: the sampled token's probabilities
     p, p_old = torch.exp(logp.detach()), torch.exp(old_logp)
-    if args.divergence == "tv":  # DPPO: TV between Bernoulli(p_old) and Bernoulli(p) (the token vs the rest)
-        divergence = (p - p_old).abs()  # (B, T)  D_t
+    if args.divergence == "tv":  # DPPO: TV between Bernoulli(p_old) and Bernoulli(p)
+        divergence = (p - p_old).abs()  # (B, T)  D_t (the token vs the rest)
     else:  # DPPO: KL(Bernoulli(p_old) || Bernoulli(p)), verl's 1e-8 inside the second log
         divergence = (p_old * (old_logp - logp.detach())
                       + (1 - p_old) * torch.log((1 - p_old + 1e-8) / (1 - p + 1e-8)))  # (B, T)  D_t
@@ -121,13 +130,15 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
     if args.beta > 0:
         kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1  # (B, T)  k3
         per_token = per_token - args.beta * kl  # (B, T)
-    loss = -(per_token * mask).sum() / stats.num_tokens.clamp(min=1)  # DPPO: token mean over the optimizer batch
+    # DPPO: token mean over the optimizer batch
+    loss = -(per_token * mask).sum() / stats.num_tokens.clamp(min=1)
 
     with torch.no_grad():
         metrics = {
             "loss/policy": loss.detach(),
             "policy/ratio_mean": masked_mean(ratio, mask),
-            "policy/clip_frac_low": masked_mean(is_low.float(), mask),  # DPPO: masked, out of the region below
+            # DPPO: masked, out of the region below
+            "policy/clip_frac_low": masked_mean(is_low.float(), mask),
             "policy/clip_frac_high": masked_mean(is_high.float(), mask),
             "policy/clip_frac": masked_mean((is_low | is_high).float(), mask),
         }
@@ -197,7 +208,8 @@ def main(args: Args):
                         ref_logp = rows_of(batch.ref_logp, rows)  # (b, T), or None: no KL term
                         loss, loss_metrics = compute_loss(
                             logp, old_logp, ref_logp, advantages[rows], mask[rows], args,
-                            stats.for_rows(rows - mini.start), rows_of(tis_weights, rows),
+                            stats=stats.for_rows(rows - mini.start),
+                            tis_weights=rows_of(tis_weights, rows),
                         )
                         share = loss * loss_scale  # this micro-batch's share, scaled as said above
                         accelerator.backward(share)

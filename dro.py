@@ -5,7 +5,8 @@ arXiv:2501.12599, section 2.3.2), in verl's form (loss_mode "dro", verl 0.9.1
 `compute_policy_loss_dro`).
 
     A_i = R_i - mean_g R,    delta_t = logp_t - old_logp_t
-    L   = -(1/n) sum_{i,t} mask * [A_i logp_t - (tau / 2) delta_t^2 - beta * kl_t],   n: valid tokens
+    L   = -(1/n) sum_{i,t} mask * [A_i logp_t - (tau / 2) delta_t^2 - beta * kl_t],
+          n: valid tokens
 
 Kimi k1.5 regresses r - tau log Z on tau log(pi / pi_old) (the closed form of its mirror-descent
 step, log Z estimated by the group's mean reward): its gradient is the policy gradient with the
@@ -24,10 +25,9 @@ Differs from grpo.py (verl 0.9.1 `compute_policy_loss_dro`, `policy_loss.dro_bet
 
 One step, in the order main() runs it, and the files it calls into (benchmarks/step_path.py lists
 their functions): the rollouts, through the lagged queue (common/sampling.py, with transformers'
-sampler of common/engines/rollout.py, the rewards of common/tasks/rewards.py and the toy's reward
-function of common/tasks/toy.py); compute_advantages; the log-probs (common/logprobs.py);
-batch_stats and compute_loss on micro-batches (common/update.py); the backward and the optimizer
-step, here.
+sampler of common/engines/rollout.py and the rewards of common/tasks/rewards.py, the toy's among
+them); compute_advantages; the mini- and micro-batches (common/sampling.py again), their log-probs
+(common/logprobs.py), batch_stats and compute_loss; the backward and the optimizer step, here.
 
 Run:
     python dro.py --preset toy                                   # CPU, minutes
@@ -45,8 +45,16 @@ from common.args import TrainArgs, arg
 from common.logprobs import completion_logprobs, logprob_metrics
 from common.offpolicy import importance_weights
 from common.run import end_step, finish, launch, progress_bar, setup
-from common.sampling import old_and_reference_logprobs, sample_batch
-from common.update import BatchStats, masked_mean, microbatches, minibatches, rows_of, save_dumps
+from common.sampling import (
+    BatchStats,
+    masked_mean,
+    microbatches,
+    minibatches,
+    old_and_reference_logprobs,
+    rows_of,
+    sample_batch,
+    save_dumps,
+)
 
 
 @dataclass
@@ -56,11 +64,11 @@ class Args(TrainArgs):
 
     exp_name: str = arg(os.path.basename(__file__)[: -len(".py")], "name of this experiment")
     # Algorithm-specific
-    beta: float = arg(0.0, "KL coefficient to the reference policy (k3 estimator; verl's use_kl_loss off)",
-                      at_least=0)
-    tau: float = arg(0.05, "coefficient of (1/2) (logp - old_logp)^2 per token (Kimi k1.5's tau, verl's "
-                     "dro_beta; 0: none, which verl refuses); under --rollout_lag raise it (0.5 held the toy at "
-                     "lag 2: docs/estimators/dro.md)", at_least=0)
+    beta: float = arg(0.0, "KL coefficient to the reference policy "
+                           "(k3 estimator; verl's use_kl_loss off)", at_least=0)
+    tau: float = arg(0.05, "coefficient of (1/2) (logp - old_logp)^2 per token (Kimi k1.5's tau, "
+                     "verl's dro_beta; 0: none, which verl refuses); under --rollout_lag raise it "
+                     "(0.5 held the toy at lag 2: docs/estimators/dro.md)", at_least=0)
 
 
 # ALGO LOGIC: advantages and loss
@@ -101,7 +109,8 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
     if args.beta > 0:
         kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1  # (B, T)  k3
         per_token = per_token - args.beta * kl  # (B, T)
-    loss = -(per_token * mask).sum() / stats.num_tokens.clamp(min=1)  # DRO: token mean over the optimizer batch
+    # DRO: token mean over the optimizer batch
+    loss = -(per_token * mask).sum() / stats.num_tokens.clamp(min=1)
 
     with torch.no_grad():
         metrics = {
@@ -175,7 +184,8 @@ def main(args: Args):
                         ref_logp = rows_of(batch.ref_logp, rows)  # (b, T), or None: no KL term
                         loss, loss_metrics = compute_loss(
                             logp, old_logp, ref_logp, advantages[rows], mask[rows], args,
-                            stats.for_rows(rows - mini.start), rows_of(tis_weights, rows),
+                            stats=stats.for_rows(rows - mini.start),
+                            tis_weights=rows_of(tis_weights, rows),
                         )
                         share = loss * loss_scale  # this micro-batch's share, scaled as said above
                         accelerator.backward(share)

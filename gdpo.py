@@ -19,10 +19,9 @@ compute_gdpo_outcome_advantage):
 
 One step, in the order main() runs it, and the files it calls into (benchmarks/step_path.py lists
 their functions): the rollouts, through the lagged queue (common/sampling.py, with transformers'
-sampler of common/engines/rollout.py, the rewards of common/tasks/rewards.py and the toy's reward
-function of common/tasks/toy.py); compute_advantages; the log-probs (common/logprobs.py);
-batch_stats and compute_loss on micro-batches (common/update.py); the backward and the optimizer
-step, here.
+sampler of common/engines/rollout.py and the rewards of common/tasks/rewards.py, the toy's among
+them); compute_advantages; the mini- and micro-batches (common/sampling.py again), their log-probs
+(common/logprobs.py), batch_stats and compute_loss; the backward and the optimizer step, here.
 
 Run:
     python gdpo.py --preset toy                                  # CPU, minutes
@@ -40,8 +39,16 @@ from common.args import TrainArgs, arg
 from common.logprobs import completion_logprobs, logprob_metrics
 from common.offpolicy import importance_weights
 from common.run import end_step, finish, launch, progress_bar, setup
-from common.sampling import old_and_reference_logprobs, sample_batch
-from common.update import BatchStats, masked_mean, microbatches, minibatches, rows_of, save_dumps
+from common.sampling import (
+    BatchStats,
+    masked_mean,
+    microbatches,
+    minibatches,
+    old_and_reference_logprobs,
+    rows_of,
+    sample_batch,
+    save_dumps,
+)
 
 
 @dataclass
@@ -77,10 +84,13 @@ def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
         rewards = rewards * weights  # (B, 1)
         weights = torch.ones_like(weights)  # (1,)
     grouped = rewards.view(-1, args.num_generations, K)  # (N, G, K)
-    if grouped.isnan().any():  # a reward that does not apply to a sample (None, TRL): out of its z-score and sum
+    # a reward that does not apply to a sample (None, TRL): out of its z-score and sum
+    if grouped.isnan().any():
         centered = grouped - grouped.nanmean(dim=1, keepdim=True)  # (N, G, K)
-        count = (~grouped.isnan()).sum(dim=1, keepdim=True)  # (N, 1, K)  the samples each reward applies to
-        std = (centered.square().nansum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()  # (N, 1, K)
+        # (N, 1, K)  the samples each reward applies to
+        count = (~grouped.isnan()).sum(dim=1, keepdim=True)
+        std = (centered.square().nansum(dim=1, keepdim=True)
+               / (count - 1).clamp(min=1)).sqrt()  # (N, 1, K)
         normalised = (centered / (std + 1e-6)).nan_to_num(0.0)  # (N, G, K)
         return (normalised * weights).sum(-1).flatten()  # (B,)
     centered = grouped - grouped.mean(dim=1, keepdim=True)  # (N, G, K)
@@ -212,7 +222,8 @@ def main(args: Args):
                         ref_logp = rows_of(batch.ref_logp, rows)  # (b, T), or None: no KL term
                         loss, loss_metrics = compute_loss(
                             logp, old_logp, ref_logp, advantages[rows], mask[rows], args,
-                            stats.for_rows(rows - mini.start), rows_of(tis_weights, rows),
+                            stats=stats.for_rows(rows - mini.start),
+                            tis_weights=rows_of(tis_weights, rows),
                         )
                         share = loss * loss_scale  # this micro-batch's share, scaled as said above
                         accelerator.backward(share)

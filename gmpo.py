@@ -1,7 +1,8 @@
 """GMPO: "Geometric-Mean Policy Optimization" (Zhao et al. 2025, arXiv:2507.20673).
 
-    A_i = (R_i - mean_g R) / (std_g R + 1e-6),    d_t = logp_t - old_logp_t,    c_t = sign(A_i) min(sign(A_i) d_t,
-    sign(A_i) clip(d_t, -eps, eps_high)),    L = -(1/B) sum_i [exp((1/L_i) sum_t mask c_t) A_i - beta * K_i]
+    A_i = (R_i - mean_g R) / (std_g R + 1e-6),    d_t = logp_t - old_logp_t
+    c_t = sign(A_i) min(sign(A_i) d_t, sign(A_i) clip(d_t, -eps, eps_high))
+    L   = -(1/B) sum_i [exp((1/L_i) sum_t mask c_t) A_i - beta * K_i]
 
 Differs from grpo.py (section 3, the GMPO objective; code: github.com/callsys/GMPO, verl's
 "geo_mean" loss):
@@ -13,10 +14,9 @@ Differs from grpo.py (section 3, the GMPO objective; code: github.com/callsys/GM
 
 One step, in the order main() runs it, and the files it calls into (benchmarks/step_path.py lists
 their functions): the rollouts, through the lagged queue (common/sampling.py, with transformers'
-sampler of common/engines/rollout.py, the rewards of common/tasks/rewards.py and the toy's reward
-function of common/tasks/toy.py); compute_advantages; the log-probs (common/logprobs.py);
-batch_stats and compute_loss on micro-batches (common/update.py); the backward and the optimizer
-step, here.
+sampler of common/engines/rollout.py and the rewards of common/tasks/rewards.py, the toy's among
+them); compute_advantages; the mini- and micro-batches (common/sampling.py again), their log-probs
+(common/logprobs.py), batch_stats and compute_loss; the backward and the optimizer step, here.
 
 Run:
     python gmpo.py --preset toy                                  # CPU, minutes
@@ -34,8 +34,16 @@ from common.args import TrainArgs, arg
 from common.logprobs import completion_logprobs, logprob_metrics
 from common.offpolicy import importance_weights
 from common.run import end_step, finish, launch, progress_bar, setup
-from common.sampling import old_and_reference_logprobs, sample_batch
-from common.update import BatchStats, masked_mean, microbatches, minibatches, rows_of, save_dumps
+from common.sampling import (
+    BatchStats,
+    masked_mean,
+    microbatches,
+    minibatches,
+    old_and_reference_logprobs,
+    rows_of,
+    sample_batch,
+    save_dumps,
+)
 
 
 @dataclass
@@ -90,7 +98,8 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
     A = advantages[:, None]  # (B, 1)
     # (B, T)  GMPO: log-space bounds
     clamped = torch.clamp(log_ratio, -args.epsilon, args.epsilon_high)
-    clipped = torch.where(A > 0, torch.minimum(log_ratio, clamped), torch.maximum(log_ratio, clamped))  # GMPO: c_t
+    clipped = torch.where(A > 0, torch.minimum(log_ratio, clamped),
+                          torch.maximum(log_ratio, clamped))  # GMPO: c_t
     # (B,)  GMPO: geometric mean
     seq_ratio = torch.exp((mask * clipped).sum(-1) / mask.sum(-1).clamp(min=1))
     # (B, T)  GMPO: the row's weight on every token of row i
@@ -183,7 +192,8 @@ def main(args: Args):
                         ref_logp = rows_of(batch.ref_logp, rows)  # (b, T), or None: no KL term
                         loss, loss_metrics = compute_loss(
                             logp, old_logp, ref_logp, advantages[rows], mask[rows], args,
-                            stats.for_rows(rows - mini.start), rows_of(tis_weights, rows),
+                            stats=stats.for_rows(rows - mini.start),
+                            tis_weights=rows_of(tis_weights, rows),
                         )
                         share = loss * loss_scale  # this micro-batch's share, scaled as said above
                         accelerator.backward(share)

@@ -1,7 +1,8 @@
 """GRPO: Group Relative Policy Optimization (DeepSeekMath, Shao et al. 2024, arXiv:2402.03300).
 
     A_i = (R_i - mean_g R) / (std_g R + 1e-6),    r_t = exp(logp_t - old_logp_t)
-    L   = -(1/B) sum_i (1/L_i) sum_t mask * [min(r_t A_i, clip(r_t, 1-eps, 1+eps_high) A_i) - beta * kl_t]
+    L   = -(1/B) sum_i (1/L_i) sum_t mask * [min(r_t A_i, clip(r_t, 1-eps, 1+eps_high) A_i)
+                                             - beta * kl_t]
 
 Differs from DeepSeekMath's description:
 - old_logp is the trainer's, not the sampler's; their gap is logged, and corrected with --tis_cap
@@ -11,10 +12,9 @@ Differs from DeepSeekMath's description:
 
 One step, in the order main() runs it, and the files it calls into (benchmarks/step_path.py lists
 their functions): the rollouts, through the lagged queue (common/sampling.py, with transformers'
-sampler of common/engines/rollout.py, the rewards of common/tasks/rewards.py and the toy's reward
-function of common/tasks/toy.py); compute_advantages; the log-probs (common/logprobs.py);
-batch_stats and compute_loss on micro-batches (common/update.py); the backward and the optimizer
-step, here.
+sampler of common/engines/rollout.py and the rewards of common/tasks/rewards.py, the toy's among
+them); compute_advantages; the mini- and micro-batches (common/sampling.py again), their log-probs
+(common/logprobs.py), batch_stats and compute_loss; the backward and the optimizer step, here.
 
 Run:
     python grpo.py --preset toy                                  # CPU, minutes
@@ -32,8 +32,16 @@ from common.args import TrainArgs, arg
 from common.logprobs import completion_logprobs, logprob_metrics
 from common.offpolicy import importance_weights
 from common.run import end_step, finish, launch, progress_bar, setup
-from common.sampling import old_and_reference_logprobs, sample_batch
-from common.update import BatchStats, masked_mean, microbatches, minibatches, rows_of, save_dumps
+from common.sampling import (
+    BatchStats,
+    masked_mean,
+    microbatches,
+    minibatches,
+    old_and_reference_logprobs,
+    rows_of,
+    sample_batch,
+    save_dumps,
+)
 
 
 @dataclass
@@ -168,7 +176,8 @@ def main(args: Args):
                         ref_logp = rows_of(batch.ref_logp, rows)  # (b, T), or None: no KL term
                         loss, loss_metrics = compute_loss(
                             logp, old_logp, ref_logp, advantages[rows], mask[rows], args,
-                            stats.for_rows(rows - mini.start), rows_of(tis_weights, rows),
+                            stats=stats.for_rows(rows - mini.start),
+                            tis_weights=rows_of(tis_weights, rows),
                         )
                         share = loss * loss_scale  # this micro-batch's share, scaled as said above
                         accelerator.backward(share)

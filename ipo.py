@@ -31,10 +31,9 @@ Differs from grpo.py:
 
 One step, in the order main() runs it, and the files it calls into (benchmarks/step_path.py lists
 their functions): the rollouts, through the lagged queue (common/sampling.py, with transformers'
-sampler of common/engines/rollout.py, the rewards of common/tasks/rewards.py and the toy's reward
-function of common/tasks/toy.py); compute_advantages; the log-probs (common/logprobs.py);
-batch_stats and compute_loss on micro-batches (common/update.py); the backward and the optimizer
-step, here.
+sampler of common/engines/rollout.py and the rewards of common/tasks/rewards.py, the toy's among
+them); compute_advantages; the mini- and micro-batches (common/sampling.py again), their log-probs
+(common/logprobs.py), batch_stats and compute_loss; the backward and the optimizer step, here.
 
 Run:
     python ipo.py --preset toy                                   # CPU, minutes
@@ -52,8 +51,16 @@ from common.args import TrainArgs, arg
 from common.logprobs import completion_logprobs, logprob_metrics
 from common.offpolicy import importance_weights
 from common.run import end_step, finish, launch, progress_bar, setup
-from common.sampling import old_and_reference_logprobs, sample_batch
-from common.update import BatchStats, masked_mean, microbatches, minibatches, rows_of, save_dumps
+from common.sampling import (
+    BatchStats,
+    masked_mean,
+    microbatches,
+    minibatches,
+    old_and_reference_logprobs,
+    rows_of,
+    sample_batch,
+    save_dumps,
+)
 
 
 @dataclass
@@ -63,8 +70,8 @@ class Args(TrainArgs):
 
     exp_name: str = arg(os.path.basename(__file__)[: -len(".py")], "name of this experiment")
     # Algorithm-specific
-    beta: float = arg(0.0, "KL coefficient to the reference policy (k3 estimator; prime-rl has none)",
-                      at_least=0)
+    beta: float = arg(0.0, "KL coefficient to the reference policy "
+                           "(k3 estimator; prime-rl has none)", at_least=0)
     eps: float = arg(0.3, "a token whose probability moved more than eps from old_logp's loses its "
                      "policy term (prime-rl PR #3586)", at_least=0)
     kl_tau: float = arg(0.0, "coefficient of (log r_t)^2 on every valid token (Kimi K2.5; prime-rl "
@@ -122,7 +129,8 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
     if args.beta > 0:
         kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1  # (B, T)  k3
         per_token = per_token - args.beta * kl  # (B, T)
-    loss = -(per_token * mask).sum() / stats.num_tokens.clamp(min=1)  # IPO: token mean over the optimizer batch
+    # IPO: token mean over the optimizer batch
+    loss = -(per_token * mask).sum() / stats.num_tokens.clamp(min=1)
 
     with torch.no_grad():
         metrics = {
@@ -196,7 +204,8 @@ def main(args: Args):
                         ref_logp = rows_of(batch.ref_logp, rows)  # (b, T), or None: no KL term
                         loss, loss_metrics = compute_loss(
                             logp, old_logp, ref_logp, advantages[rows], mask[rows], args,
-                            stats.for_rows(rows - mini.start), rows_of(tis_weights, rows),
+                            stats=stats.for_rows(rows - mini.start),
+                            tis_weights=rows_of(tis_weights, rows),
                         )
                         share = loss * loss_scale  # this micro-batch's share, scaled as said above
                         accelerator.backward(share)

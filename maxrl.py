@@ -2,8 +2,10 @@
 Tajwar et al. 2026, arXiv:2602.02710): the group's mean reward (its success rate) normalises the
 advantage in place of its std.
 
-    A_i = (R_i - mean_g R) / (mean_g R + 1e-6)  (0 where mean_g R <= 0),   r_t = exp(logp_t - old_logp_t)
-    L   = -(1/n) sum_{i,t} mask * [max(min(r_t A_i, clip(r_t, 1-eps, 1+eps_high) A_i), c A_i if A_i < 0) - beta kl_t]
+    A_i = (R_i - mean_g R) / (mean_g R + 1e-6)  (0 where mean_g R <= 0)
+    r_t = exp(logp_t - old_logp_t)
+    L   = -(1/n) sum_{i,t} mask * [max(min(r_t A_i, clip(r_t, 1-eps, 1+eps_high) A_i),
+                                       c A_i if A_i < 0) - beta kl_t]
 
 With binary rewards and K successes of G: A = (G - K) / K on a success, -1 on a failure, so the
 gradient is (1/K) sum_{successes} grad log pi: the maximum-likelihood gradient of the successes'
@@ -22,10 +24,9 @@ Differs from grpo.py (the authors' verl fork, `compute_maxrl_outcome_advantage`;
 
 One step, in the order main() runs it, and the files it calls into (benchmarks/step_path.py lists
 their functions): the rollouts, through the lagged queue (common/sampling.py, with transformers'
-sampler of common/engines/rollout.py, the rewards of common/tasks/rewards.py and the toy's reward
-function of common/tasks/toy.py); compute_advantages; the log-probs (common/logprobs.py);
-batch_stats and compute_loss on micro-batches (common/update.py); the backward and the optimizer
-step, here.
+sampler of common/engines/rollout.py and the rewards of common/tasks/rewards.py, the toy's among
+them); compute_advantages; the mini- and micro-batches (common/sampling.py again), their log-probs
+(common/logprobs.py), batch_stats and compute_loss; the backward and the optimizer step, here.
 
 Run:
     python maxrl.py --preset toy                                 # CPU, minutes
@@ -43,8 +44,16 @@ from common.args import TrainArgs, arg
 from common.logprobs import completion_logprobs, logprob_metrics
 from common.offpolicy import importance_weights
 from common.run import end_step, finish, launch, progress_bar, setup
-from common.sampling import old_and_reference_logprobs, sample_batch
-from common.update import BatchStats, masked_mean, microbatches, minibatches, rows_of, save_dumps
+from common.sampling import (
+    BatchStats,
+    masked_mean,
+    microbatches,
+    minibatches,
+    old_and_reference_logprobs,
+    rows_of,
+    sample_batch,
+    save_dumps,
+)
 
 
 @dataclass
@@ -55,12 +64,13 @@ class Args(TrainArgs):
     exp_name: str = arg(os.path.basename(__file__)[: -len(".py")], "name of this experiment")
     # Algorithm-specific
     beta: float = arg(
-        0.0, "KL coefficient to the reference policy (k3 estimator; verl's use_kl_loss off)", at_least=0,
+        0.0, "KL coefficient to the reference policy (k3 estimator; verl's use_kl_loss off)",
+        at_least=0,
     )
     epsilon: float = arg(0.2, "lower clip range (verl's clip_ratio)", at_least=0)
     epsilon_high: float = arg(0.2, "upper clip range", at_least=0)
-    clip_ratio_c: float = arg(3.0, "dual clip: a token with A < 0 loses at most c |A| (verl's clip_ratio_c)",
-                              at_least=1)
+    clip_ratio_c: float = arg(3.0, "dual clip: a token with A < 0 loses at most c |A| "
+                                   "(verl's clip_ratio_c)", at_least=1)
 
 
 # ALGO LOGIC: advantages and loss
@@ -108,7 +118,8 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
     if args.beta > 0:
         kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1  # (B, T)  k3
         per_token = per_token - args.beta * kl  # (B, T)
-    loss = -(per_token * mask).sum() / stats.num_tokens.clamp(min=1)  # MAXRL: token mean over the optimizer batch
+    # MAXRL: token mean over the optimizer batch
+    loss = -(per_token * mask).sum() / stats.num_tokens.clamp(min=1)
 
     with torch.no_grad():
         is_low = (ratio < 1 - args.epsilon) & (A < 0)  # (B, T) clipped from below (gradient zeroed)
@@ -187,7 +198,8 @@ def main(args: Args):
                         ref_logp = rows_of(batch.ref_logp, rows)  # (b, T), or None: no KL term
                         loss, loss_metrics = compute_loss(
                             logp, old_logp, ref_logp, advantages[rows], mask[rows], args,
-                            stats.for_rows(rows - mini.start), rows_of(tis_weights, rows),
+                            stats=stats.for_rows(rows - mini.start),
+                            tis_weights=rows_of(tis_weights, rows),
                         )
                         share = loss * loss_scale  # this micro-batch's share, scaled as said above
                         accelerator.backward(share)

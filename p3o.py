@@ -2,8 +2,10 @@
 batch ESS of "Trust the Batch, On- or Off-Policy: Adaptive Policy Optimization for RL Post-Training"
 (code: FeynRL's algs/P3O/p3o.py, github.com/FeynRL-project/FeynRL).
 
-    A_i = z-score,   r_t = exp(logp_t - old_logp_t),   ESS = (sum r)^2 / (n sum r^2) over the batch's n valid tokens
-    L   = (1/n) sum_{i,t} mask [-sg(min(r_t, ESS)) A_i logp_t + (1-ESS) kl_old_t + beta kl_ref_t - entropy_coeff H_t]
+    A_i = z-score,   r_t = exp(logp_t - old_logp_t)
+    ESS = (sum r)^2 / (n sum r^2) over the batch's n valid tokens
+    L   = (1/n) sum_{i,t} mask [-sg(min(r_t, ESS)) A_i logp_t + (1-ESS) kl_old_t + beta kl_ref_t
+                                - entropy_coeff H_t]
 
 Differs from grpo.py:
 - no clip: the batch ESS caps a detached score-function weight and weighs a KL to the behaviour
@@ -15,10 +17,9 @@ Differs from grpo.py:
 
 One step, in the order main() runs it, and the files it calls into (benchmarks/step_path.py lists
 their functions): the rollouts, through the lagged queue (common/sampling.py, with transformers'
-sampler of common/engines/rollout.py, the rewards of common/tasks/rewards.py and the toy's reward
-function of common/tasks/toy.py); compute_advantages; the log-probs (common/logprobs.py);
-batch_stats and compute_loss on micro-batches (common/update.py); the backward and the optimizer
-step, here.
+sampler of common/engines/rollout.py and the rewards of common/tasks/rewards.py, the toy's among
+them); compute_advantages; the mini- and micro-batches (common/sampling.py again), their log-probs
+(common/logprobs.py), batch_stats and compute_loss; the backward and the optimizer step, here.
 
 Run:
     python p3o.py --preset toy                                   # CPU, minutes
@@ -37,8 +38,17 @@ from common.args import TrainArgs, arg
 from common.logprobs import completion_logprobs, logprob_metrics
 from common.offpolicy import importance_weights
 from common.run import end_step, finish, launch, progress_bar, setup
-from common.sampling import log_ratio_now, old_and_reference_logprobs, sample_batch  # P3O:
-from common.update import BatchStats, masked_mean, microbatches, minibatches, rows_of, save_dumps
+from common.sampling import (
+    BatchStats,
+    log_ratio_now,  # P3O:
+    masked_mean,
+    microbatches,
+    minibatches,
+    old_and_reference_logprobs,
+    rows_of,
+    sample_batch,
+    save_dumps,
+)
 
 
 @dataclass
@@ -97,14 +107,16 @@ def ess_sums(log_ratio, mask, total=lambda x: x) -> Stats:
     return Stats(num_tokens, sum_r=total(ratio.sum()), sum_r2=total((ratio**2).sum()))
 
 
-def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=None, tis_weights=None,
-                 entropy=None):
+def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=None,
+                 tis_weights=None, entropy=None):
     """P3O loss with full-batch semantics: `stats` are the optimizer batch's sums over valid tokens
     at the current weights (None: these rows are the whole batch); `tis_weights` (B, T) scale the
     policy term, not the trust region; `entropy` (B, T) carries its gradient when entropy_coeff > 0.
     """
-    if args.entropy_coeff > 0 and (entropy is None or (logp.requires_grad and not entropy.requires_grad)):
-        raise ValueError("--entropy_coeff > 0 needs the entropy's gradient: completion_logprobs(entropy_grad=True)")
+    if args.entropy_coeff > 0 and (entropy is None
+                                   or (logp.requires_grad and not entropy.requires_grad)):
+        raise ValueError("--entropy_coeff > 0 needs the entropy's gradient: "
+                         "completion_logprobs(entropy_grad=True)")
     if stats is None:
         stats = batch_stats(logp.detach() - old_logp, advantages, mask, args)
     own = stats  # the optimizer batch's sums
@@ -129,7 +141,8 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
         per_token = per_token + args.beta * kl  # (B, T)
     if args.entropy_coeff > 0:
         per_token = per_token - args.entropy_coeff * entropy  # (B, T)  P3O: entropy bonus
-    loss = (per_token * mask).sum() / stats.num_tokens.to(logp.dtype)  # P3O: token mean over the optimizer batch
+    # P3O: token mean over the optimizer batch
+    loss = (per_token * mask).sum() / stats.num_tokens.to(logp.dtype)
 
     with torch.no_grad():
         metrics = {
@@ -189,7 +202,8 @@ def main(args: Args):
         update_metrics, grad_norms, dumps = [], [], []
         for _ in range(args.num_iterations):
             for mini in minibatches(run):  # a slice of this process's rows
-                log_ratio = log_ratio_now(run, batch, mini) if args.ess_scope == "batch" else None  # P3O:
+                log_ratio = (log_ratio_now(run, batch, mini)  # P3O:
+                             if args.ess_scope == "batch" else None)  # P3O:
                 stats = batch_stats(log_ratio, advantages[mini], mask[mini], args, total)  # P3O:
                 dumps.append(stats)  # --dump_stats_steps (e.g. SNIB's Figure 2)
                 for rows in microbatches(run, batch, mini):  # (b,) indices of this process's rows
@@ -207,7 +221,9 @@ def main(args: Args):
                         ref_logp = rows_of(batch.ref_logp, rows)  # (b, T), or None: no KL term
                         loss, loss_metrics = compute_loss(
                             logp, old_logp, ref_logp, advantages[rows], mask[rows], args,
-                            stats.for_rows(rows - mini.start), rows_of(tis_weights, rows), entropy,  # P3O:
+                            stats=stats.for_rows(rows - mini.start),
+                            tis_weights=rows_of(tis_weights, rows),
+                            entropy=entropy,  # P3O:
                         )
                         share = loss * loss_scale  # this micro-batch's share, scaled as said above
                         accelerator.backward(share)

@@ -2,10 +2,13 @@
 Hu et al. 2025, arXiv:2501.03262), as verl's `reinforce_plus_plus` / `reinforce_plus_plus_baseline`
 advantage estimators compute it.
 
-    G_it = R_i - beta sum_{k>=t} mask * (sampler_logp_k - ref_logp_k)       (k1 KL in the reward, gamma 1: returns)
-    A_it = (G_it - mu) / sqrt(var + 1e-8),   mu, var (unbiased): over every valid token of the whole batch
-    --baseline: G_it = R'_i - mean_g R',  R'_i = R_i - beta sum_t mask * (sampler_logp_t - ref_logp_t)
-    L    = -(1/n) sum_{i,t} mask * max(min(r_t A_it, clip(r_t, 1-eps, 1+eps_high) A_it), c A_it if A_it < 0)
+    G_it = R_i - beta sum_{k>=t} mask * (sampler_logp_k - ref_logp_k)
+           (k1 KL in the reward, gamma 1: returns)
+    A_it = (G_it - mu) / sqrt(var + 1e-8),   mu, var (unbiased): over the whole batch's valid tokens
+    --baseline: G_it = R'_i - mean_g R',
+                R'_i = R_i - beta sum_t mask * (sampler_logp_t - ref_logp_t)
+    L    = -(1/n) sum_{i,t} mask * max(min(r_t A_it, clip(r_t, 1-eps, 1+eps_high) A_it),
+                                       c A_it if A_it < 0)
 
 Differs from grpo.py (verl's core_algos.py for the advantages and the loss, OpenRLHF's defaults for
 the KL):
@@ -22,10 +25,9 @@ the KL):
 
 One step, in the order main() runs it, and the files it calls into (benchmarks/step_path.py lists
 their functions): the rollouts, through the lagged queue (common/sampling.py, with transformers'
-sampler of common/engines/rollout.py, the rewards of common/tasks/rewards.py and the toy's reward
-function of common/tasks/toy.py); compute_advantages; the log-probs (common/logprobs.py);
-batch_stats and compute_loss on micro-batches (common/update.py); the backward and the optimizer
-step, here.
+sampler of common/engines/rollout.py and the rewards of common/tasks/rewards.py, the toy's among
+them); compute_advantages; the mini- and micro-batches (common/sampling.py again), their log-probs
+(common/logprobs.py), batch_stats and compute_loss; the backward and the optimizer step, here.
 
 Run:
     python reinforcepp.py --preset toy                           # CPU, minutes
@@ -43,8 +45,16 @@ from common.args import TrainArgs, arg
 from common.logprobs import completion_logprobs, logprob_metrics
 from common.offpolicy import importance_weights
 from common.run import end_step, finish, launch, progress_bar, setup
-from common.sampling import old_and_reference_logprobs, sample_batch
-from common.update import BatchStats, masked_mean, microbatches, minibatches, rows_of, save_dumps
+from common.sampling import (
+    BatchStats,
+    masked_mean,
+    microbatches,
+    minibatches,
+    old_and_reference_logprobs,
+    rows_of,
+    sample_batch,
+    save_dumps,
+)
 
 
 @dataclass
@@ -54,30 +64,30 @@ class Args(TrainArgs):
 
     exp_name: str = arg(os.path.basename(__file__)[: -len(".py")], "name of this experiment")
     # Algorithm-specific
-    beta: float = arg(
-        0.01, "KL coefficient, a k1 penalty in each token's reward (OpenRLHF's init_kl_coef)", at_least=0,
-    )
+    beta: float = arg(0.01, "KL coefficient, a k1 penalty in each token's reward "
+                            "(OpenRLHF's init_kl_coef)", at_least=0)
     epsilon: float = arg(
         0.2, "lower clip range (verl's clip_ratio, OpenRLHF's eps_clip)", at_least=0,
     )
     epsilon_high: float = arg(0.2, "upper clip range", at_least=0)
-    clip_ratio_c: float = arg(3.0, "dual clip: a token with A < 0 loses at most c |A| (verl's clip_ratio_c)",
-                              at_least=1)
+    clip_ratio_c: float = arg(3.0, "dual clip: a token with A < 0 loses at most c |A| "
+                                   "(verl's clip_ratio_c)", at_least=1)
     baseline: bool = arg(
         False, "REINFORCE++-baseline: subtract the group mean reward before whitening (verl)",
     )
 
 
 # ALGO LOGIC: advantages and loss
-def compute_advantages(rewards: torch.Tensor, args: Args, kl: torch.Tensor | None = None) -> torch.Tensor:
+def compute_advantages(rewards: torch.Tensor, args: Args,
+                       kl: torch.Tensor | None = None) -> torch.Tensor:
     """The returns before whitening; rows of one prompt are contiguous. `kl` (B, T): mask *
     (sampler_logp - ref_logp), the k1 penalty of each token (None: beta is 0). (B,) without it or
     with --baseline, else (B, T)."""
-    if args.baseline:  # REINFORCEPP: verl's reinforce_plus_plus_baseline: R'_i - mean_g R', one value per row
+    if args.baseline:  # REINFORCEPP: verl's reinforce_plus_plus_baseline
         if kl is not None:
             rewards = rewards - args.beta * kl.sum(-1)  # (B,)  R'_i = R_i - beta KL_i
         grouped = rewards.view(-1, args.num_generations)  # (N, G)
-        return (grouped - grouped.mean(dim=1, keepdim=True)).flatten()  # (B,)
+        return (grouped - grouped.mean(dim=1, keepdim=True)).flatten()  # (B,)  R'_i - mean_g R'
     if kl is None:
         return rewards.clone()  # (B,)  REINFORCEPP: every token's return is R_i
     # (B, T)  REINFORCEPP: G_it, gamma 1
@@ -137,7 +147,8 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
     surrogate = torch.where(dual, args.clip_ratio_c * A, surrogate)  # (B, T)
     if tis_weights is not None:
         surrogate = surrogate * tis_weights  # (B, T)
-    loss = -(surrogate * mask).sum() / stats.num_tokens.clamp(min=1)  # REINFORCEPP: token mean over the optimizer batch
+    # REINFORCEPP: token mean over the optimizer batch
+    loss = -(surrogate * mask).sum() / stats.num_tokens.clamp(min=1)
 
     with torch.no_grad():
         is_low = (ratio < 1 - args.epsilon) & (A < 0)  # (B, T) clipped from below (gradient zeroed)
@@ -151,7 +162,8 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
             "policy/dual_clip_frac": masked_mean(dual.float(), mask),
         }
         if args.beta > 0:
-            metrics["policy/kl"] = masked_mean(torch.exp(ref_logp - logp) - (ref_logp - logp) - 1, mask)  # k3, logged
+            kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1  # (B, T)  k3, logged
+            metrics["policy/kl"] = masked_mean(kl, mask)
     return loss, metrics
 
 
@@ -186,7 +198,7 @@ def main(args: Args):
         T = mask.shape[1]
 
         # 2. Advantages, and for a sampler/trainer mismatch, truncated or masked importance weights
-        advantages = compute_advantages(batch.rewards, args, token_kl(batch))  # REINFORCEPP: returns
+        advantages = compute_advantages(batch.rewards, args, token_kl(batch))  # REINFORCEPP: G_it
         advantages = whiten(advantages, mask, total)  # REINFORCEPP: (B, T), over the whole batch
         tis_weights = None
         if args.tis_cap > 0:
@@ -217,7 +229,8 @@ def main(args: Args):
                         ref_logp = rows_of(batch.ref_logp, rows)  # (b, T), or None: no KL term
                         loss, loss_metrics = compute_loss(
                             logp, old_logp, ref_logp, advantages[rows], mask[rows], args,
-                            stats.for_rows(rows - mini.start), rows_of(tis_weights, rows),
+                            stats=stats.for_rows(rows - mini.start),
+                            tis_weights=rows_of(tis_weights, rows),
                         )
                         share = loss * loss_scale  # this micro-batch's share, scaled as said above
                         accelerator.backward(share)

@@ -3,8 +3,10 @@ Learning from Human Feedback in LLMs", Ahmadian et al. 2024, arXiv:2402.14740; t
 et al. 2019, "Buy 4 REINFORCE Samples, Get a Baseline for Free!"), with the PPO ratio of TRL's
 RLOOTrainer.
 
-    A_i = R'_i - mean_{j != i} R'_j,   R'_i = R_i - beta sum_t mask * (sampler_logp_t - ref_logp_t)   (KL in the reward)
-    L   = -(1/B) sum_i min(s_i A_i, clip(s_i, 1-eps, 1+eps_high) A_i),   s_i = exp(sum_t mask * (logp_t - old_logp_t))
+    A_i  = R'_i - mean_{j != i} R'_j
+    R'_i = R_i - beta sum_t mask * (sampler_logp_t - ref_logp_t)   (KL in the reward)
+    L    = -(1/B) sum_i min(s_i A_i, clip(s_i, 1-eps, 1+eps_high) A_i)
+    s_i  = exp(sum_t mask * (logp_t - old_logp_t))
 
 Differs from grpo.py (Ahmadian et al. for the baseline and the reward, TRL 1.16's RLOOTrainer for
 the loss):
@@ -22,10 +24,9 @@ the loss):
 
 One step, in the order main() runs it, and the files it calls into (benchmarks/step_path.py lists
 their functions): the rollouts, through the lagged queue (common/sampling.py, with transformers'
-sampler of common/engines/rollout.py, the rewards of common/tasks/rewards.py and the toy's reward
-function of common/tasks/toy.py); compute_advantages; the log-probs (common/logprobs.py);
-batch_stats and compute_loss on micro-batches (common/update.py); the backward and the optimizer
-step, here.
+sampler of common/engines/rollout.py and the rewards of common/tasks/rewards.py, the toy's among
+them); compute_advantages; the mini- and micro-batches (common/sampling.py again), their log-probs
+(common/logprobs.py), batch_stats and compute_loss; the backward and the optimizer step, here.
 
 Run:
     python rloo.py --preset toy                                  # CPU, minutes
@@ -43,8 +44,16 @@ from common.args import TrainArgs, arg
 from common.logprobs import completion_logprobs, logprob_metrics
 from common.offpolicy import importance_weights
 from common.run import end_step, finish, launch, progress_bar, setup
-from common.sampling import old_and_reference_logprobs, sample_batch
-from common.update import BatchStats, masked_mean, microbatches, minibatches, rows_of, save_dumps
+from common.sampling import (
+    BatchStats,
+    masked_mean,
+    microbatches,
+    minibatches,
+    old_and_reference_logprobs,
+    rows_of,
+    sample_batch,
+    save_dumps,
+)
 
 
 @dataclass
@@ -54,14 +63,15 @@ class Args(TrainArgs):
 
     exp_name: str = arg(os.path.basename(__file__)[: -len(".py")], "name of this experiment")
     # Algorithm-specific
-    beta: float = arg(0.05, "KL coefficient, a penalty in the reward: R - beta sum_t (sampler_logp - ref_logp)",
-                      at_least=0)
+    beta: float = arg(0.05, "KL coefficient, a penalty in the reward: "
+                            "R - beta sum_t (sampler_logp - ref_logp)", at_least=0)
     epsilon: float = arg(0.2, "lower clip range of the sequence ratio s_i", at_least=0)
     epsilon_high: float = arg(0.2, "upper clip range of the sequence ratio s_i", at_least=0)
 
 
 # ALGO LOGIC: advantages and loss
-def compute_advantages(rewards: torch.Tensor, args: Args, kl: torch.Tensor | None = None) -> torch.Tensor:
+def compute_advantages(rewards: torch.Tensor, args: Args,
+                       kl: torch.Tensor | None = None) -> torch.Tensor:
     """Leave-one-out advantages of the KL-shaped rewards; rows of one prompt are contiguous. `kl`
     (B,): sum_t mask * (sampler_logp - ref_logp), each completion's log-ratio to the reference
     (None: beta is 0)."""
@@ -130,7 +140,8 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
             "policy/clip_frac": masked_mean((is_low | is_high).float(), mask),
         }
         if args.beta > 0:
-            metrics["policy/kl"] = masked_mean(torch.exp(ref_logp - logp) - (ref_logp - logp) - 1, mask)  # k3, logged
+            kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1  # (B, T)  k3, logged
+            metrics["policy/kl"] = masked_mean(kl, mask)
     return loss, metrics
 
 
@@ -165,7 +176,8 @@ def main(args: Args):
         T = mask.shape[1]
 
         # 2. Advantages, and for a sampler/trainer mismatch, truncated or masked importance weights
-        advantages = compute_advantages(batch.rewards, args, sequence_kl(batch))  # RLOO: KL in the reward
+        # RLOO: the KL in the reward
+        advantages = compute_advantages(batch.rewards, args, sequence_kl(batch))  # RLOO: (B,)
         tis_weights = None
         if args.tis_cap > 0:
             tis_weights, metrics["rollout/is_masked_frac"] = importance_weights(
@@ -195,7 +207,8 @@ def main(args: Args):
                         ref_logp = rows_of(batch.ref_logp, rows)  # (b, T), or None: no KL term
                         loss, loss_metrics = compute_loss(
                             logp, old_logp, ref_logp, advantages[rows], mask[rows], args,
-                            stats.for_rows(rows - mini.start), rows_of(tis_weights, rows),
+                            stats=stats.for_rows(rows - mini.start),
+                            tis_weights=rows_of(tis_weights, rows),
                         )
                         share = loss * loss_scale  # this micro-batch's share, scaled as said above
                         accelerator.backward(share)

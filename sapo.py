@@ -1,6 +1,7 @@
 """SAPO: "Soft Adaptive Policy Optimization" (Gao et al. 2025, Qwen Team, arXiv:2511.20347).
 
-    A_i = (R_i - mean_g R) / (std_g R + 1e-6),  r_t = exp(logp_t - old_logp_t),  tau_i = tau_pos if A_i > 0 else tau_neg
+    A_i = (R_i - mean_g R) / (std_g R + 1e-6),    r_t = exp(logp_t - old_logp_t)
+    tau_i = tau_pos if A_i > 0 else tau_neg
     L   = -(1/B) sum_i (1/L_i) sum_t mask * [(4 / tau_i) sigmoid(tau_i (r_t - 1)) A_i - beta * kl_t]
 
 Differs from grpo.py (the paper's objective: a soft gate f(r) = (4/tau) sigmoid(tau (r - 1)) for
@@ -16,10 +17,9 @@ PPO's clip):
 
 One step, in the order main() runs it, and the files it calls into (benchmarks/step_path.py lists
 their functions): the rollouts, through the lagged queue (common/sampling.py, with transformers'
-sampler of common/engines/rollout.py, the rewards of common/tasks/rewards.py and the toy's reward
-function of common/tasks/toy.py); compute_advantages; the log-probs (common/logprobs.py);
-batch_stats and compute_loss on micro-batches (common/update.py); the backward and the optimizer
-step, here.
+sampler of common/engines/rollout.py and the rewards of common/tasks/rewards.py, the toy's among
+them); compute_advantages; the mini- and micro-batches (common/sampling.py again), their log-probs
+(common/logprobs.py), batch_stats and compute_loss; the backward and the optimizer step, here.
 
 Run:
     python sapo.py --preset toy                                  # CPU, minutes
@@ -37,8 +37,16 @@ from common.args import TrainArgs, arg
 from common.logprobs import completion_logprobs, logprob_metrics
 from common.offpolicy import importance_weights
 from common.run import end_step, finish, launch, progress_bar, setup
-from common.sampling import old_and_reference_logprobs, sample_batch
-from common.update import BatchStats, masked_mean, microbatches, minibatches, rows_of, save_dumps
+from common.sampling import (
+    BatchStats,
+    masked_mean,
+    microbatches,
+    minibatches,
+    old_and_reference_logprobs,
+    rows_of,
+    sample_batch,
+    save_dumps,
+)
 
 
 @dataclass
@@ -49,10 +57,10 @@ class Args(TrainArgs):
     exp_name: str = arg(os.path.basename(__file__)[: -len(".py")], "name of this experiment")
     # Algorithm-specific
     beta: float = arg(0.0, "KL coefficient to the reference policy (k3 estimator)", at_least=0)
-    tau_pos: float = arg(1.0, "gate temperature for A > 0: the larger, the faster the gradient decays off-policy",
-                         at_least=1e-3)
-    tau_neg: float = arg(1.05, "gate temperature for A <= 0 (> tau_pos: a negative token's gradient decays faster)",
-                         at_least=1e-3)
+    tau_pos: float = arg(1.0, "gate temperature for A > 0: the larger, the faster the gradient "
+                              "decays off-policy", at_least=1e-3)
+    tau_neg: float = arg(1.05, "gate temperature for A <= 0 (> tau_pos: a negative token's "
+                               "gradient decays faster)", at_least=1e-3)
 
 # ALGO LOGIC: advantages and loss
 def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
@@ -177,7 +185,8 @@ def main(args: Args):
                         ref_logp = rows_of(batch.ref_logp, rows)  # (b, T), or None: no KL term
                         loss, loss_metrics = compute_loss(
                             logp, old_logp, ref_logp, advantages[rows], mask[rows], args,
-                            stats.for_rows(rows - mini.start), rows_of(tis_weights, rows),
+                            stats=stats.for_rows(rows - mini.start),
+                            tis_weights=rows_of(tis_weights, rows),
                         )
                         share = loss * loss_scale  # this micro-batch's share, scaled as said above
                         accelerator.backward(share)

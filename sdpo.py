@@ -14,10 +14,9 @@ Differs from grpo.py:
 
 One step, in the order main() runs it, and the files it calls into (benchmarks/step_path.py lists
 their functions): the rollouts, through the lagged queue (common/sampling.py, with transformers'
-sampler of common/engines/rollout.py, the rewards of common/tasks/rewards.py and the toy's reward
-function of common/tasks/toy.py); compute_advantages; the log-probs (common/logprobs.py);
-batch_stats and compute_loss on micro-batches (common/update.py); the backward and the optimizer
-step, here.
+sampler of common/engines/rollout.py and the rewards of common/tasks/rewards.py, the toy's among
+them); compute_advantages; the mini- and micro-batches (common/sampling.py again), their log-probs
+(common/logprobs.py), batch_stats and compute_loss; the backward and the optimizer step, here.
 
 Run:
     python sdpo.py --preset toy --reprompt_template {prompt}{solution}={prompt} \\
@@ -38,9 +37,18 @@ from common.args import TrainArgs, arg
 from common.logprobs import completion_logprobs, logprob_metrics
 from common.offpolicy import importance_weights
 from common.run import end_step, finish, launch, progress_bar, setup
-from common.sampling import old_and_reference_logprobs, round_prompts, sample_batch  # SDPO:
+from common.sampling import (
+    BatchStats,
+    masked_mean,
+    microbatches,
+    minibatches,
+    old_and_reference_logprobs,
+    round_prompts,  # SDPO: the step's prompts, to re-prompt
+    rows_of,
+    sample_batch,
+    save_dumps,
+)
 from common.tasks.data import format_prompt  # SDPO: the chat template, or the plain format
-from common.update import BatchStats, masked_mean, microbatches, minibatches, rows_of, save_dumps
 
 
 @dataclass
@@ -274,8 +282,9 @@ def main(args: Args):
                         teacher_logp = self_teacher(teacher, context, rows, args, metrics)  # SDPO:
                         loss, loss_metrics = compute_loss(
                             logp, old_logp, ref_logp, advantages[rows], mask[rows], args,
-                            stats.for_rows(rows - mini.start), rows_of(tis_weights, rows),
-                            teacher_logp, context.mask[rows],  # SDPO: (b, T) each
+                            stats=stats.for_rows(rows - mini.start),
+                            tis_weights=rows_of(tis_weights, rows),
+                            teacher_logp=teacher_logp, distill_mask=context.mask[rows],  # SDPO:
                         )
                         share = loss * loss_scale  # this micro-batch's share, scaled as said above
                         accelerator.backward(share)

@@ -1,8 +1,10 @@
 """SNIB: "Principled Policy Optimization for LLMs via Self-Normalized Importance Sampling" (under
 review, no arXiv id).
 
-    A_i = R_i - mean_g R,   u_i = sum_t mask (logp - old_logp),   w_i = exp(u_i - sg(log mean_{j in g} exp(u_j)))
-    L   = -(1/B) sum_i [min(w_i A_i, clip(w_i, 1-eps, 1+eps) A_i) - beta * w_i * (1/L_i) sum_t mask * kl_t]
+    A_i = R_i - mean_g R,   u_i = sum_t mask (logp - old_logp)
+    w_i = exp(u_i - sg(log mean_{j in g} exp(u_j)))
+    L   = -(1/B) sum_i [min(w_i A_i, clip(w_i, 1-eps, 1+eps) A_i)
+                        - beta * w_i * (1/L_i) sum_t mask * kl_t]
 
 Differs from grpo.py (the paper's section 3 and Algorithm 1):
 - one weight per completion, its sequence ratio (EOS included) over its group's mean (in [0, G],
@@ -12,10 +14,9 @@ Differs from grpo.py (the paper's section 3 and Algorithm 1):
 
 One step, in the order main() runs it, and the files it calls into (benchmarks/step_path.py lists
 their functions): the rollouts, through the lagged queue (common/sampling.py, with transformers'
-sampler of common/engines/rollout.py, the rewards of common/tasks/rewards.py and the toy's reward
-function of common/tasks/toy.py); compute_advantages; the log-probs (common/logprobs.py);
-batch_stats and compute_loss on micro-batches (common/update.py); the backward and the optimizer
-step, here.
+sampler of common/engines/rollout.py and the rewards of common/tasks/rewards.py, the toy's among
+them); compute_advantages; the mini- and micro-batches (common/sampling.py again), their log-probs
+(common/logprobs.py), batch_stats and compute_loss; the backward and the optimizer step, here.
 
 Run:
     python snib.py --preset toy                                  # CPU, minutes
@@ -33,8 +34,17 @@ from common.args import TrainArgs, arg
 from common.logprobs import completion_logprobs, logprob_metrics
 from common.offpolicy import importance_weights
 from common.run import end_step, finish, launch, progress_bar, setup
-from common.sampling import log_ratio_now, old_and_reference_logprobs, sample_batch  # SNIB:
-from common.update import BatchStats, masked_mean, microbatches, minibatches, rows_of, save_dumps
+from common.sampling import (
+    BatchStats,
+    log_ratio_now,  # SNIB:
+    masked_mean,
+    microbatches,
+    minibatches,
+    old_and_reference_logprobs,
+    rows_of,
+    sample_batch,
+    save_dumps,
+)
 
 
 @dataclass
@@ -64,19 +74,23 @@ class Args(TrainArgs):
         micro-batch (wbar_in_graph)."""
         if wbar_in_graph(self) and self.micro_batch_size % self.num_generations:
             G = self.num_generations
-            return [f"--micro_batch_size {self.micro_batch_size}: SNIB-fg (--stop_grad_norm false) with a KL "
-                    f"term or TIS takes each group's mean weight from a micro-batch's own rows, so it needs a "
-                    f"multiple of --num_generations {G}, e.g. --micro_batch_size {G}"]
+            return [f"--micro_batch_size {self.micro_batch_size}: SNIB-fg (--stop_grad_norm false) "
+                    f"with a KL term or TIS takes each group's mean weight from a micro-batch's "
+                    f"own rows, so it needs a multiple of --num_generations {G}, e.g. "
+                    f"--micro_batch_size {G}"]
         return []
 
 
 # ALGO LOGIC: advantages and loss
 def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
     """Group-normalised advantages; rows of one prompt are contiguous."""
-    if args.reward_noise > 0:  # SNIB: R_i + N(0, sigma^2); global RNG (set_seed, restored on resume) + rank
+    # SNIB: R_i + N(0, sigma^2); global RNG (set_seed, restored on resume) + rank
+    if args.reward_noise > 0:
         from accelerate import PartialState
-        rank_rng = torch.Generator().manual_seed(int(torch.randint(2**62, ())) + PartialState().process_index)
-        rewards = rewards + args.reward_noise * torch.randn(rewards.shape, generator=rank_rng).to(rewards)  # (B,)
+        seed = int(torch.randint(2**62, ())) + PartialState().process_index
+        rank_rng = torch.Generator().manual_seed(seed)
+        noise = torch.randn(rewards.shape, generator=rank_rng).to(rewards)  # (B,)
+        rewards = rewards + args.reward_noise * noise  # (B,)
     grouped = rewards.view(-1, args.num_generations)  # (N, G)
     # (N, G)  SNIB: or R_i
     centered = grouped - grouped.mean(dim=1, keepdim=True) if args.baseline else grouped
@@ -91,9 +105,9 @@ class Stats(BatchStats):
     statistics at the current weights (a group lies whole on one process)."""
 
     num_rows: torch.Tensor  # ()  rows with a valid token, over every process
-    log_weight: torch.Tensor = BatchStats.per_row()  # (B,)  u_i (--dump_stats_steps: the paper's Figure 2)
+    log_weight: torch.Tensor = BatchStats.per_row()  # (B,)  u_i (--dump_stats_steps: Figure 2)
     log_wbar: torch.Tensor = BatchStats.per_row()  # (B,)  log wbar_g, the group's mean weight
-    fg_coeff: torch.Tensor = BatchStats.per_row()  # (B,)  C_g / n_g: SNIB-fg's gradient through wbar_g
+    fg_coeff: torch.Tensor = BatchStats.per_row()  # (B,)  C_g / n_g, SNIB-fg's gradient via wbar_g
     group_ess: torch.Tensor = BatchStats.per_row()  # (B,)  (sum_g w)^2 / (n_g sum_g w^2)
 
 
@@ -126,8 +140,8 @@ def batch_stats(log_ratio, advantages, mask, args: Args, total=lambda x: x) -> S
 
 
 def wbar_in_graph(args: Args) -> bool:
-    """SNIB-fg with a KL term or TIS: compute_loss takes wbar_g from the micro-batch's own rows, in the
-    graph, so a micro-batch must hold whole groups."""
+    """SNIB-fg with a KL term or TIS: compute_loss takes wbar_g from the micro-batch's own rows, in
+    the graph, so a micro-batch must hold whole groups."""
     return args.self_normalize and not args.stop_grad_norm and (args.beta > 0 or args.tis_cap > 0)
 
 
@@ -147,7 +161,8 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
     u = ((logp - old_logp) * mask).sum(-1)
     if fg and (args.beta > 0 or tis_weights is not None):  # whole groups, in order (wbar_in_graph)
         if u.numel() % G:
-            raise ValueError("SNIB-fg with --beta > 0 or --tis_cap > 0 needs --micro_batch_size a multiple of G")
+            raise ValueError("SNIB-fg with --beta > 0 or --tis_cap > 0 needs --micro_batch_size a "
+                             "multiple of G")
         # (B,)  in the graph
         log_wbar = batch_stats(logp - old_logp, advantages, mask, args).log_wbar
         fg_coeff = None
@@ -155,7 +170,8 @@ def compute_loss(logp, old_logp, ref_logp, advantages, mask, args: Args, stats=N
         w = torch.exp(u - (log_wbar if fg else log_wbar.detach()))  # (B,)  SNIB: in [0, G]
     else:
         w = torch.exp(u)  # (B,)  Vanilla IS
-    per_seq = torch.min(w * advantages, torch.clamp(w, 1 - args.epsilon, 1 + args.epsilon) * advantages)  # (B,)
+    per_seq = torch.min(w * advantages,
+                        torch.clamp(w, 1 - args.epsilon, 1 + args.epsilon) * advantages)  # (B,)
     kept = mask.sum(-1) > 0  # (B,)  SNIB: removed rows leave the loss
     per_seq = per_seq * kept  # (B,)
     w = w * kept  # (B,)
@@ -233,11 +249,12 @@ def main(args: Args):
         update_metrics, grad_norms, dumps = [], [], []
         for _ in range(args.num_iterations):
             for mini in minibatches(run):  # a slice of this process's rows
-                log_ratio = log_ratio_now(run, batch, mini)  # SNIB: (rows, T) at the current weights
+                log_ratio = log_ratio_now(run, batch, mini)  # SNIB: (rows, T) at current weights
                 stats = batch_stats(log_ratio, advantages[mini], mask[mini], args, total)  # SNIB:
                 dumps.append(stats)  # --dump_stats_steps (e.g. SNIB's Figure 2)
-                # SNIB: (b,) indices of this process's rows, whole groups where wbar_g is in the graph
-                for rows in microbatches(run, batch, mini, whole_groups=wbar_in_graph(args)):  # SNIB:
+                # SNIB: (b,) indices of this process's rows; whole groups if wbar_g is in the graph
+                for rows in microbatches(run, batch, mini,  # SNIB:
+                                         whole_groups=wbar_in_graph(args)):  # SNIB:
                     input_ids = batch.input_ids[rows]  # (b, P+T)
                     attention = batch.attention_mask[rows]  # (b, P+T)
                     with accelerator.accumulate(model):
@@ -251,7 +268,8 @@ def main(args: Args):
                         ref_logp = rows_of(batch.ref_logp, rows)  # (b, T), or None: no KL term
                         loss, loss_metrics = compute_loss(
                             logp, old_logp, ref_logp, advantages[rows], mask[rows], args,
-                            stats.for_rows(rows - mini.start), rows_of(tis_weights, rows),
+                            stats=stats.for_rows(rows - mini.start),
+                            tis_weights=rows_of(tis_weights, rows),
                         )
                         share = loss * loss_scale  # this micro-batch's share, scaled as said above
                         accelerator.backward(share)

@@ -2,12 +2,16 @@
 
     python benchmarks/copy_cost.py grpo.py --preset toy --total_steps 2 --eval_steps 2
     python benchmarks/copy_cost.py --static grpo.py      # every file an import can reach: the upper bound
+    python benchmarks/copy_cost.py --uncalled grpo.py --preset toy --total_steps 1 --eval_steps 1
 
 The first form runs the command in this process, as `python grpo.py ARGS` would, and lists every file of the
 repository in `sys.modules` once it ends: the script, what it imports at the top, and what its flags import inside
 functions (vLLM's engine, the math grader, evaluation, LoRA, ...). `--static` follows every import statement instead,
 those inside functions too, whatever the flags: what a copy needs to keep every option working. The README's and
 docs/layout.md's figures come from here; tests/test_siblings.py holds them.
+
+`--uncalled` also traces the run and lists, for each file, the lines of the functions it never called: what a copy
+for that command carries without running it (the rest runs: shrinking it means dropping what it does).
 
 Lines reward packing (one long line costs what a short one does), so the cost is also counted in tokens, as Python's
 `tokenize` splits the code: `code` counts the tokens a reader must read as code (names, operators, literals; not the
@@ -19,6 +23,7 @@ import io
 import os
 import runpy
 import sys
+import threading
 import tokenize
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -62,16 +67,28 @@ def tokens(path: str) -> tuple[int, int]:
     return code, prose
 
 
-def imported_files(script: str, argv: list[str]) -> list[str]:
-    """The repository's files in sys.modules after `python script ARGV` ran in this process (paths under REPO)."""
+def imported_files(script: str, argv: list[str], called: set | None = None) -> list[str]:
+    """The repository's files in sys.modules after `python script ARGV` ran in this process (paths under REPO).
+    `called`: a set that receives (file, first line) of every function of the repository the run called."""
     sys.argv = [script, *argv]
     if REPO not in sys.path:
         sys.path.insert(0, REPO)
+
+    def trace(frame, event, _arg):
+        if event == "call" and frame.f_code.co_filename.startswith(REPO + os.sep):
+            called.add((frame.f_code.co_filename, frame.f_code.co_firstlineno))
+
+    if called is not None:
+        sys.settrace(trace)
+        threading.settrace(trace)
     try:
         runpy.run_path(os.path.join(REPO, script), run_name="__main__")
     except SystemExit as e:
         if e.code not in (None, 0):
             raise
+    finally:
+        sys.settrace(None)
+        threading.settrace(None)
     # Only absolute paths: torch.ops and torch.classes carry bare names such as "_classes.py", which would
     # otherwise be taken for files of the current folder.
     named = [getattr(m, "__file__", None) for m in list(sys.modules.values())]
@@ -130,13 +147,50 @@ def report(files: list[str]) -> tuple[int, int, int]:
     return tuple(totals)
 
 
+def uncalled_functions(path: str, called: set) -> list[tuple[int, str]]:
+    """(lines, name) of each function of `path` (decorators included) whose code never ran, nested ones inside an
+    uncalled function not counted twice; longest first."""
+    tree = ast.parse(open(path).read())
+    found = []
+
+    def visit(node):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                first = min([child.lineno] + [d.lineno for d in child.decorator_list])
+                if not {(path, child.lineno), (path, first)} & called:
+                    found.append((child.end_lineno - first + 1, child.name))
+                    continue
+            visit(child)
+
+    visit(tree)
+    return sorted(found, reverse=True)
+
+
+def report_uncalled(files: list[str], called: set) -> int:
+    """Print each file's lines of functions the run never called, with the longest of them; return the total."""
+    total = 0
+    print(f"\n{'uncalled':>8} {'of':>5} file: its longest uncalled functions")
+    for path in files:
+        unused = uncalled_functions(path, called)
+        count = sum(n for n, _ in unused)
+        total += count
+        names = ", ".join(f"{name} {n}" for n, name in unused[:4])
+        print(f"{count:8d} {lines(path):5d} {os.path.relpath(path, REPO)}: {names}")
+    print(f"{total:8d} lines of functions never called")
+    return total
+
+
 if __name__ == "__main__":
     if len(sys.argv) < 2:
-        raise SystemExit("usage: python benchmarks/copy_cost.py SCRIPT [ARGS...] | --static SCRIPT")
+        raise SystemExit("usage: python benchmarks/copy_cost.py [--uncalled] SCRIPT [ARGS...] | --static SCRIPT")
     if sys.argv[1] == "--static":
         report(reachable_files(sys.argv[2]))
     else:
-        command = " ".join(sys.argv[1:])
-        files = imported_files(sys.argv[1], sys.argv[2:])
-        print(f"\nthe files `python {command}` imported:", flush=True)
+        traced = sys.argv[1] == "--uncalled"
+        argv = sys.argv[2:] if traced else sys.argv[1:]
+        called = set() if traced else None
+        files = imported_files(argv[0], argv[1:], called)
+        print(f"\nthe files `python {' '.join(argv)}` imported:", flush=True)
         report(files)
+        if traced:
+            report_uncalled(files, called)

@@ -4,7 +4,7 @@ takes G seconds and an update that takes T seconds (both stand-ins that sleep).
     python benchmarks/server_overlap.py                                   # G = T = 0.5 s; K = 0, 1, 2, 4
     python benchmarks/server_overlap.py --generate_s 1.0 --train_s 0.5 --lags 0,1,2 --steps 16
 
-Everything else is the real thing: the client (common/engines/server_engine.py: ServerEngine's in-order sender, the
+Everything else is the real thing: the client (common/engines/server_client.py: ServerEngine's in-order sender, the
 weight sync through the filesystem after every step, OverlapQueue at K >= 1 and sampling.RolloutQueue at K = 0,
 as common/run.py picks them) and the server's HTTP handler (common/engines/serve.py make_handler), in threads of this
 process. The step time is the wall time of the steps after the first K + 1 (the start, where the requests of steps
@@ -26,7 +26,7 @@ from accelerate import Accelerator
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.engines.serve import VersionError, make_handler  # noqa: E402
-from common.engines.server_engine import OverlapQueue, ServerEngine  # noqa: E402
+from common.engines.server_client import OverlapQueue, ServerEngine  # noqa: E402
 from common.sampling import RolloutQueue  # noqa: E402
 
 

@@ -301,7 +301,7 @@ def main():
                    help="MALLOC_MMAP_THRESHOLD_ of every run, in bytes (0: glibc's default); 1048576 to compare memory")
     p.add_argument("--no_cudnn_sdp", action="store_true",
                    help="turn cuDNN's scaled-dot-product attention off in TRL's run too (the scripts always "
-                        "turn it off: common.models.devices.padding_safe_attention)")
+                        "turn it off: common.models.placement.padding_safe_attention)")
     p.add_argument("--output_dir", default="runs/benchmarks")
     p.add_argument("--out", default="runs/benchmarks/step_time.json")
     p.add_argument("--_worker", help=argparse.SUPPRESS)

@@ -150,7 +150,7 @@ def main(argv=None):
     p.add_argument("--gradient_checkpointing_every", type=int, default=1,
                    help="with --gradient_checkpointing: one decoder layer in K recomputed (the scripts' flag)")
     p.add_argument("--cudnn_sdp", action="store_true",
-                   help="leave cuDNN's attention on (the scripts turn it off: common.models.devices."
+                   help="leave cuDNN's attention on (the scripts turn it off: common.models.placement."
                         "padding_safe_attention), to time what it would gain on rows without padding")
     p.add_argument("--peak_tflops", type=float, default=989.0, help="the device's dense bf16 peak (H100/H200: 989)")
     p.add_argument("--profile", action="store_true",
@@ -174,7 +174,7 @@ def main(argv=None):
     import common.logprobs
     import grpo
     from common.logprobs import completion_logprobs
-    from common.models.devices import padding_safe_attention
+    from common.models.placement import padding_safe_attention
     from common.run import checkpoint_layers
 
     dtype = getattr(torch, a.dtype)

@@ -1,6 +1,6 @@
 """Arguments: the flags every script shares (`TrainArgs`), a field with its help line (`arg`),
---preset defaults, and the parser (`parse_args`), which reads a --config recipe (common/rails/recipes.py)
-under the command line.
+--preset defaults, and the parser (`parse_args`), which reads a --config recipe
+(common/rails/recipes.py) under the command line.
 
 Each script's `Args` extends `TrainArgs` with its estimator's own flags, and sets the defaults it
 changes in view."""
@@ -21,8 +21,8 @@ from common.tasks.data import PRESET_NAMES, preset_defaults
 
 def arg(default, help: str, at_least: float | None = None):
     """A field of a script's `Args` dataclass with its --help line; `at_least`: the smallest value
-    the estimator accepts, checked before anything loads (common/rails/checks.py). Parse with `parse_args`
-    (`ArgParser`)."""
+    the estimator accepts, checked before anything loads (common/rails/checks.py). Parse with
+    `parse_args` (`ArgParser`)."""
     metadata = {"help": help} if at_least is None else {"help": help, "at_least": at_least}
     return dataclasses.field(default=default, metadata=metadata)
 
@@ -55,7 +55,8 @@ class TrainArgs:
     )
     gradient_checkpointing: bool = arg(False, "trade compute for activation memory")
     gradient_checkpointing_every: int = arg(
-        1, "with --gradient_checkpointing: recompute one decoder layer in K (1: all; 2: half of them)",
+        1,
+        "with --gradient_checkpointing: recompute one decoder layer in K (1: all; 2: half of them)",
     )
     lora_r: int = arg(0, "LoRA rank; 0 trains all weights")
     lora_alpha: int = arg(32, "LoRA alpha")
@@ -156,7 +157,8 @@ class TrainArgs:
         0, "completions per no-grad forward on each process; 0: micro_batch_size",
     )
     share_prompts: bool = arg(
-        True, "the completions of a prompt share one forward of it (the HF engine's prefill, the no-grad "
+        True,
+        "the completions of a prompt share one forward of it (the HF engine's prefill, the no-grad "
         "log-prob passes); false: each row's whole prompt in the pass's one forward, as TRL",
     )
     num_iterations: int = arg(1, "passes over each batch of rollouts (mu)")
@@ -165,6 +167,10 @@ class TrainArgs:
     warmup_steps: int = arg(0, "learning-rate warmup in optimizer steps")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     max_grad_norm: float = arg(1.0, "gradient clipping")
+    # The estimator's KL coefficient, which common/ reads: the reference model is loaded and its
+    # log-probs computed only when it is above 0. Each script's Args sets its own default (grpo.py
+    # 0.04, TRL's 0.0) and help.
+    beta: float = arg(0.0, "KL coefficient to the reference policy (0: no reference)", at_least=0)
     eval_steps: int = arg(50, "held-out greedy accuracy every this many steps (0: off)")
     eval_num_prompts: int = arg(500, "held-out prompts per evaluation")
     eval_from: int = arg(
@@ -179,8 +185,8 @@ class TrainArgs:
     )
 
     def problems(self) -> list[str]:
-        """A script's own checks of its flags, one line each, run with the shared ones before anything
-        loads (common/rails/checks.py argument_problems); a script's Args overrides it."""
+        """A script's own checks of its flags, one line each, run with the shared ones before
+        anything loads (common/rails/checks.py argument_problems); a script's Args overrides it."""
         return []
 
 

@@ -10,15 +10,18 @@ import torch
 
 
 def groups(rollouts, index: list[int], G: int):
-    """The rows of groups `index` (in that order), a Rollouts (common/sampling.py) as `rollouts` is."""
+    """The rows of groups `index` (in that order), a Rollouts (common/sampling.py) as `rollouts`
+    is."""
     rows = [g * G + j for g in index for j in range(G)]
 
     def pick(x):
         return [x[i] for i in rows] if isinstance(x, list) else x[rows]
 
     values = {f.name: getattr(rollouts, f.name) for f in fields(rollouts)}
-    return type(rollouts)(**{k: {n: pick(x) for n, x in v.items()} if isinstance(v, dict) else pick(v)
-                              for k, v in values.items()})
+    return type(rollouts)(**{
+        k: {n: pick(x) for n, x in v.items()} if isinstance(v, dict) else pick(v)
+        for k, v in values.items()
+    })
 
 
 def cat(parts: list):

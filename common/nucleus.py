@@ -1,11 +1,11 @@
 """The distribution sampled at top_p < 1, for common/logprobs.py (imported only where --top_p < 1).
 
-The sampler (common/engines/rollout.py SeededSampler; vLLM alike) keeps, at each position, the smallest set
-of tokens, by descending probability under softmax(z), z = logits / T, whose probability reaches
-top_p, and draws from softmax(z) renormalised over that set. The trainer's policy is that
-distribution: log p_y = z_y - logsumexp(z over the kept set). The set is a function of z that is
-piecewise constant (it changes only where two tokens swap places or the cumulative sum crosses
-top_p, a set of measure zero), so the gradient is that of the log-sum-exp over the set:
+The sampler (common/engines/rollout.py SeededSampler; vLLM alike) keeps, at each position, the
+smallest set of tokens, by descending probability under softmax(z), z = logits / T, whose
+probability reaches top_p, and draws from softmax(z) renormalised over that set. The trainer's
+policy is that distribution: log p_y = z_y - logsumexp(z over the kept set). The set is a function
+of z that is piecewise constant (it changes only where two tokens swap places or the cumulative sum
+crosses top_p, a set of measure zero), so the gradient is that of the log-sum-exp over the set:
 d log p_y / dz = onehot(y) - p, with p renormalised over the set and 0 outside it. Recomputing the
 set from the trainer's own logits, as here, gives that gradient exactly; nothing of the sampler's
 is needed. The entropy is that distribution's too, -sum over the set of p log p, with its gradient
@@ -24,9 +24,9 @@ def nucleus_floor(log_p: torch.Tensor, top_p: float) -> torch.Tensor:
     """(...,) the least log-prob kept by sampling at `top_p`, of log_p (..., V) = log softmax(z).
 
     The kept set is the smallest set of tokens, by descending probability, whose probability reaches
-    top_p, tested as SeededSampler (common/engines/rollout.py) tests it. {v : log_p_v >= floor} is that set
-    (with any token tied with its least, where the sampler's sort would pick one of them). Looked
-    for among each position's NUCLEUS_TOPK most probable tokens (a sort of those alone); the
+    top_p, tested as SeededSampler (common/engines/rollout.py) tests it. {v : log_p_v >= floor} is
+    that set (with any token tied with its least, where the sampler's sort would pick one of them).
+    Looked for among each position's NUCLEUS_TOPK most probable tokens (a sort of those alone); the
     positions whose set is larger are sorted whole."""
     k = min(NUCLEUS_TOPK, log_p.shape[-1])
     floor, complete = sorted_floor(log_p.topk(k, dim=-1).values, top_p)  # (...,) each

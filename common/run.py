@@ -5,7 +5,7 @@ step.
 the policy and its reference, the data and rewards, the optimizer, the rollout engine, the metrics
 log); `sample_batch` draws one step's batch (common/sampling.py); `end_step` pushes the new weights
 to the sampler, logs, evaluates and saves. Optional features are imported where they are switched
-on: vLLM, LoRA, the toy task, benchmark evaluation (common/tasks/evaluation.py).
+on: vLLM, LoRA, the toy task, benchmark evaluation (common/tasks/benchmark_scoring.py).
 """
 
 import importlib
@@ -32,7 +32,7 @@ from common.metrics import (
     peak_memory_gib,
     timed,
 )
-from common.models.devices import (
+from common.models.placement import (
     on_cpu,
     prepare_policy,
     prepare_reference,
@@ -69,7 +69,7 @@ class Run:
     reward_funcs: list
     reward_weights: list[float] | None
     reward_columns: list[str]  # dataset columns passed to the reward functions (answer, ...)
-    # --rollout_lag: the batches sampled ahead (server mode: server_engine.OverlapQueue)
+    # --rollout_lag: the batches sampled ahead (server mode: server_client.OverlapQueue)
     queue: RolloutQueue
     train_state: TrainState  # the step, saved with the checkpoints
     log: MetricsLog
@@ -237,7 +237,7 @@ def setup(args) -> Run:
               share_prompts=args.share_prompts and not sharded_parameters(accelerator))
     # the server samples steps s+1..s+K while step s trains
     if args.server_url and args.rollout_lag > 0:
-        from common.engines.server_engine import overlap_queue
+        from common.engines.server_client import overlap_queue
         run.queue = overlap_queue(run, lambda index: round_prompts(run, index, 0)[1:])
     # the batches (or requests) sampled ahead of the checkpoint's step: each process its own rows
     if resume:
@@ -289,7 +289,7 @@ def load_models(args, tokenizer):
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
     # a model from outside: a NaN weight named at load (the reference is the same files)
     if brought(args):
-        from common.rails.real_checks import weight_problems
+        from common.rails.outside_checks import weight_problems
 
         weight_problems(model, args.model)
     if args.gradient_checkpointing:
@@ -320,7 +320,7 @@ def load_data(args, tokenizer, accelerator):
         train_data = load_prompts(tokenizer, data["path"], args.dataset_config or data["name"],
                                   data["split"], **prompt_kwargs)
         if args.eval_steps > 0 and args.eval_benchmarks:
-            from common.tasks.evaluation import load_eval_sets
+            from common.tasks.benchmark_scoring import load_eval_sets
 
             eval_sets = load_eval_sets(args.eval_benchmarks, tokenizer,
                                        use_chat_template=args.use_chat_template,
@@ -342,9 +342,10 @@ def load_data(args, tokenizer, accelerator):
 def rollout_engine(args, accelerator, tokenizer, model, run_dir: str):
     """A rollout server (--server_url), vLLM (--rollout_engine vllm, or auto where installed) or
     transformers'."""
-    # vllm serve (or python -m common.engines.serve) on devices of its own: common/engines/server_engine.py
+    # vllm serve (or python -m common.engines.serve) on devices of its own:
+    # common/engines/server_client.py
     if args.server_url:
-        from common.engines.server_engine import ServerEngine
+        from common.engines.server_client import ServerEngine
         return ServerEngine(args, accelerator, model,
                             sync_dir=os.path.join(run_dir, "server_weights"))
     if args.rollout_engine == "vllm" or (args.rollout_engine == "auto" and vllm_installed()):
@@ -362,15 +363,15 @@ def rollout_engine(args, accelerator, tokenizer, model, run_dir: str):
 
 
 def evaluate(run: Run) -> dict:
-    """The --eval_benchmarks (avg@k: common/tasks/evaluation.py) and eval/accuracy: the first reward
-    function's mean over greedy completions of the held-out prompts (with the run's tool turns),
-    each process its slice, reduced."""
+    """The --eval_benchmarks (avg@k: common/tasks/benchmark_scoring.py) and eval/accuracy: the first
+    reward function's mean over greedy completions of the held-out prompts (with the run's tool
+    turns), each process its slice, reduced."""
     args = run.args
     accelerator = run.accelerator
     start = time.time()
     metrics = {}
     if run.eval_sets:
-        from common.tasks.evaluation import evaluate_benchmarks
+        from common.tasks.benchmark_scoring import evaluate_benchmarks
 
         metrics.update(
             evaluate_benchmarks(run.engine, run.model, run.tokenizer, run.eval_sets,
@@ -397,10 +398,12 @@ def evaluate(run: Run) -> dict:
                                             **greedy).completion_ids
     run.engine.sleep()
     texts = run.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    # the first reward function, called as in training (TRL's keyword style or positional, conversational form),
-    # with the training data's columns that the held-out data has too (a preset's held-out set has no `solution`)
+    # the first reward function, called as in training (TRL's keyword style or positional,
+    # conversational form), with the training data's columns that the held-out data has too (a
+    # preset's held-out set has no `solution`)
     columns = {c: rows[c] for c in run.reward_columns if c in rows.column_names}
-    correct, _ = compute_rewards(run.reward_funcs[:1], None, rows["prompt"], texts, columns, args.reward_timeout)
+    correct, _ = compute_rewards(run.reward_funcs[:1], None, rows["prompt"], texts, columns,
+                                 args.reward_timeout)
     stats = accelerator.reduce(
         torch.tensor([correct.sum().item(), len(correct)], device=accelerator.device), "sum")
     accuracy = (stats[0] / stats[1]).item()

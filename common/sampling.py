@@ -1,20 +1,35 @@
-"""One step's batch: rollouts and their rewards (`sample_batch`), and the log-probs of the weights
-that sampled them (`old_and_reference_logprobs`), both called by the loop when it samples: at
---rollout_lag 0 right before the step trains the batch, at lag K K steps earlier, with the weights
-of then. The advantages depend on the rewards only; the scripts compute them where the step trains
-the batch."""
+"""One step's batch: its rollouts and their rewards (`sample_batch`), the log-probs of the weights
+that sampled them (`old_and_reference_logprobs`), and its cut into mini- and micro-batches for the
+update, with the whole batch's statistics (`minibatches`, `microbatches`, `BatchStats`).
+
+The loop samples at --rollout_lag 0 right before the step trains the batch, at lag K K steps
+earlier, with the weights of then. The advantages depend on the rewards only; the scripts compute
+them where the step trains the batch.
+
+The scripts call their estimator once per micro-batch, but the estimator's loss is the whole
+optimizer batch's (docs/estimators/conventions.md: full-batch semantics). Three rules make the
+micro-batched, multi-process update equal to one call on the whole batch:
+- `batch_stats` returns the script's `Stats`, a `BatchStats` dataclass (below) whose fields say
+  what they hold: whole-batch totals, each summed over the processes by the `total` function the
+  loop passes (the script's `total`: accelerate's `reduce`), and, for a few estimators, per-row
+  values (fields declared with `BatchStats.per_row()`), which stay with their rows: a group never
+  straddles processes, and `for_rows` cuts them to a micro-batch's rows;
+- `compute_loss` then returns each micro-batch's share of the batch loss, and the script's loop
+  scales it by the accumulation steps and the processes before `accelerator.backward`, undoing
+  what accelerate does to a loss (divide by the former, average over the latter);
+- one optimizer step per mini-batch: accelerate's `accumulate` says when (`sync_gradients`).
+"""
 
 import os
 import time
 from collections import deque
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
 from common.engines.rollout import sample_seed, single_turn
 from common.logprobs import completion_logprobs
 from common.tasks.rewards import RewardError, compute_rewards
-from common.update import length_buckets
 
 
 @dataclass
@@ -315,3 +330,104 @@ def step_prompts(step: int, batch_size: int, num_generations: int, mini_batch_si
              for e in set(epochs.tolist())}
     rows = [int(perms[int(e)][o]) for e, o in zip(epochs, stream % dataset_size)]
     return positions.tolist(), rows
+
+
+# ---------------------------------------------------------------------------
+# The update's batches: mini-batches, micro-batches and the whole batch's statistics
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class BatchStats:
+    """What an estimator's compute_loss needs from the whole optimizer batch. A script's
+    `Stats(BatchStats)` names its fields: whole-batch totals, and fields declared with
+    `BatchStats.per_row()`, which hold one value per row."""
+
+    @staticmethod
+    def per_row():
+        """A field of a `Stats` dataclass holding (rows,) values of the mini-batch, cut to a
+        micro-batch's rows: `log_weight: torch.Tensor = BatchStats.per_row()`."""
+        return field(metadata={"per_row": True})
+
+    def for_rows(self, rows: torch.Tensor):
+        """The statistics of a micro-batch: the totals as they are, the per-row values of `rows`
+        (positions within the mini-batch)."""
+        per_row = [f.name for f in fields(self) if f.metadata.get("per_row")]
+        return replace(self, **{name: getattr(self, name)[rows] for name in per_row})
+
+    def per_row_values(self) -> dict[str, torch.Tensor]:
+        """The per-row fields by name (--dump_stats_steps saves them; e.g. SNIB's log-weights)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("per_row")}
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of x over the tokens the loss sees."""
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def minibatches(run) -> list[slice]:
+    """This process's rows of each mini-batch (one optimizer step each); the whole batch when there
+    is one."""
+    starts = range(0, run.local_rows, run.local_mini)
+    return [slice(start, start + run.local_mini) for start in starts]
+
+
+def microbatches(run, batch, mini: slice, whole_groups: bool = False) -> list[torch.Tensor]:
+    """The rows of `mini` in groups of --micro_batch_size, of similar completion lengths (less
+    padding); `whole_groups`: each micro-batch holds whole groups of G rows, in their order."""
+    unit = run.args.num_generations if whole_groups else 1
+    size = run.args.micro_batch_size
+    return length_buckets(batch.completion_tokens[mini], size, offset=mini.start, unit=unit)
+
+
+def length_buckets(mask: torch.Tensor, size: int, offset: int = 0,
+                   unit: int = 1) -> list[torch.Tensor]:
+    """Rows offset + i of `mask` (rows, T) in groups of `size`, longest completions first: each
+    group's forward runs on its own longest row's columns (completion_logprobs), so rows of similar
+    length together waste little padding. A micro-batch's gradient adds up the same whatever rows it
+    holds (the loss normalisers are the optimizer batch's), so only the order of floating-point sums
+    changes. `unit` > 1 (`size` a multiple of it) keeps consecutive runs of `unit` rows together and
+    in order (a loss that needs whole groups in a micro-batch), sorted by each run's longest row."""
+    longest = mask.sum(-1).view(-1, unit).amax(-1)  # (rows / unit,)
+    units = torch.argsort(longest, descending=True, stable=True)  # (rows / unit,)
+    # (rows,)
+    order = (units[:, None] * unit + torch.arange(unit, device=mask.device)).flatten() + offset
+    return list(order.split(size))
+
+
+def gather_rows(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Every process's rows of each (B, T) tensor, in process order: (P B, T') each, T' the longest
+    T of any process (the shorter right-padded with 0), all in the first tensor's dtype. For a
+    statistic that ranks the tokens of the whole optimizer batch together (covpo.py)."""
+    from accelerate.utils import gather, pad_across_processes
+
+    mine = torch.stack([t.to(tensors[0].dtype) for t in tensors], -1)  # (B, T, k)
+    return list(gather(pad_across_processes(mine, dim=1)).unbind(-1))  # (P B, T') each
+
+
+def own_rows(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """This process's (B, T) rows of a tensor of every process's rows (gather_rows): a contiguous
+    share, in process order."""
+    from accelerate import PartialState
+
+    B, T = shape
+    rank = PartialState().process_index
+    return x[rank * B:(rank + 1) * B, :T]
+
+
+def rows_of(x: torch.Tensor | None, rows) -> torch.Tensor | None:
+    """x[rows], or None for an absent tensor (ref_logp without a KL term, tis_weights without
+    --tis_cap)."""
+    return None if x is None else x[rows]
+
+
+def save_dumps(run, step: int, dumps: list) -> None:
+    """--dump_stats_steps: the per-row statistics of each optimizer step of `step` (e.g. SNIB's
+    log-weights), one file per process; estimators without per-row statistics write nothing."""
+    per_row = [stats.per_row_values() for stats in dumps]
+    if not any(per_row):
+        return
+    os.makedirs(os.path.join(run.run_dir, "stats"), exist_ok=True)
+    name = f"step_{step + 1:06d}.rank{run.accelerator.process_index}.pt"
+    cpu = [{k: v.cpu() for k, v in values.items()} for values in per_row]
+    torch.save(cpu, os.path.join(run.run_dir, "stats", name))

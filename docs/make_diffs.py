@@ -18,6 +18,9 @@ A page holds a generated block between two HTML comments (invisible on GitHub an
     <!-- end -->                                  command, commit and every run's evaluations), so a figure of a
                                                   study has one source: its runs' own file; `study tag grpo,ipo`:
                                                   those estimators' rows only
+    <!-- begin: verdicts folder -->               the real-model study's claims (docs/study-plan.md; evals/plan.py):
+    <!-- end -->                                  the seeds every arm finished, each claim's effect, interval, p,
+                                                  Holm's p and verdict, from the runs in that folder
     <!-- begin: study-vs tag grpo -->             each estimator of the study against grpo: the difference of final
                                                   accuracy, its exact permutation p over seeds (evals/stats.py), and
                                                   the runs' mean ESS, log-ratio std, clip fraction, entropy, KL and
@@ -43,7 +46,8 @@ sys.path.insert(0, ROOT)  # run as `python docs/make_diffs.py`: the repository's
 BLOCK = re.compile(r"(?P<begin><!-- begin: (?P<what>diff -u grpo\.py (?P<diff>\w+)\.py|algo (?P<algo>\w+)\.py"
                    r"|layout common|imports common"
                    r"|study (?P<study>[a-z0-9_.-]+)(?: (?P<only>[a-z0-9_,]+))?"
-                   r"|study-vs (?P<vs_study>[a-z0-9_.-]+) (?P<base>[a-z0-9_]+)) -->\n)"
+                   r"|study-vs (?P<vs_study>[a-z0-9_.-]+) (?P<base>[a-z0-9_]+)"
+                   r"|verdicts (?P<verdicts>[a-z0-9_/.-]+)) -->\n)"
                    r"(?P<body>.*?)(?P<end><!-- end -->)", re.S)
 # The layout block's folders, in order: the step's own parts first, then the machinery by role.
 FOLDER_ORDER = ["common", "common/engines", "common/tasks", "common/models", "common/run_folder", "common/rails"]
@@ -51,7 +55,7 @@ FOLDER_ORDER = ["common", "common/engines", "common/tasks", "common/models", "co
 # (tests/test_siblings.py), so the drawing of the imports reads from the top down.
 FLOORS = [
     ("a step's arithmetic and metrics", ["common/nucleus.py", "common/logprobs.py",
-                                         "common/update.py", "common/metrics.py",
+                                         "common/metrics.py",
                                          "common/offpolicy.py", "common/dapo.py"]),
     ("where the policy lives", ["common/models"]),
     ("who samples", ["common/engines"]),
@@ -313,6 +317,11 @@ def study_against(tag: str, base: str) -> list[str]:
 
 def rendered(match: re.Match) -> str:
     diff_of, algo_of, study = match.group("diff"), match.group("algo"), match.group("study")
+    if match.group("verdicts"):  # the study's claims, from the runs in that folder (evals/plan.py)
+        from evals.plan import verdict_table
+
+        body = verdict_table(os.path.join(ROOT, match.group("verdicts")))
+        return match.group("begin") + "\n".join(body) + "\n" + match.group("end")
     if match.group("vs_study"):
         body = study_against(match.group("vs_study"), match.group("base"))
         return match.group("begin") + "\n".join(body) + "\n" + match.group("end")

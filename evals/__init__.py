@@ -1,6 +1,7 @@
 """Benchmark evaluation: avg@k and pass@k on math and multiple-choice benchmarks, from the command line
-(`python -m evals.run`) or inside a training loop (`common.tasks.evaluation.load_eval_sets` + `evaluate_benchmarks`).
-Benchmarks, and how to add one, are in common/tasks/benchmarks.py; the evaluation itself is common/tasks/evaluation.py.
+(`python -m evals.run`) or inside a training loop (`common.tasks.benchmark_scoring.load_eval_sets` +
+`evaluate_benchmarks`). Benchmarks, and how to add one, are in common/tasks/benchmark_sets.py; the evaluation itself
+is common/tasks/benchmark_scoring.py.
 
 `ALGORITHMS`: the estimator scripts, found at the project root, so that a new estimator is one new file (plus its
 tests and docs page) for evals.compare, the step-time benchmark and the tests that run every script."""

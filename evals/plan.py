@@ -196,20 +196,30 @@ CLAIMS = [
 
 def read_runs(folder: str) -> dict[str, dict[int, dict]]:
     """arm -> seed -> run result, from the three study files in `folder` (study67*.json, or
-    runs/compare-TAG/ study.json where `folder` is runs/)."""
+    runs/compare-TAG/ study.json where `folder` is runs/, or the finished runs carried in
+    folder/TAG/ where `folder` is docs/studies/unfinished/)."""
     runs: dict[str, dict[int, dict]] = {arm: {} for arm in ARMS}
     for arm, (tag, script) in ARMS.items():
         for path in (
             os.path.join(folder, f"{tag}.json"),
             os.path.join(folder, f"compare-{tag}", "study.json"),
+            os.path.join(folder, tag),  # the finished runs carried (scripts/study_carry.sh)
         ):
-            if os.path.exists(path):
+            if os.path.isdir(path):
+                results = []
+                for name in sorted(os.listdir(path)):
+                    if name.endswith(".result.json"):
+                        with open(os.path.join(path, name)) as f:
+                            results.append(json.load(f))
+            elif os.path.exists(path):
                 with open(path) as f:
-                    study = json.load(f)
-                for result in study["results"]:
-                    if result["algo"] == script:
-                        runs[arm][result["seed"]] = result
-                break
+                    results = json.load(f)["results"]
+            else:
+                continue
+            for result in results:
+                if result["algo"] == script:
+                    runs[arm][result["seed"]] = result
+            break
     return runs
 
 
@@ -234,6 +244,48 @@ def verdicts(runs: dict[str, dict[int, dict]]) -> list[dict]:
         row["holm_p"] = adjusted
         row["verdict"] = verdict(row["summary"], row["claim"].low, row["claim"].high, adjusted)
     return rows
+
+
+def verdict_table(folder: str) -> list[str]:
+    """The results' lines of docs/study-plan.md (docs/make_diffs.py writes them): the seeds every
+    arm finished, and per claim its effect, 95% interval, the region it claims, raw and Holm p, and
+    the verdict."""
+    runs = read_runs(folder)
+    shared = first_rollouts_shared(runs)
+    seeds = sorted(shared)
+    done = {arm: len(by_seed) for arm, by_seed in runs.items()}
+    lines = [
+        f"Seeds finished by every arm: {len(seeds)} ({', '.join(map(str, seeds)) or 'none'}) of "
+        f"{SEEDS} planned; runs finished per arm: "
+        + ", ".join(f"{arm} {n}" for arm, n in done.items())
+        + ". Every arm trained on the same first rollouts in each of them: "
+        + ("yes." if all(shared.values()) else "no.")
+    ]
+    if len(seeds) < 2:
+        return lines + ["", "No interval yet: fewer than two seeds finished by every arm."]
+
+    def region(claim: Claim) -> str:
+        if math.isinf(claim.high):
+            return f"> {claim.low:+g}"
+        if math.isinf(claim.low):
+            return f"< {claim.high:+g}"
+        return f"{claim.low:+g} .. {claim.high:+g}"
+
+    lines += [
+        "",
+        "| paper | effect (points) | seed by seed | mean | 95% interval | claimed | p | Holm p | verdict |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    short = {SNIB: "SNIB", CTPO: "CTPO", P3O: "P3O", LANDSCAPE: "landscape"}
+    for row in verdicts(runs):
+        claim, summary = row["claim"], row["summary"]
+        by_seed = ", ".join(f"{v:+.1f}" for v in row["values"])
+        lines.append(
+            f"| {short[claim.paper]} | {claim.effect} | {by_seed} | {summary.mean:+.1f} | "
+            f"[{summary.low:+.1f}, {summary.high:+.1f}] | {region(claim)} | {row['p']:.3g} | "
+            f"{row['holm_p']:.3g} | {row['verdict']} |"
+        )
+    return lines
 
 
 def pilot_sd(folder: str = "docs/studies", steps=(10,)) -> tuple[float, int]:

@@ -15,7 +15,7 @@ Run:
     torchrun --nproc_per_node 2 -m evals.run ...                  # the same on CPU processes (gloo)
 Writes <output>/results.json, <output>/results.md and <output>/samples/<benchmark>.jsonl (the completions).
 
-The evaluation itself (avg@k, pass@k, the held-out accuracy of training runs) is common/tasks/evaluation.py.
+The evaluation itself (avg@k, pass@k, the held-out accuracy of training runs) is common/tasks/benchmark_scoring.py.
 """
 
 import importlib
@@ -30,26 +30,27 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.engines.rollout import HFEngine
-from common.models.devices import on_cpu
+from common.models.placement import on_cpu
 from common.rails.checks import hub_unreachable, range_problems
 from common.run_folder.checkpoints import format_seconds
-from common.tasks.benchmarks import benchmark_problems, hub_benchmarks
-from common.tasks.data import looks_local
-from common.tasks.evaluation import (
+from common.tasks.benchmark_scoring import (
     flat_metrics,
     k_values,
     load_eval_sets,
     run_eval_set,
     summarize,
 )
+from common.tasks.benchmark_sets import benchmark_problems, hub_benchmarks
+from common.tasks.data import looks_local
 
 
 @dataclass
 class EvalArgs:
     model: str = field(metadata={"help": "hub id, save_pretrained folder, LoRA adapter folder, or a training "
                                          "checkpoint runs/<run>/checkpoints/step_N (or run folder: its latest)"})
-    benchmarks: str = field(default="math500", metadata={"help": "comma-separated names (common/tasks/benchmarks.py); "
-                                                                 "NAME=FILE reads a local copy in the hub schema"})
+    benchmarks: str = field(default="math500", metadata={"help": "comma-separated names "
+                                                                 "(common/tasks/benchmark_sets.py); NAME=FILE reads a "
+                                                                 "local copy in the hub schema"})
     n: int = field(default=1, metadata={"help": "samples per question, k of avg@k"})
     temperature: float = field(default=0.0, metadata={"help": "sampling temperature (0: greedy)"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling"})

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from common.args import parse_args
 from common.engines.rollout import HFEngine, SeededSampler, row_uniforms, sample_seed
 from common.logprobs import completion_logprobs
-from common.models.devices import padding_safe_attention, prepare_policy
+from common.models.placement import padding_safe_attention, prepare_policy
 from common.sampling import pad_rows, step_prompts
 from common.tasks.data import load_prompts, resolve_dataset
 from common.tasks.toy import TOY_DIR

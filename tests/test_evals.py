@@ -14,9 +14,16 @@ import torch
 from huggingface_hub.errors import GatedRepoError
 
 from common.tasks import math_grader
-from common.tasks.benchmarks import BENCHMARKS, get_benchmark, get_grader, load_benchmark
+from common.tasks.benchmark_scoring import (
+    _stats,
+    evaluate_benchmarks,
+    k_values,
+    load_eval_sets,
+    pass_at_k,
+    run_eval_set,
+)
+from common.tasks.benchmark_sets import BENCHMARKS, get_benchmark, get_grader, load_benchmark
 from common.tasks.choice_grader import choice_accuracy, extract_choice
-from common.tasks.evaluation import _stats, evaluate_benchmarks, k_values, load_eval_sets, pass_at_k, run_eval_set
 from common.tasks.math_grader import is_equivalent, math_accuracy
 from common.tasks.reward_names import get_reward_function
 from common.tasks.toy import TOY_DIR, toy_addition
@@ -33,7 +40,7 @@ def patient_grader(monkeypatch):
     monkeypatch.setattr(math_grader, "TIME_LIMIT_S", 30.0)
 
 # The columns of each hub dataset and their types (None is allowed too), as the "schema:" comments of
-# common/tasks/benchmarks.py record where they were checked (GPQA: only the columns we read and a few more; the real
+# common/tasks/benchmark_sets.py record where they were checked (GPQA: only the columns we read and a few more; the real
 # file also has Pre-Revision* and validator columns). The fixtures must match exactly.
 MATH_ARENA = {"problem_idx": int, "problem": str, "answer": str, "problem_type": list}
 HUB_SCHEMA = {
@@ -728,6 +735,40 @@ def test_the_study_plans_claims_by_hand():
     # another second batch for one arm: not the same rollouts
     runs["p3o"][2]["series"]["reward/mean"][1][1] = 0.5
     assert plan.first_rollouts_shared(runs) == {1: True, 2: False}
+
+
+def test_the_study_reads_carried_runs_as_it_reads_its_study_files(tmp_path):
+    """The finished runs carried in docs/studies/unfinished/TAG/ (one RUN.result.json each) are read
+    as the same results in a study.json; the table of docs/study-plan.md says how many seeds every
+    arm finished, and gives no interval before two."""
+    import json
+
+    from evals import plan
+
+    carried = tmp_path / "unfinished"
+    studies = tmp_path / "studies"
+    for arm, (tag, script) in plan.ARMS.items():
+        results = [{"algo": script, "seed": seed, "evals": [[8, 0.5], [10, 0.4 + 0.1 * seed]],
+                    "series": {"policy/clip_frac": [[step, 0.1 * seed] for step in range(1, 11)],
+                               "reward/mean": [[1, 0.25]],
+                               "p3o/capped_frac": [[step, 0.5] for step in range(1, 11)]}}
+                   for seed in (1, 2)]
+        (carried / tag).mkdir(parents=True, exist_ok=True)
+        for result in results:
+            with open(carried / tag / f"{script}__s{result['seed']}.result.json", "w") as f:
+                json.dump(result, f)
+        (studies / f"compare-{tag}").mkdir(parents=True, exist_ok=True)
+        study = studies / f"compare-{tag}" / "study.json"
+        previous = json.loads(study.read_text())["results"] if study.exists() else []
+        study.write_text(json.dumps({"results": previous + results}))
+    assert plan.read_runs(str(carried)) == plan.read_runs(str(studies))
+    assert all(set(by_seed) == {1, 2} for by_seed in plan.read_runs(str(carried)).values())
+    table = plan.verdict_table(str(carried))
+    assert table[0].startswith("Seeds finished by every arm: 2 (1, 2) of ")
+    assert len([line for line in table if line.startswith("| ")]) == 2 + len(plan.CLAIMS)
+    for path in (carried / "study67").glob("*__s2.result.json"):
+        path.unlink()
+    assert plan.verdict_table(str(carried))[-1] == "No interval yet: fewer than two seeds finished by every arm."
 
 
 def test_the_study_stops_at_its_budget():

@@ -148,7 +148,7 @@ def test_left_padded_rows_give_finite_logprobs_and_gradients_in_bf16():
     NaN gradient norm before it)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from common.models.devices import padding_safe_attention
+    from common.models.placement import padding_safe_attention
 
     padding_safe_attention()
     torch.manual_seed(0)

@@ -1,5 +1,6 @@
-"""ruff over the whole project (ruff.toml: pycodestyle with 120-character lines, pyflakes, import
-order), and the share of lines past 100 columns (issue 51, item 3)."""
+"""ruff over the whole project (ruff.toml: pycodestyle with lines of at most 100 characters, 120 in
+tests/, evals/, benchmarks/, scripts/ and docs/; pyflakes; import order), and the share of lines
+past 100 columns (issue 51, item 3)."""
 
 import glob
 import os
@@ -26,15 +27,15 @@ MAX_LONG_SHARE = 0.05
 # The files of common/ already brought under 100 columns: each must stay at most 5% over.
 WRAPPED_FILES = [
     "common/args.py",
-    "common/tasks/benchmarks.py",
+    "common/tasks/benchmark_sets.py",
     "common/rails/checks.py",
     "common/tasks/choice_grader.py",
     "common/rails/command_line.py",
     "common/tasks/conversations.py",
     "common/dapo.py",
     "common/tasks/data.py",
-    "common/models/devices.py",
-    "common/tasks/evaluation.py",
+    "common/models/placement.py",
+    "common/tasks/benchmark_scoring.py",
     "common/models/lora.py",
     "common/tasks/math_grader.py",
     "common/metrics.py",
@@ -42,7 +43,7 @@ WRAPPED_FILES = [
     "common/engines/multiturn.py",
     "common/engines/nccl_sync.py",
     "common/offpolicy.py",
-    "common/rails/real_checks.py",
+    "common/rails/outside_checks.py",
     "common/rails/recipes.py",
     "common/run_folder/repair.py",
     "common/run_folder/resume.py",
@@ -52,7 +53,7 @@ WRAPPED_FILES = [
     "common/run_folder/run_dir.py",
     "common/engines/sandbox.py",
     "common/engines/serve.py",
-    "common/engines/server_engine.py",
+    "common/engines/server_client.py",
     "common/models/sharding.py",
     "common/engines/stopping.py",
     "common/rails/template_checks.py",

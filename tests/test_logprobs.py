@@ -16,9 +16,8 @@ import common.logprobs
 import common.nucleus
 from benchmarks.logprobs_memory import make_batch, naive_completion_logprobs, tiny_model
 from common.logprobs import HeadLogprobs, TokenLogprobs, completion_logprobs, fused_head
-from common.sampling import pad_rows
+from common.sampling import length_buckets, pad_rows
 from common.tasks.toy import TOY_DIR
-from common.update import length_buckets
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 

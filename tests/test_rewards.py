@@ -479,7 +479,7 @@ def test_only_the_end_of_a_completion_is_read():
 
 # The prompt's options in the forms prompts list them, with the letters read back.
 @pytest.mark.parametrize("prompt", [
-    "Which is the focus?\n\nA. x^2/4\nB. $x^2/8$\nC. 0.5\nD. True, Not Given",  # benchmarks.py format_choices
+    "Which is the focus?\n\nA. x^2/4\nB. $x^2/8$\nC. 0.5\nD. True, Not Given",  # benchmark_sets.py format_choices
     "Which is the focus?\nA: x^2/4\nB: $x^2/8$\nC: 0.5\nD: True, Not Given",  # colons (read as A-J before)
     "Which is the focus?\n(A) x^2/4\n(B) $x^2/8$\n(C) 0.5\n(D) True, Not Given",  # (A) (read as A-J before)
     "Which is the focus?\nA) x^2/4\nB) $x^2/8$\nC) 0.5\nD) True, Not Given",
@@ -601,7 +601,7 @@ LISTING_COMPLETIONS = [
 
 @pytest.mark.parametrize("gold", "ABCD")
 def test_listing_letters_earns_no_reward(gold):
-    from common.tasks.benchmarks import format_choices
+    from common.tasks.benchmark_sets import format_choices
     prompt = format_choices("Where is the focus of y = 2x^2?", ["(0, 1/8)", "(0, 1/4)", "(1/8, 0)", "(0, 2)"])
     assert options_of(prompt) == {"A": "(0, 1/8)", "B": "(0, 1/4)", "C": "(1/8, 0)", "D": "(0, 2)"}
     n = len(LISTING_COMPLETIONS)

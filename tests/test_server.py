@@ -1,5 +1,5 @@
 """Server mode (--server_url): the rollout server (common/engines/serve.py), its client
-(common/engines/server_engine.py) and the filesystem weight transport; end-to-end, a trainer against a server process on
+(common/engines/server_client.py) and the filesystem weight transport; end-to-end, a trainer against a server process on
 the toy (CPU)."""
 
 import json
@@ -22,7 +22,7 @@ from test_train import SMALL, assert_same_weights, final_weights, run_interrupte
 
 import grpo
 from common.engines.serve import Sampler, load_version, make_handler
-from common.engines.server_engine import ServerEngine, call, write_version
+from common.engines.server_client import ServerEngine, call, write_version
 
 
 def toy_model_path(workdir) -> str:
@@ -219,7 +219,7 @@ def test_a_bad_server_url_is_refused_before_any_weights_load(in_toy_workdir, url
 
 
 def test_a_server_with_another_dtype_is_refused(served):
-    from common.engines.server_engine import server_problems
+    from common.engines.server_client import server_problems
 
     url, _ = served
     assert server_problems(FakeArgs(url)) == []
@@ -360,7 +360,7 @@ def test_the_overlap_queue_requests_k_steps_ahead_each_sampled_by_the_weights_of
     """Lag 2, 5 steps: before step s trains, the requests of steps s+1..s+2 are made (never one past the last step);
     step s's rows come from the weights pushed at step max(s-2, 0), as the local engine samples them with those
     weights, and its staleness (min(s, 2)) is what the batch says."""
-    from common.engines.server_engine import OverlapQueue
+    from common.engines.server_client import OverlapQueue
 
     url, sampler = served
     client, local = ServerEngine(FakeArgs(url), sampler.accelerator), local_engine(sampler)
@@ -407,7 +407,7 @@ def test_a_failed_sync_fails_every_request_after_it_with_its_message(served, tmp
     ({"old_logp_source": "sampler", "max_turns": 3}, "--max_turns 3 with --server_url"),
 ])
 def test_settings_that_cannot_overlap_are_refused(served, flags, message):
-    from common.engines.server_engine import server_problems
+    from common.engines.server_client import server_problems
 
     url, _ = served
     args = FakeArgs(url, rollout_lag=2)

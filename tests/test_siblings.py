@@ -33,22 +33,31 @@ def python_files(folder: str) -> list[str]:
 # The bounds are issue 66's: gspo 60, every other 120, but for three scripts whose own paper's method needs more:
 # covpo holds two methods (Clip-Cov and KL-Cov) and their token selection over every process, p3o its ESS pre-pass,
 # its scope switch and its entropy bonus, snib the paper's five ablations (Table 5), SNIB-fg's gradient through the
-# group mean among them. Theirs are the measured figure plus about 5%. sdpo: issue 69's bound, 150 (148 measured,
-# 2026-12-06): a second model (the self-teacher and its EMA) and the re-prompting of each row from its group.
-BUDGET = {"gspo": 60, "covpo": 140, "p3o": 140, "snib": 178, "sdpo": 150}
+# group mean among them. Theirs are the measured figure plus about 5%. Wrapping the scripts to 100 columns (issue
+# 66) gave lines to the objectives their docstrings write in ASCII math and to the estimators' own long lines:
+# measured then gspo 54, ..., reinforcepp 123, p3o 132, covpo 139, snib 180. Two bounds were raised rather than the
+# lines packed, to that figure plus about 5%: reinforcepp's four-line objective took seven, and snib's objective,
+# problems() message, reward noise and per-sequence min took a line more each.
+# sdpo: issue 69's bound, 150: a second model (the self-teacher and its EMA) and the re-prompting of each row from
+# its group.
+BUDGET = {"gspo": 60, "covpo": 140, "p3o": 140, "reinforcepp": 129, "snib": 189, "sdpo": 150}
 SIBLINGS = {name: BUDGET.get(name, 120) for name in ALGORITHMS if name != "grpo"}
 MAX_MAIN_LINES = 6
 # The repository files besides the script whose functions one warm toy step calls (benchmarks/step_path.py), the
-# task's own reward function included: 11 before issue 66 (2026-12-06), 6 since; the goal 4.
-STEP_FILES = 6
+# task's own reward function included: 11 before issue 66, 6 after its first part, 4 since the update's rules joined
+# common/sampling.py and the toy's reward common/tasks/rewards.py.
+STEP_FILES = 4
 # Lines of a whole script and of its main(), blank lines and comments included: the longest measured when these were
 # set (2026-11-27: covpo.py and snib.py 253, p3o.py's main 79 of which 61 are statements) plus about 10%. Issue 51
 # asked for 180 and 60; reaching them would take the estimators' metrics or main's named steps out, or pack lines.
-MAX_SCRIPT_LINES = 280
+# 280 became 290 when the update's pieces joined common/sampling.py (issue 66): the scripts import its eight names
+# one per line (ruff's wrapping at 100 columns), eight lines more each, and a sibling's own name is one diff line.
+# 290 became 300 when every line of the scripts was wrapped to 100 columns (issue 66): snib.py 287 -> 296.
+MAX_SCRIPT_LINES = 300
 # sdpo.py builds its self-teacher's contexts from the batch (each row's demonstration, the re-prompt under the chat
-# template, its tokens) and keeps an EMA copy of the weights: about 45 lines no other estimator has, measured 303
-# (2026-12-06); its bound is that plus about 5%.
-LONGER = {"sdpo": 320}
+# template, its tokens) and keeps an EMA copy of the weights: about 45 lines no other estimator has, measured
+# 312 (2026-12-06, wrapped as the others); its bound is that plus about 5%.
+LONGER = {"sdpo": 325}
 MAX_MAIN_FUNCTION_LINES = 88
 
 
@@ -190,12 +199,36 @@ def test_copying_grpo_for_the_toy_takes_what_its_run_imports(in_toy_workdir):
     # the GPU path, the tool turns, the math grader, benchmarks, LoRA, resuming, recipes and sharding load only when
     # their flag is on
     optional = {"common/engines/vllm_engine.py", "common/engines/multiturn.py", "common/engines/sandbox.py",
-                "common/tasks/math_grader.py", "common/tasks/evaluation.py", "common/tasks/benchmarks.py",
+                "common/tasks/math_grader.py", "common/tasks/benchmark_scoring.py", "common/tasks/benchmark_sets.py",
                 "common/models/lora.py", "common/run_folder/resume.py", "common/rails/recipes.py",
                 "common/models/sharding.py", "common/dapo.py", "common/tasks/toy_tir.py", "common/tasks/smollm2.py",
                 "common/nucleus.py", "common/tasks/reward_files.py", "common/tasks/conversations.py",
                 "common/rails/command_line.py"}
     assert "common/tasks/toy.py" in files and not optional & set(files), optional & set(files)
+
+
+def test_copy_cost_lists_the_functions_a_run_never_called(in_toy_workdir):
+    """`copy_cost.py --uncalled`: per file, the lines of the functions the run never called. The toy was built
+    before the run, so its builder is among them; the rollouts' sample_batch ran, so it is not; the total is the
+    files' sum."""
+    out = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "copy_cost.py"), "--uncalled",
+                          *TOY_COMMAND], cwd=in_toy_workdir, capture_output=True,
+                         text=True, timeout=900, env=subprocess_env())
+    assert out.returncode == 0, out.stderr[-3000:]
+    section = out.stdout[out.stdout.rindex("uncalled"):].splitlines()[1:]
+    rows = {line.split()[2].rstrip(":"): line for line in section[:-1]}
+    assert "warm_start" in rows["common/tasks/toy.py"], rows["common/tasks/toy.py"]
+    assert "sample_batch" not in rows["common/sampling.py"], rows["common/sampling.py"]
+    total = int(section[-1].split()[0])
+    assert total == sum(int(line.split()[0]) for line in section[:-1])
+    # docs/layout.md's figures are these
+    imported = out.stdout[out.stdout.rindex("imported:"):out.stdout.rindex("uncalled")].splitlines()
+    lines = int(next(line for line in imported if "total in" in line).split()[0])
+    with open(os.path.join(REPO, "docs", "layout.md")) as f:
+        layout = " ".join(f.read().split())
+    toy, logprobs = (int(rows[f"common/{name}"].split()[0]) for name in ("tasks/toy.py", "logprobs.py"))
+    assert (f"{total} of the {lines:,}, of which the toy's builder is {toy} " in layout
+            and f"not a plain linear map {logprobs}," in layout), (total, lines, toy, logprobs)
 
 
 def test_copying_grpo_for_the_gpu_command_takes_what_its_run_imports(in_toy_workdir):
@@ -325,3 +358,25 @@ def test_imports_point_down():
             imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
             upward = {m for m in imported if m.split(".")[0] in banned}
             assert not upward, f"{folder}/{name} imports {sorted(upward)}"
+
+
+def test_every_flag_common_reads_is_declared_in_trainargs():
+    """Every `args.NAME` attribute that common/ reads is a TrainArgs field, so no script's Args carries a field
+    that common/ depends on without saying so (issue 66: `args.beta` was one). common/engines/serve.py reads its
+    own parser's flags."""
+    import ast
+    import dataclasses
+
+    from common.args import TrainArgs
+
+    declared = {f.name for f in dataclasses.fields(TrainArgs)} | {"problems"}  # and its method a script extends
+    undeclared = set()
+    for path in python_files("common"):
+        if path.endswith(os.path.join("engines", "serve.py")):
+            continue
+        tree = ast.parse(open(path).read())
+        for node in ast.walk(tree):
+            is_args = isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+            if is_args and node.value.id == "args" and node.attr not in declared:
+                undeclared.add(f"{os.path.relpath(path, REPO)}: args.{node.attr}")
+    assert not undeclared, sorted(undeclared)

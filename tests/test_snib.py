@@ -17,7 +17,7 @@ from test_train import SMALL, assert_same_weights, final_weights, sgd_gradient
 import grpo
 import snib
 from common.rails.checks import argument_problems
-from common.update import microbatches
+from common.sampling import microbatches
 
 ARGS = snib.Args(num_generations=2, beta=0.0)
 

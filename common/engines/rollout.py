@@ -25,7 +25,7 @@ from transformers import (
 )
 
 from common.logprobs import shared_prompt_cache
-from common.models.devices import padding_safe_attention, sharded_parameters
+from common.models.placement import padding_safe_attention, sharded_parameters
 
 # HFEngine: rows x (longest prompt + max_tokens) per `generate` call. Bounds the KV cache (Qwen3-4B
 # in bf16: ~19 GB at 2**17 tokens); short sequences go in one call, which is what makes a CPU run
@@ -105,10 +105,10 @@ class HFEngine:
         self.tokenizer, self.accelerator = tokenizer, accelerator
         # the rows of a prompt share one prefill of it (--share_prompts)
         self.share_prompts = share_prompts
-        # FSDP or ZeRO-3 (common.models.devices.sharded_parameters): generate is then a collective;
-        # None: asked of the accelerator on first use
+        # FSDP or ZeRO-3 (common.models.placement.sharded_parameters): generate is then a
+        # collective; None: asked of the accelerator on first use
         self.is_sharded = sharded
-        # left-padded prompts: no NaN from cuDNN's attention (common.models.devices)
+        # left-padded prompts: no NaN from cuDNN's attention (common.models.placement)
         padding_safe_attention()
 
     @torch.no_grad()

@@ -1,9 +1,10 @@
-"""A rollout server: the policy's sampler in a process (and on devices) of its own, for --server_url.
+"""A rollout server: the policy's sampler in a process (and on devices) of its own (--server_url).
 
-    python -m common.engines.serve --model Qwen/Qwen3-4B --port 8000 --sync_dir weights/ [--engine hf|vllm]
+    python -m common.engines.serve --model Qwen/Qwen3-4B --port 8000 --sync_dir weights/
+        [--engine hf|vllm]
 
-It serves the engine interface of common/engines/rollout.py over HTTP, JSON in and out, one request at a
-time in the order they arrive (a weight sync is loaded before any later generate request is
+It serves the engine interface of common/engines/rollout.py over HTTP, JSON in and out, one request
+at a time in the order they arrive (a weight sync is loaded before any later generate request is
 answered):
 
     GET  /health    -> {"model", "dtype", "engine", "sync_dir", "version"}
@@ -11,7 +12,7 @@ answered):
                     -> {"completion_ids", "sampler_logp", "version"}
                     refused (409) unless "version" is the one loaded
     POST /sync      {"version": N} -> loads sync_dir/version_N/*.safetensors (the trainer wrote
-                    them and renamed the folder into place: common/engines/server_engine.py), then
+                    them and renamed the folder into place: common/engines/server_client.py), then
                     answers {"version": N}
     any error       -> status 4xx/5xx and {"error": "one line"}
 
@@ -153,7 +154,8 @@ def make_handler(sampler: Sampler):
             except (WeightError, KeyError, TypeError, ValueError) as e:
                 self.answer(400, {"error": f"{type(e).__name__}: {e}"})
             except Exception as e:  # the server keeps serving; the trainer stops with this line
-                print(f"common.engines.serve: {self.path} failed: {type(e).__name__}: {e}", file=sys.stderr)
+                print(f"common.engines.serve: {self.path} failed: {type(e).__name__}: {e}",
+                      file=sys.stderr)
                 self.answer(500, {"error": f"{type(e).__name__}: {e}"})
 
         def answer(self, status: int, body: dict) -> None:
@@ -171,7 +173,8 @@ def make_handler(sampler: Sampler):
 
 
 def parse(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m common.engines.serve", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m common.engines.serve",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help="hub id or local folder: the trainer's --model")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--host", default="127.0.0.1",

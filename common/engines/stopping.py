@@ -1,6 +1,6 @@
-"""Stop criteria of transformers' `generate` for tool rollouts (common/engines/multiturn.py): each row at
-its own token budget or at a stop string, as vLLM stops. Imported by rollout.HFEngine only when a
-call passes either."""
+"""Stop criteria of transformers' `generate` for tool rollouts (common/engines/multiturn.py): each
+row at its own token budget or at a stop string, as vLLM stops. Imported by rollout.HFEngine only
+when a call passes either."""
 
 import torch
 from transformers import StoppingCriteria

@@ -6,11 +6,12 @@ from disk.
 
 vLLM imports this module in every worker when it resolves --worker-extension-cls; importing it
 registers the "disk" backend with vLLM's WeightTransferEngineFactory. A sync is then vLLM's own
-handshake over HTTP (the trainer's side is common/engines/server_engine.py): /pause, /start_weight_update,
-/update_weights with {"path": a folder of safetensors files}, /finish_weight_update with the
-version, /reset_prefix_cache, /resume; every answer of /inference/v1/generate names the weight
-version that produced it. vLLM 0.32's own backends (nccl, ipc, ...) need CUDA; this one works on
-every build, the CPU's included, wherever the server can read the folder the trainer writes.
+handshake over HTTP (the trainer's side is common/engines/server_client.py): /pause,
+/start_weight_update, /update_weights with {"path": a folder of safetensors files},
+/finish_weight_update with the version, /reset_prefix_cache, /resume; every answer of
+/inference/v1/generate names the weight version that produced it. vLLM 0.32's own backends (nccl,
+ipc, ...) need CUDA; this one works on every build, the CPU's included, wherever the server can
+read the folder the trainer writes.
 """
 
 import os

@@ -93,7 +93,7 @@ TRAIN_RANGES = [
 
 
 def brought(args) -> bool:
-    """--model or --dataset from outside (common/rails/real_checks.py), not a preset's own."""
+    """--model or --dataset from outside (common/rails/outside_checks.py), not a preset's own."""
     return any(getattr(args, k) != preset_defaults(args.preset).get(k)
                for k in ("model", "dataset"))
 
@@ -376,7 +376,8 @@ def argument_problems(args, num_processes: int) -> list[str]:
     """Everything that needs no file, model or data: ranges, batch geometry, names."""
     problems = range_problems(args, TRAIN_RANGES) + field_bound_problems(args)
     if not problems:  # the geometry and the schedule divide and count with these
-        problems += geometry_problems(args, num_processes) + scheduler_problems(args) + args.problems()
+        problems += (geometry_problems(args, num_processes) + scheduler_problems(args)
+                     + args.problems())
     if args.overlong_buffer >= args.max_completion_length > 0:
         problems.append(f"--overlong_buffer {args.overlong_buffer} must be below "
                         f"--max_completion_length {args.max_completion_length} (DAPO: a buffer of "
@@ -410,7 +411,7 @@ def argument_problems(args, num_processes: int) -> list[str]:
                         "or requirements-vllm-cpu.txt (CPU; see README); or use --rollout_engine "
                         "hf")
     if args.server_url:
-        from common.engines.server_engine import server_problems
+        from common.engines.server_client import server_problems
 
         problems += server_problems(args)
     if "{prompt}" not in args.prompt_template:
@@ -419,7 +420,7 @@ def argument_problems(args, num_processes: int) -> list[str]:
     problems += reward_problems(args)
     # the benchmark registry, when benchmarks are asked for
     if args.eval_steps > 0 and args.eval_benchmarks:
-        from common.tasks.benchmarks import benchmark_problems
+        from common.tasks.benchmark_sets import benchmark_problems
 
         problems += benchmark_problems(args.eval_benchmarks, "--eval_benchmarks")
     # a mistyped run folder, before a preset spends a minute building anything
@@ -443,7 +444,7 @@ def resource_problems(args) -> tuple[list[str], object]:
         problems = resume_problems(args)
     real = None
     if brought(args):
-        from common.rails import real_checks as real
+        from common.rails import outside_checks as real
     if real:
         found, config = real.model_problems(args, model_problems)
     else:
@@ -613,10 +614,12 @@ def check_args(args, num_processes: int, files: bool = True) -> None:
     if state.is_main_process:
         problems = argument_problems(args, num_processes)
         notes = []
-        if not problems and not files and args.preset:  # a hub id the preset cannot reach: before it builds
+        # a hub id the preset cannot reach: before it builds
+        if not problems and not files and args.preset:
             problems = hub_problems(args)
         if not problems and files:  # the hub, files and the model only once the flags make sense
-            # a typo in a local path, before the hub is asked anything (with a preset it was asked before it built)
+            # a typo in a local path, before the hub is asked anything (with a preset it was asked
+            # before it built)
             problems = missing_path_problems(args) or ([] if args.preset else hub_problems(args))
             config = None
             if not problems:

@@ -27,8 +27,8 @@ NOT_RESUMED = {"resume_from", "resume_overrides", "exp_name"}
 
 def last_start(run_dir: str) -> dict:
     """The settings of the run's latest start: the last whole line of args_history.jsonl, else
-    args.json, else {} (common/run_folder/resume.py recorded_args reads them the same way for its checks,
-    and warns about a line a killed run left half written)."""
+    args.json, else {} (common/run_folder/resume.py recorded_args reads them the same way for its
+    checks, and warns about a line a killed run left half written)."""
     history = os.path.join(run_dir, "args_history.jsonl")
     if os.path.isfile(history):
         with open(history) as f:

@@ -60,8 +60,12 @@ def arrange(parser: argparse.ArgumentParser, args_cls, base_cls, preset: str | N
     adds to `base_cls`) first; show what `--preset` sets beside each flag it changes."""
     parser.formatter_class = Formatter
     parser.usage = USAGE
-    base = {f.name for f in dataclasses.fields(base_cls)}
-    own = [f.name for f in dataclasses.fields(args_cls) if f.name not in base]
+    # the script's own flags, in the order its Args declares them, and those of TrainArgs it sets
+    # again (beta: its own default and help)
+    scripts = [c for c in reversed(args_cls.__mro__)
+               if issubclass(c, base_cls) and c is not base_cls]
+    declared = [name for c in scripts for name in vars(c).get("__annotations__", {})]
+    own = [name for name in dict.fromkeys(declared) if name != "exp_name"]
     fields = [f.name for f in dataclasses.fields(args_cls)]
     listed = {name for names in GROUPS.values() for name in names}
     script = args_cls.__dataclass_fields__["exp_name"].default  # its file's name

@@ -1,5 +1,5 @@
-"""A chat template as a run uses it (issue 43): imported by common/rails/real_checks.py where a model from
-outside has one and --use_chat_template is on."""
+"""A chat template as a run uses it (issue 43): imported by common/rails/outside_checks.py where a
+model from outside has one and --use_chat_template is on."""
 
 
 def template_problems(name: str, tokenizer, enable_thinking: bool) -> list[str]:

@@ -1,6 +1,7 @@
 """Checkpoints and the metrics log: what a run leaves in its folder.
 
-    save_checkpoint(...)   checkpoints/step_N/{state,model}, written whole or not at all, never with NaN weights
+    save_checkpoint(...)   checkpoints/step_N/{state,model}, written whole or not at all, never with
+                           NaN weights
     MetricsLog             metrics.jsonl, one line per step (cut back to the checkpoint on resume)
     run_summary(...)       the lines printed at the end of a run
 
@@ -31,8 +32,8 @@ class TrainState:
         self.step = state["step"]
 
 
-def save_checkpoint(accelerator, model, tokenizer, run_dir: str, step: int, save_total_limit: int = 0,
-                    queue=None) -> str:
+def save_checkpoint(accelerator, model, tokenizer, run_dir: str, step: int,
+                    save_total_limit: int = 0, queue=None) -> str:
     """`run_dir/checkpoints/step_N/{state,model}`: accelerate state (to resume) and save_pretrained
     weights (merged for LoRA, to evaluate or serve). Written to a temporary folder and renamed when
     complete, so an interrupted save never leaves a half checkpoint behind that looks complete.
@@ -46,8 +47,9 @@ def save_checkpoint(accelerator, model, tokenizer, run_dir: str, step: int, save
     nonfinite = sum(float((~torch.isfinite(p.detach())).sum()) for p in model.parameters())
     nonfinite = accelerator.reduce(torch.tensor(nonfinite, device=accelerator.device), "sum").item()
     if nonfinite:
-        raise SystemExit(f"error: step {step}: {int(nonfinite)} weights are not finite; refusing to save them; the "
-                         f"last good checkpoint is {latest_checkpoint(run_dir) or 'none (see --save_steps)'}")
+        raise SystemExit(f"error: step {step}: {int(nonfinite)} weights are not finite; refusing "
+                         f"to save them; the last good checkpoint is "
+                         f"{latest_checkpoint(run_dir) or 'none (see --save_steps)'}")
     try:
         if accelerator.is_main_process and os.path.exists(tmp):
             shutil.rmtree(tmp)
@@ -201,21 +203,25 @@ def run_summary(run_dir: str, seconds: float, resume_step: int = 0) -> str:
     steps = max((m["step"] for m in lines), default=0)
     this_run = f"steps {resume_step} -> {steps}" if resume_step else f"{steps} steps"
     out = [f"\n=== {os.path.basename(run_dir)}: {this_run} in {format_seconds(seconds)}"]
-    evals = sorted({k for m in lines for k in m if k.startswith("eval/") and isinstance(m[k], (int, float))},
+    evals = sorted({k for m in lines for k in m
+                    if k.startswith("eval/") and isinstance(m[k], (int, float))},
                    key=lambda k: (k != "eval/accuracy", k.count("/"), k))
     for key in evals:
         seen = [(m["step"], m[key]) for m in lines if key in m]
         (first_step, first), (last_step, last) = seen[0], seen[-1]
-        change = f"{first:.1%} (step {first_step}) -> {last:.1%} (step {last_step}), {100 * (last - first):+.1f} points"
-        out.append(f"{key + ':':34s}{change if len(seen) > 1 else f'{last:.1%} (step {last_step})'}")
+        change = (f"{first:.1%} (step {first_step}) -> {last:.1%} (step {last_step}), "
+                  f"{100 * (last - first):+.1f} points")
+        out.append(f"{key + ':':34s}"
+                   f"{change if len(seen) > 1 else f'{last:.1%} (step {last_step})'}")
     if not evals:
         out.append("no held-out evaluation (--eval_steps 0, or no eval data)")
     done = checkpoint_steps(run_dir)
     out.append(f"{'run folder:':34s}{run_dir}  (metrics.jsonl, args.json)")
     if done:
         final = os.path.join(run_dir, "checkpoints", f"step_{done[-1]}")
+        model = os.path.join(final, "model")
         out += [f"{'final checkpoint:':34s}{final}",
-                f"{'evaluate it:':34s}python -m evals.run --model {os.path.join(final, 'model')} --benchmarks ...",
+                f"{'evaluate it:':34s}python -m evals.run --model {model} --benchmarks ...",
                 f"{'resume:':34s}add --resume_from {run_dir}"]
     out.append(f"{'plot:':34s}python -m evals.plot {run_dir}")
     return "\n".join(out)

@@ -17,16 +17,16 @@ RESUME_MAY_CHANGE = {"run_name", "output_dir", "resume_from", "resume_overrides"
                      "report_to", "save_steps", "save_total_limit", "eval_steps", "eval_from",
                      "eval_num_prompts", "eval_benchmarks", "eval_num_samples", "dump_stats_steps",
                      "micro_batch_size", "logprob_batch_size", "gradient_checkpointing",
-                     "gradient_checkpointing_every", "rollout_engine", "vllm_gpu_memory_utilization",
-                     "vllm_tensor_parallel_size",
+                     "gradient_checkpointing_every", "rollout_engine",
+                     "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size",
                      "max_logp_gap", "server_url", "server_timeout", "reward_timeout"}
 # total_steps does not shape their learning rate
 SCHEDULES_WITHOUT_END = {"constant", "constant_with_warmup"}
 
 
 def resume_problems(args) -> list[str]:
-    """Before any weights load: --resume_from (which common/rails/checks.py argument_problems found to exist) holds
-    an intact checkpoint."""
+    """Before any weights load: --resume_from (which common/rails/checks.py argument_problems found
+    to exist) holds an intact checkpoint."""
     try:
         ckpt = find_checkpoint(args.resume_from)  # a damaged checkpoint, or none
     except SystemExit as e:

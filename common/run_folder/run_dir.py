@@ -40,7 +40,8 @@ def claim_run_dir(args, run_name: str) -> tuple[str, str | None]:
 
 
 def _claim(args, run_name: str) -> tuple[str, str | None]:
-    # its latest intact checkpoint, its folder locked, its settings kept: common/run_folder/resume.py
+    # its latest intact checkpoint, its folder locked, its settings kept:
+    # common/run_folder/resume.py
     if args.resume_from:
         from common.run_folder.resume import check_resume, find_checkpoint
 

@@ -13,10 +13,18 @@ grader does
 import re
 from collections import deque
 
-from common.tasks.math_grader import _BOX_GAP, _CONTROL, _TEXT, _answer_after, _boxes, _prepared, _quick_verdict
+from common.tasks.math_grader import (
+    _BOX_GAP,
+    _CONTROL,
+    _TEXT,
+    _answer_after,
+    _boxes,
+    _prepared,
+    _quick_verdict,
+)
 from common.tasks.rewards import register_reward, texts_of
 
-# Multiple choice. The options are lines of the prompt: "A. x" (common/tasks/benchmarks.py
+# Multiple choice. The options are lines of the prompt: "A. x" (common/tasks/benchmark_sets.py
 # format_choices), "A: x", "A) x", "(A) x", the first one perhaps after "Options:" (MMLU-Pro's
 # prompt: "Options: A. x\nB. y").
 LETTERS = "ABCDEFGHIJ"

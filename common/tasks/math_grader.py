@@ -15,8 +15,8 @@ one answer, a set; an answer that is wholly an English number ("twelve", "two hu
 "one half") is read as that number, and one in words is compared without case; only the final answer
 counts. math-verify runs in worker processes with a hard time limit per sample (``TIME_LIMIT_S``): a
 sample over it gets reward 0 and is counted as ``math_accuracy/timeouts``. Multiple choice,
-``choice_accuracy``, is common/tasks/choice_grader.py. The evaluation package (evals/) grades with these
-same functions.
+``choice_accuracy``, is common/tasks/choice_grader.py. The evaluation package (evals/) grades with
+these same functions.
 """
 
 import atexit

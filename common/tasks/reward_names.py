@@ -3,8 +3,9 @@
 
 The built-in graders (``math_accuracy``, ``choice_accuracy``, ``format``, the toys' and SmolLM2's)
 register themselves in common/tasks/rewards.py when their module is imported, and it is imported the
-first time one of its names is asked for: a run with other rewards does not load it. This module
-stands above both, so a grader imports rewards.py and nothing imports back.
+first time one of its names is asked for: a run with other rewards does not load it (the toy's
+``toy_addition`` is rewards.py's own). This module stands above both, so a grader imports
+rewards.py and nothing imports back.
 """
 
 import importlib
@@ -15,7 +16,7 @@ from common.tasks.rewards import REWARD_FUNCTIONS, RewardFn
 # (common/tasks/math_grader.py is 800 lines).
 BUILT_IN_MODULES = {**{name: "common.tasks.math_grader" for name in ("math_accuracy", "format")},
                     "choice_accuracy": "common.tasks.choice_grader",
-                    **{name: "common.tasks.toy" for name in ("toy_addition", "toy_closeness")},
+                    "toy_closeness": "common.tasks.toy",
                     "toy_tir_addition": "common.tasks.toy_tir",
                     "number_accuracy": "common.tasks.smollm2"}
 

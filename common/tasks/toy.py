@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from common.tasks.rewards import register_reward, texts_of
+from common.tasks.rewards import register_reward, texts_of, toy_addition
 
 TOY_DIR = "runs/toy"
 CHARS = list("0123456789+=")
@@ -139,13 +139,6 @@ def make_splits(seed: int) -> tuple[list[dict], list[dict]]:
     rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(100) for b in range(100)]
     random.Random(seed).shuffle(rows)
     return rows[NUM_TEST:], rows[:NUM_TEST]
-
-
-@register_reward("toy_addition")
-def toy_addition(prompts: list[str], completions: list, answer: list[str], **_) -> list[float]:
-    """1.0 for the exact sum (the completion text before EOS, spaces ignored), else 0.0."""
-    completions = texts_of(completions)  # text, or TRL's conversational form
-    return [float(c.strip() == a.strip()) for c, a in zip(completions, answer)]
 
 
 @register_reward("toy_closeness")

@@ -18,8 +18,8 @@ HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
 
 
 def model_problems(args, base) -> tuple[list[str], object]:
-    """(problems, config): the folder's files, then `base` (common/rails/checks.py model_problems: config,
-    tokenizer)."""
+    """(problems, config): the folder's files, then `base` (common/rails/checks.py model_problems:
+    config, tokenizer)."""
     found = [f"cannot load --model {args.model!r}: {p}" for p in file_problems(args.model)]
     return (found, None) if found else base("--model", args.model)
 

@@ -9,8 +9,8 @@ it is evals/run.py.
 
 Each completion has its own seed, sample_seed(seed, 0, question, sample), so a result does not
 depend on the engine's batching or on the number of processes. Graders are the training rewards
-(common/tasks/rewards.py). In a training loop: `load_eval_sets` once, then `evaluate_benchmarks` every
-eval_steps (see its docstring).
+(common/tasks/rewards.py). In a training loop: `load_eval_sets` once, then `evaluate_benchmarks`
+every eval_steps (see its docstring).
 """
 
 import math
@@ -96,7 +96,7 @@ def flat_metrics(name: str, summary: dict, n: int) -> dict[str, float]:
 class EvalSet:
     """A benchmark's questions, formatted and tokenized for one tokenizer."""
     name: str
-    benchmark: Any  # common.tasks.benchmarks.Benchmark
+    benchmark: Any  # common.tasks.benchmark_sets.Benchmark
     path: str  # where the questions came from
     examples: list[dict]  # {"prompt", "answer", "groups", "prompt_text", "prompt_ids"}
 
@@ -105,7 +105,8 @@ def prepare_eval_set(name: str, tokenizer, *, path_override: str | None = None,
                      data_dir: str | None = None, use_chat_template: bool = True,
                      enable_thinking: bool = False, system_prompt: str = "", max_questions: int = 0,
                      max_prompt_length: int | None = None) -> EvalSet:
-    from common.tasks.benchmarks import get_benchmark, load_benchmark, local_file  # benchmark runs only
+    # benchmark runs only
+    from common.tasks.benchmark_sets import get_benchmark, load_benchmark, local_file
 
     benchmark = get_benchmark(name)
     if path_override is None and data_dir:
@@ -156,7 +157,7 @@ def run_eval_set(engine, model, tokenizer, eval_set: EvalSet, *, n: int, tempera
     per_process = math.ceil(num_questions / num_processes)
     padded = mine + [mine[0] if mine else 0] * (per_process - len(mine))
     requests = [(q, j) for q in padded for j in range(n)]  # (question, sample)
-    from common.tasks.benchmarks import get_grader
+    from common.tasks.benchmark_sets import get_grader
 
     grader = get_grader(eval_set.benchmark)
     completions = []

@@ -6,8 +6,9 @@ its prompt is written and which reward function grades it.
     load_benchmark("aime25", "aime25.jsonl")    the same from a local file in the hub schema
     register_benchmark(Benchmark(...))          add your own
 
-Graders are reward functions of common/tasks/math_grader.py (the `fn(prompts, completions, answer=...)`
-contract), so a training reward and an evaluation score are computed by the same code.
+Graders are reward functions of common/tasks/math_grader.py (the
+`fn(prompts, completions, answer=...)` contract), so a training reward and an evaluation score are
+computed by the same code.
 
 Each entry's "schema:" comment names what its hub id, split, columns and answer type were checked
 against, and what is unconfirmed; tests/test_evals.py loads a few rows of each in that schema from
@@ -70,7 +71,7 @@ def get_benchmark(name: str) -> Benchmark:
     if name not in BENCHMARKS:
         raise ValueError(f"unknown benchmark {name!r}; known benchmarks: "
                          f"{', '.join(sorted(BENCHMARKS))}. Add your own with "
-                         f"common.tasks.benchmarks.register_benchmark(Benchmark(...)).")
+                         f"common.tasks.benchmark_sets.register_benchmark(Benchmark(...)).")
     return BENCHMARKS[name]
 
 
@@ -79,8 +80,8 @@ def get_grader(benchmark: Benchmark) -> RewardFn:
 
 
 def format_choices(question: str, options: list[str]) -> str:
-    """The question followed by one line per option: "A. ...", "B. ..." (common.tasks.math_grader reads
-    them back)."""
+    """The question followed by one line per option: "A. ...", "B. ..." (common.tasks.math_grader
+    reads them back)."""
     if len(options) > len(LETTERS):
         raise ValueError(f"at most {len(LETTERS)} options are supported, got {len(options)}")
     return question.strip() + "\n\n" + "\n".join(f"{LETTERS[i]}. {str(o).strip()}"
@@ -196,7 +197,8 @@ register_benchmark(Benchmark(
 # the toy's folder, common/tasks/toy.py TOY_DIR (not imported: only the toy imports the toy)
 register_benchmark(Benchmark(
     "toy", os.path.join("runs", "toy", "test.jsonl"), "train", "prompt", "answer", grader="toy",
-    template="{prompt}", notes="held-out sums of the toy task, built by common.tasks.toy.prepare_toy"))
+    template="{prompt}",
+    notes="held-out sums of the toy task, built by common.tasks.toy.prepare_toy"))
 
 
 # ---------------------------------------------------------------------------

@@ -1,16 +1,17 @@
-"""The client of a rollout server: the engine interface of common/engines/rollout.py over HTTP, to `vllm
-serve` (with common/engines/vllm_worker.py's disk engine) or to common/engines/serve.py (transformers' engine, the
-exact-seed reference).
+"""The client of a rollout server: the engine interface of common/engines/rollout.py over HTTP, to
+`vllm serve` (with common/engines/vllm_worker.py's disk engine) or to common/engines/serve.py
+(transformers' engine, the exact-seed reference).
 
 --server_url http://HOST:PORT switches a script to it (TRL's vllm_mode="server"); imported only
 then. Weights reach the server through the filesystem: after each step the trainer writes the full
 weights (LoRA merged) as safetensors to SYNC_DIR/.version_N.tmp, renames the folder to
 SYNC_DIR/version_N once complete and tells the server N (vllm serve: its pause / start / update /
-finish / resume handshake, SYNC_DIR the run's server_weights folder; common.engines.serve: POST /sync,
-SYNC_DIR its --sync_dir); the server loads them before any later generate request, and version N-1
-is removed. Every answer names the weight version that sampled it, checked against the one pushed
-last. Every request waits at most --server_timeout seconds for an answer: one that gets none, or an
-error, stops the run with one line naming the server and the request (never a silent hang).
+finish / resume handshake, SYNC_DIR the run's server_weights folder; common.engines.serve: POST
+/sync, SYNC_DIR its --sync_dir); the server loads them before any later generate request, and
+version N-1 is removed. Every answer names the weight version that sampled it, checked against the
+one pushed last. Every request waits at most --server_timeout seconds for an answer: one that gets
+none, or an error, stops the run with one line naming the server and the request (never a silent
+hang).
 
 One client per trainer: the main process sends every request, one at a time and in the order they
 were made, from a thread of its own (the other processes' rows are gathered into its generate
@@ -81,8 +82,8 @@ GENERATE_CONCURRENCY = 64
 
 
 def served_by_vllm(url: str, timeout: float) -> bool:
-    """Whether `vllm serve` answers at url (its /health has an empty body; common.engines.serve's is JSON),
-    refusing one started without VLLM_SERVER_DEV_MODE=1 (no weight-update routes then)."""
+    """Whether `vllm serve` answers at url (its /health has an empty body; common.engines.serve's is
+    JSON), refusing one started without VLLM_SERVER_DEV_MODE=1 (no weight-update routes then)."""
     request = urllib.request.Request(url.rstrip("/") + "/health")
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
@@ -102,16 +103,16 @@ def served_by_vllm(url: str, timeout: float) -> bool:
 
 
 def weight_transfer_backend(url: str, timeout: float) -> str | None:
-    """vllm serve's --weight-transfer-config backend ("disk": common/engines/vllm_worker.py's; "nccl":
-    GPUs), read from its configuration (/server_info, a VLLM_SERVER_DEV_MODE route)."""
+    """vllm serve's --weight-transfer-config backend ("disk": common/engines/vllm_worker.py's;
+    "nccl": GPUs), read from its configuration (/server_info, a VLLM_SERVER_DEV_MODE route)."""
     config = call(url, "/server_info?config_format=json", None, timeout,
                   "configuration query")["vllm_config"]
     return (config.get("weight_transfer_config") or {}).get("backend")
 
 
 def server_problems(args) -> list[str]:
-    """Before any weights load (common/rails/checks.py): the address is http(s)://HOST:PORT, a rollout
-    server answers there, and it runs the trainer's --dtype."""
+    """Before any weights load (common/rails/checks.py): the address is http(s)://HOST:PORT, a
+    rollout server answers there, and it runs the trainer's --dtype."""
     if not re.fullmatch(r"https?://[^/\s:]+(:\d+)?/?", args.server_url):
         return [f"--server_url {args.server_url!r}: give http://HOST:PORT, where vllm serve (or "
                 f"python -m common.engines.serve) listens"]
@@ -379,9 +380,9 @@ class ServerEngine:
     def vllm_generate(self, body: dict) -> dict:
         """A generate request to vllm serve (the sender thread): one POST /inference/v1/generate per
         row, with its own seed and budget (a batched /v1/completions request shares one seed),
-        GENERATE_CONCURRENCY at a time; the answer in common.engines.serve's form, with the weight version
-        every row was sampled by (a row's tokens may span versions only if a sync landed mid-row:
-        then it names both and is refused)."""
+        GENERATE_CONCURRENCY at a time; the answer in common.engines.serve's form, with the weight
+        version every row was sampled by (a row's tokens may span versions only if a sync landed
+        mid-row: then it names both and is refused)."""
         n = len(body["seeds"])
         # 0: the server's own --model weights
         version = str(body["version"] or "default")
@@ -416,9 +417,9 @@ class ServerEngine:
 
     def vllm_sync(self, body: dict) -> dict:
         """A weight sync with vllm serve (the sender thread), vLLM's own handshake: pause (letting
-        running requests finish), start, update from the version's folder (common/engines/vllm_worker.py's
-        disk engine), finish with the version, drop the prefix cache (its blocks hold the old
-        weights' keys and values), resume."""
+        running requests finish), start, update from the version's folder
+        (common/engines/vllm_worker.py's disk engine), finish with the version, drop the prefix
+        cache (its blocks hold the old weights' keys and values), resume."""
         version = body["version"]
         what = f"weight sync (version {body['version']})"
         path = os.path.abspath(os.path.join(self.sync_dir, f"version_{version}"))
@@ -435,11 +436,11 @@ class ServerEngine:
         return {"version": version}
 
     def nccl_push(self, model) -> None:
-        """A weight sync over NCCL (GPUs; common/engines/nccl_sync.py, vLLM's own trainer engine). The
-        requests made before it are answered first (their rows belong to the weights before it);
-        then the server pauses, its workers receive the broadcast, it finishes with the version,
-        drops its prefix cache and resumes. Collective, and the trainer waits for it: no second copy
-        of the weights is kept for a sync queued behind requests."""
+        """A weight sync over NCCL (GPUs; common/engines/nccl_sync.py, vLLM's own trainer engine).
+        The requests made before it are answered first (their rows belong to the weights before
+        it); then the server pauses, its workers receive the broadcast, it finishes with the
+        version, drops its prefix cache and resumes. Collective, and the trainer waits for it: no
+        second copy of the weights is kept for a sync queued behind requests."""
         from common.engines.nccl_sync import nccl_sender
 
         main = self.accelerator.is_main_process
