@@ -58,7 +58,10 @@ MAX_SCRIPT_LINES = 300
 # template, its tokens) and keeps an EMA copy of the weights: about 45 lines no other estimator has, measured
 # 312 (2026-12-06, wrapped as the others); its bound is that plus about 5%.
 LONGER = {"sdpo": 325}
-MAX_MAIN_FUNCTION_LINES = 88
+# 88 became 89 with sdpo.py (2026-12-06): grpo.py's main() is 83 lines since the wrapping, and a sibling may add
+# MAX_MAIN_LINES = 6 tagged lines to it; sdpo.py adds all six (its teacher, the contexts, the teacher's forward,
+# its two inputs to compute_loss, the EMA).
+MAX_MAIN_FUNCTION_LINES = 89
 
 
 def regions(name: str) -> dict[str, list[str]]:
