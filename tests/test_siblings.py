@@ -214,9 +214,13 @@ def test_copy_cost_lists_the_functions_a_run_never_called(in_toy_workdir):
     """`copy_cost.py --uncalled`: per file, the lines of the functions the run never called. The toy was built
     before the run, so its builder is among them; the rollouts' sample_batch ran, so it is not; the total is the
     files' sum."""
+    env = subprocess_env()
+    # a first run: datasets' cache of the prepared prompts (shared by every run of the machine) would skip their
+    # formatting
+    env["HF_DATASETS_CACHE"] = os.path.join(in_toy_workdir, "datasets_cache")
     out = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "copy_cost.py"), "--uncalled",
                           *TOY_COMMAND], cwd=in_toy_workdir, capture_output=True,
-                         text=True, timeout=900, env=subprocess_env())
+                         text=True, timeout=900, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     section = out.stdout[out.stdout.rindex("uncalled"):].splitlines()[1:]
     rows = {line.split()[2].rstrip(":"): line for line in section[:-1]}
