@@ -72,6 +72,21 @@ class Args(TrainArgs):
     solution_template: str = arg("\nCorrect solution:\n\n{successful_previous_attempt}\n\n",
                                  "a demonstration, as {solution}")
 
+    def problems(self) -> list[str]:
+        """Checked before anything loads: the templates name only their own fields; no
+        --dynamic_sampling (its refill rounds draw prompts the re-prompting does not look up)."""
+        found = []
+        if self.dynamic_sampling:
+            found.append("--dynamic_sampling: sdpo.py re-prompts from the step's own groups")
+        for name in ("reprompt_template", "solution_template"):
+            try:
+                getattr(self, name).format(prompt="", solution="", feedback="",
+                                           successful_previous_attempt="")
+            except (KeyError, IndexError, ValueError) as e:
+                found.append(f"--{name}: {type(e).__name__} {e} (its fields: {{prompt}}, "
+                             f"{{solution}}, {{feedback}}, {{successful_previous_attempt}})")
+        return found
+
 # ALGO LOGIC: advantages and loss
 def compute_advantages(rewards: torch.Tensor, args: Args) -> torch.Tensor:
     """Group-normalised advantages; rows of one prompt are contiguous."""
@@ -165,8 +180,6 @@ def teacher_contexts(run, step: int, batch, metrics: dict):
     straddle processes), formatted and tokenized as the prompts are; a row without a demonstration
     keeps its prompt. The batch of `step` holds round_prompts' prompts of that step."""
     args, tokenizer, G = run.args, run.tokenizer, run.args.num_generations
-    if args.dynamic_sampling:  # its later rounds draw other prompts
-        raise ValueError("sdpo.py: --dynamic_sampling is not supported (docs/estimators/sdpo.md)")
     rows = round_prompts(run, step, 0)[0]  # this process's prompts of the step, one per group
     completions = batch.input_ids[:, -batch.mask.shape[1]:]  # (B, T)
     tokens = [c[m.bool()] for c, m in zip(completions, batch.completion_tokens)]  # EOS included

@@ -259,6 +259,10 @@ TRAIN_CASES = [
     ("sdpo", ["--teacher_update_rate=-0.05"], "--teacher_update_rate -0.05 must be >= 0"),
     ("sdpo", ["--distillation_is_clip=-2"], "--distillation_is_clip -2.0 must be >= 0"),
     ("sdpo", ["--teacher", "best"], "invalid choice: 'best'"),
+    ("sdpo", ["--dynamic_sampling"], "--dynamic_sampling: sdpo.py re-prompts from the step's own groups"),
+    ("sdpo", ["--reprompt_template", "{question}{solution}"], "--reprompt_template: KeyError 'question' (its fields: "
+                                                              "{prompt}, {solution}, {feedback}"),
+    ("sdpo", ["--solution_template", "{"], "--solution_template: ValueError"),
 ]
 if not vllm_available():
     TRAIN_CASES.append(("grpo", ["--rollout_engine", "vllm"], "--rollout_engine vllm needs vLLM: pip install"))

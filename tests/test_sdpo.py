@@ -261,8 +261,6 @@ def test_the_reprompt_is_the_user_turn_of_the_chat_template(monkeypatch):
     conversational = {**rows, "prompt": [[{"role": "user", "content": p}] for p in rows["prompt"]]}
     context, _ = contexts(monkeypatch, tokenizer, conversational, batch)
     assert decoded(tokenizer, context, T)[1] == ("=12+34=46=12+34==", "4<eos>")
-    with pytest.raises(ValueError, match="--dynamic_sampling is not supported"):
-        contexts(monkeypatch, tokenizer, rows, batch, dynamic_sampling=True)
 
 
 def test_the_ema_teacher_moves_a_rate_of_the_way_and_the_others_stay():

@@ -38,9 +38,11 @@ def python_files(folder: str) -> list[str]:
 # measured then gspo 54, ..., reinforcepp 123, p3o 132, covpo 139, snib 180. Two bounds were raised rather than the
 # lines packed, to that figure plus about 5%: reinforcepp's four-line objective took seven, and snib's objective,
 # problems() message, reward noise and per-sequence min took a line more each.
-# sdpo: issue 69's bound, 150: a second model (the self-teacher and its EMA) and the re-prompting of each row from
-# its group.
-BUDGET = {"gspo": 60, "covpo": 140, "p3o": 140, "reinforcepp": 129, "snib": 189, "sdpo": 150}
+# sdpo: issue 69's bound was 150 for a second model (the self-teacher and its EMA) and the re-prompting of each row
+# from its group, met at 148; its Args.problems(), which refuses a template with a field it does not fill and
+# --dynamic_sampling before anything loads (they raised at the first step after the weights had loaded), took 13
+# lines more: 161, and the bound 170.
+BUDGET = {"gspo": 60, "covpo": 140, "p3o": 140, "reinforcepp": 129, "snib": 189, "sdpo": 170}
 SIBLINGS = {name: BUDGET.get(name, 120) for name in ALGORITHMS if name != "grpo"}
 MAX_MAIN_LINES = 6
 # The repository files besides the script whose functions one warm toy step calls (benchmarks/step_path.py), the
@@ -56,8 +58,8 @@ STEP_FILES = 4
 MAX_SCRIPT_LINES = 300
 # sdpo.py builds its self-teacher's contexts from the batch (each row's demonstration, the re-prompt under the chat
 # template, its tokens) and keeps an EMA copy of the weights: about 45 lines no other estimator has, measured
-# 312 (2026-12-06, wrapped as the others); its bound is that plus about 5%.
-LONGER = {"sdpo": 325}
+# 312 (2026-12-06, wrapped as the others), then 325 with its problems() (above); its bound is that plus about 5%.
+LONGER = {"sdpo": 340}
 # 88 became 89 with sdpo.py (2026-12-06): grpo.py's main() is 83 lines since the wrapping, and a sibling may add
 # MAX_MAIN_LINES = 6 tagged lines to it; sdpo.py adds all six (its teacher, the contexts, the teacher's forward,
 # its two inputs to compute_loss, the EMA).
