@@ -372,7 +372,7 @@ def main():
                     ratios[f"grpo/trl {key}"] = summaries["grpo"][key] / summaries["trl"][key]
     report["ratios"] = ratios
     out = a.out
-    os.makedirs(os.path.dirname(out), exist_ok=True)
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)  # a bare file name: this folder
     with open(out, "w") as f:
         json.dump(report, f, indent=1)
 

@@ -289,11 +289,31 @@ def test_names_from_trl_are_fields_of_its_grpo_config():
 
     from trl import GRPOConfig
 
-    from common.rails.flag_names import ELSEWHERE, NOT_GRPOCONFIG
+    from common.rails.flag_names import ELSEWHERE, NOT_GRPOCONFIG, SDPO_NAMES
 
     config = {f.name for f in dataclasses.fields(GRPOConfig)}
-    assert set(ELSEWHERE) - NOT_GRPOCONFIG <= config, set(ELSEWHERE) - NOT_GRPOCONFIG - config
+    grpo_names = set(ELSEWHERE) - NOT_GRPOCONFIG - set(SDPO_NAMES)
+    assert grpo_names <= config, grpo_names - config
     assert not NOT_GRPOCONFIG & config
+
+
+@pytest.mark.peer
+def test_every_field_of_trls_sdpo_config_is_a_flag_of_sdpo_or_answered():
+    """Every field TRL 1.16's SDPOConfig adds to GRPOConfig is a flag of sdpo.py, or an unknown flag answered
+    with sdpo.py's name or why it has none; and the answered names are SDPOConfig's."""
+    import dataclasses
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    from trl import GRPOConfig
+    from trl.experimental.sdpo import SDPOConfig
+
+    import sdpo
+    from common.rails.flag_names import SDPO_NAMES
+
+    added = {f.name for f in dataclasses.fields(SDPOConfig)} - {f.name for f in dataclasses.fields(GRPOConfig)}
+    flags = set(sdpo.Args.__dataclass_fields__)
+    assert added - flags == set(SDPO_NAMES) - flags, (added - flags) ^ set(SDPO_NAMES)
+    assert set(SDPO_NAMES) <= added
 
 
 def test_trl_conversations_train_the_toy_as_its_text_prompts(in_toy_workdir):
@@ -346,7 +366,7 @@ def trl_page_rows() -> list[list[str]]:
 def test_the_trl_page_s_flags_and_defaults_are_grpo_s():
     """Issue 68, item 5: docs/trl.md names flags of grpo.py's Args with their defaults as they are,
     and maps every GRPOConfig name that an unknown flag is answered for."""
-    from common.rails.flag_names import ELSEWHERE, NOT_GRPOCONFIG
+    from common.rails.flag_names import ELSEWHERE, NOT_GRPOCONFIG, SDPO_NAMES
 
     fields = importlib.import_module("grpo").Args.__dataclass_fields__
     rows = trl_page_rows()
@@ -357,7 +377,8 @@ def test_the_trl_page_s_flags_and_defaults_are_grpo_s():
         else:
             assert flag.startswith("--") and flag[2:] in fields, (field, flag)
             assert ours == repr(fields[flag[2:]].default), (field, flag, ours)
-    assert set(ELSEWHERE) - NOT_GRPOCONFIG <= {row[0] for row in rows}
+    # SDPOConfig's own names are sdpo.py's page's (docs/estimators/sdpo.md)
+    assert set(ELSEWHERE) - NOT_GRPOCONFIG - set(SDPO_NAMES) <= {row[0] for row in rows}
 
 
 @pytest.mark.peer

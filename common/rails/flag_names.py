@@ -75,6 +75,28 @@ ELSEWHERE = {
     "fsdp": "accelerate launch --config_file configs/accelerate/fsdp2.yaml",
     "push_to_hub": "none: upload a checkpoint's model/ folder (hf upload)",
 }
+SDPO_ONE_MODE = "none: sdpo.py distills TRL's sampled_token mode only (docs/estimators/sdpo.md)"
+NO_FEEDBACK = "none: no reward here returns feedback text; sdpo.py's {feedback} slot stays empty"
+# TRL's SDPOConfig fields that sdpo.py names otherwise or does not have
+SDPO_NAMES = {
+    "teacher_model_kind": "sdpo.py --teacher (ema, base or live)",
+    "success_reward_threshold": "sdpo.py --success_threshold",
+    "teacher_sync_steps": "sdpo.py --teacher_update_rate (the EMA moves at every optimizer step)",
+    "distillation_mode": SDPO_ONE_MODE,
+    "distillation_topk": SDPO_ONE_MODE,
+    "distillation_alpha": SDPO_ONE_MODE,
+    "distillation_add_tail": SDPO_ONE_MODE,
+    "use_successful_as_teacher": "none: sdpo.py always re-prompts with a successful sibling",
+    "max_reprompt_len": "none: sdpo.py does not cut the re-prompted context",
+    "feedback_template": NO_FEEDBACK,
+    "include_environment_feedback": NO_FEEDBACK,
+    "environment_feedback_only_without_solution": NO_FEEDBACK,
+    "remove_thinking_from_demonstration": "none: sdpo.py keeps <think> in a demonstration",
+    "use_teacher_server": "none: sdpo.py's teacher runs in the trainer's processes",
+    "diagnostics_warning_interval": "none: sdpo.py logs sdpo/* metrics every step",
+    "diagnostics_flat_tolerance": "none: sdpo.py logs sdpo/* metrics every step",
+}
+ELSEWHERE.update(SDPO_NAMES)
 # TRL's scripts' own arguments (ScriptArguments, ModelConfig) and habits: not GRPOConfig fields
 NOT_GRPOCONFIG = {
     "lr",
