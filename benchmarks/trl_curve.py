@@ -62,8 +62,9 @@ def main() -> None:
         model.train()
         texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
         accuracy = sum(reward(eval_data["prompt"], texts, **columns)) / len(texts)
-        curve.append({"step": step, "accuracy": accuracy, "wall_s": round(paused[0] - start[0], 1),
-                      "cpu_s": round(paused[1] - start[1], 1)})
+        # milliseconds: two tiny steps of a test take under 0.05 s, which a tenth of a second rounds to 0
+        curve.append({"step": step, "accuracy": accuracy, "wall_s": round(paused[0] - start[0], 3),
+                      "cpu_s": round(paused[1] - start[1], 3)})
         print(f"step {step}: held-out accuracy {accuracy:.1%} ({curve[-1]['wall_s']:.0f} s of training, "
               f"{curve[-1]['cpu_s']:.0f} s CPU)", flush=True)
         start[0] += time.perf_counter() - paused[0]  # evaluation time is not training time
