@@ -210,7 +210,10 @@ def teacher_contexts(run, step: int, batch, metrics: dict):
 
 def self_teacher(teacher, context, rows, args: Args, metrics: dict):
     """(b, T) the self-teacher's log-probs of the sampled tokens of `rows` on their re-prompted
-    context, at the policy's temperature and top-p, without gradient: a forward per micro-batch."""
+    context, at the policy's temperature and top-p, without gradient: a forward per micro-batch.
+    A micro-batch without a re-prompted row (mask' 0: no distillation term) needs no forward."""
+    if not context.mask[rows].any():
+        return torch.zeros_like(context.sampler_logp[rows])  # (b, T) masked out in compute_loss
     start = time.time()
     with torch.no_grad():
         teacher_logp, _ = completion_logprobs(

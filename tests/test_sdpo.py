@@ -250,6 +250,38 @@ def test_the_teacher_sees_a_siblings_success_or_the_prompt(monkeypatch, chat):
     assert torch.equal(context.mask, batch.mask * torch.tensor([1, 1, 0, 0])[:, None])
 
 
+def test_a_micro_batch_without_a_reprompted_row_takes_no_teacher_forward(monkeypatch):
+    """Group 1 of the toy batch has no success, so none of its rows is re-prompted: the teacher is not run on them,
+    and their distillation term is 0 whatever log-probs stand in (the loss and gradient are those with the teacher's
+    own). Group 0's row 1 is re-prompted, and the teacher runs on group 0."""
+    tokenizer = build_tokenizer()
+    batch, rows = toy_batch(tokenizer)
+    context, _ = contexts(monkeypatch, tokenizer, rows, batch)
+    calls = []
+
+    def teacher_forward(model, input_ids, *args, **kwargs):
+        calls.append(len(input_ids))
+        return torch.full(input_ids[:, -batch.mask.shape[1]:].shape, -1.5), None
+
+    monkeypatch.setattr(sdpo, "completion_logprobs", teacher_forward)
+    args, metrics = replace(ARGS, distillation_weight=0.5), {}
+    skipped = sdpo.self_teacher(None, context, torch.tensor([2, 3]), args, metrics)
+    assert calls == [] and "time/teacher" not in metrics
+    assert sdpo.self_teacher(None, context, torch.tensor([0, 1]), args, metrics).shape == (2, batch.mask.shape[1])
+    assert calls == [2]
+    teacher_logp = torch.full_like(skipped, -1.5)  # what the forward would have given
+    T = batch.mask.shape[1]
+    mask = batch.mask[2:].float()
+    losses = []
+    for stand_in in (skipped, teacher_logp):
+        logp = torch.linspace(-2.0, -0.1, 2 * T).view(2, T).requires_grad_()
+        loss, _ = sdpo.compute_loss(logp, logp.detach() - 0.1, None, torch.tensor([0.5, -0.5]), mask, args,
+                                    teacher_logp=stand_in, distill_mask=context.mask[2:])
+        loss.backward()
+        losses.append((loss.detach(), logp.grad))
+    assert torch.equal(losses[0][0], losses[1][0]) and torch.equal(losses[0][1], losses[1][1])
+
+
 def test_the_reprompt_is_the_user_turn_of_the_chat_template(monkeypatch):
     """A chat template that wraps each turn in "=...=" wraps the re-prompted user turn, not the whole; a TRL
     conversational row gets its last (user) turn re-prompted, as TRL does."""

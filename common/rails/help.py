@@ -57,7 +57,8 @@ class Formatter(argparse.ArgumentDefaultsHelpFormatter):
 def arrange(parser: argparse.ArgumentParser, args_cls, base_cls, preset: str | None,
             preset_values: dict) -> None:
     """Move the parser's flags under GROUPS' headings, the estimator's own (the fields `args_cls`
-    adds to `base_cls`) first; show what `--preset` sets beside each flag it changes."""
+    declares itself, beta among them) first; show what `--preset` sets beside each flag it
+    changes."""
     parser.formatter_class = Formatter
     parser.usage = USAGE
     # the script's own flags, in the order its Args declares them, and those of TrainArgs it sets
