@@ -9,7 +9,8 @@ Differs from grpo.py:
 - a self-teacher, the policy (--teacher live), its first weights (base) or their EMA (ema), scores
   the sampled tokens on x'_i, once per micro-batch; sg(logp_t - q_t) logp_t has the gradient of the
   sampled-token reverse KL. x'_i: the prompt with the first other success of its group (reward >=
-  --success_threshold); a row without one keeps its prompt and has mask'_i = 0 (TRL's rule).
+  --success_threshold) and the row's --feedback_column text, where named; a row with neither keeps
+  its prompt and has mask'_i = 0 (TRL's rule).
 - lam = --distillation_weight 1 (the paper's, TRL's): the distillation term alone; beta 0.
 
 One step, in the order main() runs it, and the files it calls into (benchmarks/step_path.py lists
@@ -71,20 +72,29 @@ class Args(TrainArgs):
                                  "question.\n", "the teacher's user turn")
     solution_template: str = arg("\nCorrect solution:\n\n{successful_previous_attempt}\n\n",
                                  "a demonstration, as {solution}")
+    feedback_column: str = arg("", "a data column of feedback text (TRL's: privileged_context)")
+    feedback_template: str = arg("\nThe following is feedback from your unsuccessful earlier "
+                                 "attempt:\n\n{feedback_raw}\n\n", "the feedback, as {feedback}")
+    environment_feedback_only_without_solution: bool = arg(False, "feedback only without a demo")
 
-    def problems(self) -> list[str]:
+    def problems(self, columns: list[str] | None = None) -> list[str]:
         """Checked before anything loads: the templates name only their own fields; no
-        --dynamic_sampling (its refill rounds draw prompts the re-prompting does not look up)."""
+        --dynamic_sampling (its refill rounds draw prompts the re-prompting does not look up). Once
+        the data loads (`columns`), before the weights: --feedback_column is one of its columns."""
         found = []
         if self.dynamic_sampling:
             found.append("--dynamic_sampling: sdpo.py re-prompts from the step's own groups")
-        for name in ("reprompt_template", "solution_template"):
+        for name in ("reprompt_template", "solution_template", "feedback_template"):
             try:
                 getattr(self, name).format(prompt="", solution="", feedback="",
-                                           successful_previous_attempt="")
+                                           successful_previous_attempt="", feedback_raw="")
             except (KeyError, IndexError, ValueError) as e:
                 found.append(f"--{name}: {type(e).__name__} {e} (its fields: {{prompt}}, "
-                             f"{{solution}}, {{feedback}}, {{successful_previous_attempt}})")
+                             f"{{solution}}, {{feedback}}, {{successful_previous_attempt}}, "
+                             "{feedback_raw})")
+        if columns is not None and self.feedback_column and self.feedback_column not in columns:
+            found.append(f"--feedback_column {self.feedback_column!r}: the data has no such column "
+                         f"(its columns: {', '.join(columns)}); name the right one, or none")
         return found
 
 # ALGO LOGIC: advantages and loss
@@ -177,24 +187,31 @@ def demonstrations(rewards, args: Args) -> list[int | None]:
 def teacher_contexts(run, step: int, batch, metrics: dict):
     """The teacher's batch: [left-padded re-prompted context | the same completion] (B, P'+T), and
     mask' (B, T), the mask on the rows re-prompted. Built from each row's own group (groups never
-    straddle processes), formatted and tokenized as the prompts are; a row without a demonstration
-    keeps its prompt. The batch of `step` holds round_prompts' prompts of that step."""
+    straddle processes) and its prompt's feedback text (TRL's rule: non-blank), formatted and
+    tokenized as the prompts are; a row with neither keeps its prompt. The batch of `step` holds
+    round_prompts' prompts of that step."""
     args, tokenizer, G = run.args, run.tokenizer, run.args.num_generations
     rows = round_prompts(run, step, 0)[0]  # this process's prompts of the step, one per group
     completions = batch.input_ids[:, -batch.mask.shape[1]:]  # (B, T)
     tokens = [c[m.bool()] for c, m in zip(completions, batch.completion_tokens)]  # EOS included
     texts = tokenizer.batch_decode(tokens, skip_special_tokens=True)
-    ids, on = [], []
+    feedback = rows[args.feedback_column] if args.feedback_column else [None] * len(rows["prompt"])
+    ids, on, told = [], [], []
     for i, j in enumerate(demonstrations(batch.rewards, args)):
-        on.append(j is not None)
-        if j is None:  # the teacher sees the prompt; the row has no distillation term
+        raw = feedback[i // G]  # the prompt's feedback text, or None
+        only_without = args.environment_feedback_only_without_solution and j is not None
+        told.append(isinstance(raw, str) and raw.strip() != "" and not only_without)
+        on.append(j is not None or told[-1])
+        if not on[-1]:  # the teacher sees the prompt; the row has no distillation term
             ids.append(rows["prompt_ids"][i // G])
             continue
-        solution = args.solution_template.format(successful_previous_attempt=texts[j])
+        solution = "" if j is None else args.solution_template.format(
+            successful_previous_attempt=texts[j])
+        told_text = args.feedback_template.format(feedback_raw=raw) if told[-1] else ""
         prompt = rows["prompt"][i // G]  # a text, or TRL's conversation: its last turn the user's
         plain = isinstance(prompt, str)
         user = args.prompt_template.replace("{prompt}", prompt) if plain else prompt[-1]["content"]
-        turn = args.reprompt_template.format(prompt=user, solution=solution, feedback="")
+        turn = args.reprompt_template.format(prompt=user, solution=solution, feedback=told_text)
         prompt = turn if plain else prompt[:-1] + [{**prompt[-1], "content": turn}]
         text = format_prompt(tokenizer, prompt, "{prompt}", args.system_prompt,
                              args.use_chat_template, args.enable_thinking)
@@ -203,6 +220,7 @@ def teacher_contexts(run, step: int, batch, metrics: dict):
     padded = tokenizer.pad({"input_ids": ids}, return_tensors="pt").to(completions.device)  # left
     reprompted = torch.tensor(on, device=completions.device)  # (B,)
     metrics["sdpo/reprompted_frac"] = reprompted.float().mean().item()
+    metrics["sdpo/feedback_frac"] = sum(told) / len(told)  # rows given their feedback text
     return replace(batch, input_ids=torch.cat([padded["input_ids"], completions], 1),  # (B, P'+T)
                    attention_mask=torch.cat([padded["attention_mask"], batch.completion_tokens], 1),
                    mask=batch.mask * reprompted[:, None])  # (B, T)  mask'

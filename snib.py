@@ -69,7 +69,7 @@ class Args(TrainArgs):
     )
     kl_weight_grad: bool = arg(True, "the KL term w_i K_i keeps w_i's gradient; false: sg(w_i) K_i")
 
-    def problems(self) -> list[str]:
+    def problems(self, columns: list[str] | None = None) -> list[str]:
         """Checked before anything loads: SNIB-fg with a KL term or TIS needs whole groups in a
         micro-batch (wbar_in_graph)."""
         if wbar_in_graph(self) and self.micro_batch_size % self.num_generations:

@@ -184,9 +184,10 @@ class TrainArgs:
         0, "save batch_stats' per-row tensors to run_dir/stats every this many steps (0: off)",
     )
 
-    def problems(self) -> list[str]:
-        """A script's own checks of its flags, one line each, run with the shared ones before
-        anything loads (common/rails/checks.py argument_problems); a script's Args overrides it."""
+    def problems(self, columns: list[str] | None = None) -> list[str]:
+        """A script's own checks, one line each: of its flags, with the shared ones before anything
+        loads (common/rails/checks.py), then of the training data's columns once they load, before
+        the weights (common/run.py setup); a script's Args overrides it."""
         return []
 
 

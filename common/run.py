@@ -196,6 +196,9 @@ def setup(args) -> Run:
         train_data, eval_data, eval_sets = load_data(args, tokenizer, accelerator)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
+    found = args.problems(train_data.column_names)  # a script's checks of the data's columns
+    if found:
+        raise SystemExit("\n".join(f"error: {p}" for p in found))
     model, ref_model = load_models(args, tokenizer)
     reward_funcs = [get_reward_function(name) for name in args.reward_funcs.split(",")]
     reward_weights = None

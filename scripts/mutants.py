@@ -105,6 +105,8 @@ MUTANTS = [
      "log_ratio = (logp - old_logp).clamp(-20.0, 20.0)  # (B, T)", "SDPO's stop-gradient on the IS weight"),
     ("sdpo", "if success[j] and not (own and j == i)]", "if success[j]]",
      "SDPO's dont_reprompt_on_self_success: a success is not its own demonstration"),
+    ("sdpo", "told_text = args.feedback_template.format(feedback_raw=raw) if told[-1] else \"\"",
+     "told_text = args.feedback_template.format(feedback_raw=raw)", "SDPO's feedback text only where it is given"),
 ]
 
 

@@ -69,3 +69,34 @@ def trl_sdpo_loss(student_logits, teacher_logits, completion_ids, mask, old, A, 
               "teacher_input_ids": torch.zeros(B, 1 + T, dtype=torch.long),
               "teacher_attention_mask": torch.ones(B, 1 + T, dtype=torch.long)}
     return SDPOTrainer.compute_loss(trainer, student, inputs)
+
+
+def trl_sdpo_reprompts(tokenizer, prompts: list, completion_ids: torch.Tensor, rewards: torch.Tensor,
+                       feedbacks: list | None, num_generations: int, **config):
+    """`SuccessfulRolloutTeacherContextBuilder.build` itself (TRL 1.16, trl.experimental.sdpo) on a stand-in trainer
+    of one process: `prompts` one per row (text, or TRL's conversation), `completion_ids` (B, T) right-padded with
+    the pad token, `feedbacks` one per row (TRL's privileged_context) or None, `config` SDPOConfig fields over its
+    defaults. Returns the teacher's message of each row (as TRL hands them to its tokenizer) and its
+    self_distillation_mask (B,)."""
+    import dataclasses
+
+    from trl.experimental.sdpo import SDPOConfig
+    from trl.experimental.sdpo.sdpo_trainer import SuccessfulRolloutTeacherContextBuilder
+
+    defaults = {f.name: f.default for f in dataclasses.fields(SDPOConfig)}
+    messages = []
+
+    def tokenize(batch):  # what TRL's trainer would tokenize, kept; any ids stand in
+        messages.extend(batch)
+        return [[tokenizer.pad_token_id] for _ in batch]
+
+    trainer = SimpleNamespace(
+        args=SimpleNamespace(**{**defaults, **config}), num_generations=num_generations,
+        model=SimpleNamespace(training=True), _tokenizer=tokenizer, processing_class=tokenizer,
+        _tokenize_prompts_untruncated=tokenize,
+        accelerator=SimpleNamespace(device="cpu", process_index=0, gather=lambda x: x,
+                                    pad_across_processes=lambda x, **_: x))
+    completion_mask = (completion_ids != tokenizer.pad_token_id).long()
+    built = SuccessfulRolloutTeacherContextBuilder(trainer).build(
+        {"completion_ids": completion_ids, "completion_mask": completion_mask}, prompts, rewards, feedbacks)
+    return messages, built["self_distillation_mask"]

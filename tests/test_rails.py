@@ -263,6 +263,8 @@ TRAIN_CASES = [
     ("sdpo", ["--reprompt_template", "{question}{solution}"], "--reprompt_template: KeyError 'question' (its fields: "
                                                               "{prompt}, {solution}, {feedback}"),
     ("sdpo", ["--solution_template", "{"], "--solution_template: ValueError"),
+    ("sdpo", ["--feedback_template", "{hint}"], "--feedback_template: KeyError 'hint'"),
+    ("sdpo", ["--feedback_column", "hint"], "--feedback_column 'hint': the data has no such column"),
 ]
 if not vllm_available():
     TRAIN_CASES.append(("grpo", ["--rollout_engine", "vllm"], "--rollout_engine vllm needs vLLM: pip install"))

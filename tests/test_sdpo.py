@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import learning_bar, read_metrics, run_script
-from peers import trl_sdpo_loss
+from peers import trl_sdpo_loss, trl_sdpo_reprompts
 from test_snib import STALE, assert_stale_updates_agree
 
 import grpo
@@ -31,7 +31,7 @@ def test_defaults_and_the_flags_are_sdpos_own():
     assert {f.name for f in dataclasses.fields(sdpo.Args)} - shared == {
         "beta", "epsilon", "epsilon_high", "distillation_weight", "teacher", "teacher_update_rate",
         "distillation_is_clip", "success_threshold", "dont_reprompt_on_self_success", "reprompt_template",
-        "solution_template"}
+        "solution_template", "feedback_column", "feedback_template", "environment_feedback_only_without_solution"}
 
 
 @pytest.mark.peer
@@ -46,9 +46,12 @@ def test_the_defaults_are_trls():
              "success_threshold": "success_reward_threshold",
              "dont_reprompt_on_self_success": "dont_reprompt_on_self_success",
              "reprompt_template": "reprompt_template", "solution_template": "solution_template",
+             "feedback_template": "feedback_template",
+             "environment_feedback_only_without_solution": "environment_feedback_only_without_solution",
              "beta": "beta", "epsilon": "epsilon"}
     assert {ours: getattr(args, ours) for ours in pairs} == {ours: trl[theirs] for ours, theirs in pairs.items()}
     assert trl["distillation_mode"] == "sampled_token" and trl["distillation_alpha"] == 1.0  # the reverse KL
+    assert (args.feedback_column, trl["include_environment_feedback"]) == ("", False)  # no feedback text
 
 
 def test_zscore_advantages_are_grpos():
@@ -217,8 +220,9 @@ def toy_batch(tokenizer, G=2):
 def contexts(monkeypatch, tokenizer, rows, batch, **flags):
     """sdpo.teacher_contexts on a stand-in run whose step's prompts are `rows`."""
     monkeypatch.setattr(sdpo, "round_prompts", lambda run, step, r: (rows, None, None))
-    args = sdpo.Args(num_generations=2, prompt_template="{prompt}", reprompt_template="{prompt}{solution}={prompt}",
-                     solution_template="{successful_previous_attempt}", **flags)
+    flags = {"reprompt_template": "{prompt}{solution}={prompt}", "solution_template": "{successful_previous_attempt}",
+             **flags}
+    args = sdpo.Args(num_generations=2, prompt_template="{prompt}", **flags)
     metrics = {}
     context = sdpo.teacher_contexts(SimpleNamespace(args=args, tokenizer=tokenizer), 0, batch, metrics)
     return context, metrics
@@ -280,6 +284,86 @@ def test_a_micro_batch_without_a_reprompted_row_takes_no_teacher_forward(monkeyp
         loss.backward()
         losses.append((loss.detach(), logp.grad))
     assert torch.equal(losses[0][0], losses[1][0]) and torch.equal(losses[0][1], losses[1][1])
+
+
+FEEDBACK = {"none": None, "both": ["carry the one", "the sum of 5 and 5 has two digits"],
+            "second": ["   ", "the sum of 5 and 5 has two digits"], "first": ["carry the one", None]}
+
+
+@pytest.mark.peer
+@pytest.mark.parametrize("feedback", list(FEEDBACK))
+@pytest.mark.parametrize("only_without", [False, True])
+@pytest.mark.parametrize("rewards", [[1.0, 0, 0, 0], [1.0, 1, 0, 1]])
+@pytest.mark.parametrize("conversational", [False, True])
+def test_the_reprompts_are_trls(monkeypatch, feedback, only_without, rewards, conversational):
+    """Each row's teacher message and whether it is re-prompted, against TRL 1.16's own
+    SuccessfulRolloutTeacherContextBuilder.build: demonstrations, feedback text (TRL's privileged_context column,
+    blank or missing text none), --environment_feedback_only_without_solution, text and conversational prompts."""
+    tokenizer = build_tokenizer()
+    batch, rows = toy_batch(tokenizer)
+    batch = replace(batch, rewards=torch.tensor(rewards))
+    if conversational:
+        rows = {**rows, "prompt": [[{"role": "user", "content": p}] for p in rows["prompt"]]}
+    flags = {"environment_feedback_only_without_solution": only_without}
+    if FEEDBACK[feedback] is not None:
+        rows = {**rows, "privileged_context": FEEDBACK[feedback]}
+        flags["feedback_column"] = "privileged_context"
+    seen = []  # what sdpo.py formats for each re-prompted row
+    format_prompt = sdpo.format_prompt
+
+    def record(tokenizer, prompt, *rest):
+        seen.append(prompt)
+        return format_prompt(tokenizer, prompt, *rest)
+
+    monkeypatch.setattr(sdpo, "format_prompt", record)
+    context, metrics = contexts(monkeypatch, tokenizer, rows, batch, **flags, reprompt_template=TRL_TEMPLATE)
+    ours = context.mask.amax(-1)  # (B,)  mask' on a row: it is re-prompted
+    T = batch.mask.shape[1]
+    per_row = [x for x in rows["prompt"] for _ in range(2)]
+    feedbacks = None if FEEDBACK[feedback] is None else [x for x in FEEDBACK[feedback] for _ in range(2)]
+    messages, theirs = trl_sdpo_reprompts(
+        tokenizer, per_row, batch.input_ids[:, -T:], batch.rewards, feedbacks, 2, reprompt_template=TRL_TEMPLATE,
+        solution_template="{successful_previous_attempt}", include_environment_feedback=feedbacks is not None,
+        environment_feedback_only_without_solution=only_without)
+    assert ours.tolist() == theirs.long().tolist()
+    assert seen == [m for m, on in zip(messages, theirs.tolist()) if on]
+    told = [f is not None and f.strip() != "" and not (only_without and d is not None) for f, d in zip(
+        feedbacks or [None] * 4, sdpo.demonstrations(batch.rewards, replace(ARGS, num_generations=2)))]
+    assert metrics["sdpo/feedback_frac"] == sum(told) / 4
+
+
+TRL_TEMPLATE = "{prompt}{solution}{feedback}=Correctly solve the original question."
+
+
+def test_a_prompts_feedback_text_reprompts_its_rows(monkeypatch):
+    """Group 1 ("5+5=") has no success but feedback "10": both its rows are re-prompted with it; group 0's row 1 gets
+    its demonstration and the feedback "4"; row 0, the only success, has no demonstration and is re-prompted with the
+    feedback alone. --environment_feedback_only_without_solution takes the feedback off row 1 only."""
+    tokenizer = build_tokenizer()
+    batch, rows = toy_batch(tokenizer)
+    rows = {**rows, "hint": ["4", "10"]}
+    flags = dict(feedback_column="hint", feedback_template="{feedback_raw}",
+                 reprompt_template="{prompt}{solution}{feedback}={prompt}")
+    T = batch.mask.shape[1]
+    context, metrics = contexts(monkeypatch, tokenizer, rows, batch, **flags)
+    assert [c for c, _ in decoded(tokenizer, context, T)] == ["12+34=4=12+34=", "12+34=464=12+34=", "5+5=10=5+5=",
+                                                              "5+5=10=5+5="]
+    assert torch.equal(context.mask, batch.mask) and metrics["sdpo/feedback_frac"] == 1.0
+    context, metrics = contexts(monkeypatch, tokenizer, rows, batch, **flags,
+                                environment_feedback_only_without_solution=True)
+    assert [c for c, _ in decoded(tokenizer, context, T)][:2] == ["12+34=4=12+34=", "12+34=46=12+34="]
+    assert metrics["sdpo/feedback_frac"] == 0.75
+
+
+def test_a_feedback_column_the_data_lacks_is_refused_before_the_weights_load():
+    args = sdpo.Args(feedback_column="privileged_context")
+    assert args.problems() == [] and args.problems(["prompt", "answer", "privileged_context"]) == []
+    (problem,) = args.problems(["prompt", "answer"])
+    assert problem.startswith("--feedback_column 'privileged_context': the data has no such column (its columns: "
+                              "prompt, answer)")
+    assert sdpo.Args().problems(["prompt"]) == []
+    (problem,) = sdpo.Args(feedback_template="{feedback_text}").problems()
+    assert problem.startswith("--feedback_template: KeyError 'feedback_text'")
 
 
 def test_the_reprompt_is_the_user_turn_of_the_chat_template(monkeypatch):

@@ -76,7 +76,6 @@ ELSEWHERE = {
     "push_to_hub": "none: upload a checkpoint's model/ folder (hf upload)",
 }
 SDPO_ONE_MODE = "none: sdpo.py distills TRL's sampled_token mode only (docs/estimators/sdpo.md)"
-NO_FEEDBACK = "none: no reward here returns feedback text; sdpo.py's {feedback} slot stays empty"
 # TRL's SDPOConfig fields that sdpo.py names otherwise or does not have
 SDPO_NAMES = {
     "teacher_model_kind": "sdpo.py --teacher (ema, base or live)",
@@ -88,9 +87,7 @@ SDPO_NAMES = {
     "distillation_add_tail": SDPO_ONE_MODE,
     "use_successful_as_teacher": "none: sdpo.py always re-prompts with a successful sibling",
     "max_reprompt_len": "none: sdpo.py does not cut the re-prompted context",
-    "feedback_template": NO_FEEDBACK,
-    "include_environment_feedback": NO_FEEDBACK,
-    "environment_feedback_only_without_solution": NO_FEEDBACK,
+    "include_environment_feedback": "sdpo.py --feedback_column privileged_context (TRL's column)",
     "remove_thinking_from_demonstration": "none: sdpo.py keeps <think> in a demonstration",
     "use_teacher_server": "none: sdpo.py's teacher runs in the trainer's processes",
     "diagnostics_warning_interval": "none: sdpo.py logs sdpo/* metrics every step",
