@@ -194,12 +194,12 @@ CLAIMS = [
 ]
 
 
-def read_runs(folder: str) -> dict[str, dict[int, dict]]:
+def read_runs(folder: str, arms: dict = ARMS) -> dict[str, dict[int, dict]]:
     """arm -> seed -> run result, from the three study files in `folder` (study67*.json, or
     runs/compare-TAG/ study.json where `folder` is runs/, or the finished runs carried in
     folder/TAG/ where `folder` is docs/studies/unfinished/)."""
-    runs: dict[str, dict[int, dict]] = {arm: {} for arm in ARMS}
-    for arm, (tag, script) in ARMS.items():
+    runs: dict[str, dict[int, dict]] = {arm: {} for arm in arms}
+    for arm, (tag, script) in arms.items():
         for path in (
             os.path.join(folder, f"{tag}.json"),
             os.path.join(folder, f"compare-{tag}", "study.json"),
@@ -221,6 +221,63 @@ def read_runs(folder: str) -> dict[str, dict[int, dict]]:
                     runs[arm][result["seed"]] = result
             break
     return runs
+
+
+# Issue 69's comparison, planned before its runs (docs/estimators/sdpo.md): sdpo.py at its defaults
+# in the on-policy arm's command, against that arm's own runs seed for seed; one claim ("SDPO's
+# accuracy above GRPO's"), so no correction; the study's statistic, test and rule.
+SDPO_ARMS = {"sdpo": ("sdpo_smollm2", "sdpo"), "grpo_on": ARMS["grpo_on"]}
+
+
+def first_value(folder: str, tag: str, run: str, key: str) -> float | None:
+    """A carried run's first logged value of `key` (its metrics.jsonl), or None where it has none."""
+    path = os.path.join(folder, tag, run, "metrics.jsonl")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        for line in f:
+            row = json.loads(line)
+            if key in row:
+                return row[key]
+    return None
+
+
+def sdpo_table(folder: str) -> list[str]:
+    """The lines of docs/estimators/sdpo.md's real-model result (docs/make_diffs.py writes them):
+    per seed SDPO's and GRPO on-policy's accuracy, SDPO's minus GRPO's, and SDPO's teacher gap at
+    its first step; the mean difference, its 95% interval, p against "above 0" and the verdict."""
+    runs = read_runs(folder, SDPO_ARMS)
+    seeds = sorted(set(runs["sdpo"]) & set(runs["grpo_on"]))
+    same = [
+        runs["sdpo"][s]["series"]["reward/mean"][:1] == runs["grpo_on"][s]["series"]["reward/mean"][:1]
+        for s in seeds
+    ]
+    lines = [
+        f"Seeds finished by both: {len(seeds)} ({', '.join(map(str, seeds)) or 'none'}) of {SEEDS} "
+        f"planned; SDPO runs finished: {len(runs['sdpo'])}. Both trained on the same first rollouts "
+        "in each of them: " + ("yes." if all(same) else "no."),
+        "",
+        "| seed | SDPO | GRPO on-policy | SDPO - GRPO | teacher gap at step 1 (nats/token) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    values = []
+    for seed in seeds:
+        ours, theirs = accuracy(runs["sdpo"][seed]), accuracy(runs["grpo_on"][seed])
+        values.append(ours - theirs)
+        gap = first_value(folder, SDPO_ARMS["sdpo"][0], f"sdpo__s{seed}", "sdpo/teacher_gap")
+        gap_text = "-" if gap is None else f"{gap:+.3f}"
+        lines.append(f"| {seed} | {ours:.1f}% | {theirs:.1f}% | {ours - theirs:+.1f} | {gap_text} |")
+    if len(seeds) < 2:
+        return lines + ["", "No interval yet: fewer than two seeds finished by both."]
+    summary = paired_t(values)
+    p = claim_p(summary, 0.0, math.inf)
+    rule = verdict(summary, 0.0, math.inf, p)
+    name = "verdict" if len(seeds) >= SEEDS else "the rule so far (no verdict before all seeds)"
+    return lines + [
+        "",
+        f"SDPO - GRPO: {summary.mean:+.1f} points, 95% interval [{summary.low:+.1f}, "
+        f"{summary.high:+.1f}] over {len(seeds)} seeds; claimed: > 0; p {p:.3g}; {name}: {rule}.",
+    ]
 
 
 def verdicts(runs: dict[str, dict[int, dict]]) -> list[dict]:

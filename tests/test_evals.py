@@ -771,6 +771,40 @@ def test_the_study_reads_carried_runs_as_it_reads_its_study_files(tmp_path):
     assert plan.verdict_table(str(carried))[-1] == "No interval yet: fewer than two seeds finished by every arm."
 
 
+def test_sdpos_comparison_by_hand(tmp_path):
+    """evals.plan.sdpo_table on carried runs made by hand: SDPO 10 and 6 points under GRPO on-policy's same seed (the
+    mean of steps 8 and 10), the teacher gap of each SDPO run's first logged step, the mean -8.0 with its paired t
+    interval (sd 2 sqrt 2, t 12.706 on one degree of freedom: +-25.4), the p of t = 4 against 0 (evals/stats.py: 1 -
+    2 atan(4) / pi = 0.156 on one degree of freedom), and no verdict before ten seeds."""
+    import json
+
+    from evals import plan
+
+    def carry(tag, script, seed, at_8, at_10, reward=0.25, gap=None):
+        folder = tmp_path / tag
+        (folder / f"{script}__s{seed}").mkdir(parents=True, exist_ok=True)
+        result = {"algo": script, "seed": seed, "evals": [[8, at_8], [10, at_10]],
+                  "series": {"reward/mean": [[1, reward], [2, 0.5]]}}
+        (folder / f"{script}__s{seed}.result.json").write_text(json.dumps(result))
+        rows = [{"step": 1, "reward/mean": reward}] + ([{"step": 1, "sdpo/teacher_gap": gap}] if gap else [])
+        (folder / f"{script}__s{seed}" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    carry("study67_on", "grpo", 1, 0.50, 0.60)
+    carry("study67_on", "grpo", 2, 0.40, 0.50)
+    carry("study67_on", "grpo", 3, 0.40, 0.50)  # no SDPO run of seed 3 yet
+    carry("sdpo_smollm2", "sdpo", 1, 0.40, 0.50, gap=0.25)
+    table = plan.sdpo_table(str(tmp_path))
+    assert table[0] == ("Seeds finished by both: 1 (1) of 10 planned; SDPO runs finished: 1. Both trained on the same "
+                        "first rollouts in each of them: yes.")
+    assert table[4] == "| 1 | 45.0% | 55.0% | -10.0 | +0.250 |"
+    assert table[-1] == "No interval yet: fewer than two seeds finished by both."
+    carry("sdpo_smollm2", "sdpo", 2, 0.36, 0.42, reward=0.5)  # other first rollouts, no teacher gap logged
+    table = plan.sdpo_table(str(tmp_path))
+    assert table[0].endswith("in each of them: no.") and table[5] == "| 2 | 39.0% | 45.0% | -6.0 | - |"
+    assert table[-1] == ("SDPO - GRPO: -8.0 points, 95% interval [-33.4, +17.4] over 2 seeds; claimed: > 0; p 0.156; "
+                         "the rule so far (no verdict before all seeds): cannot tell.")
+
+
 def test_the_study_stops_at_its_budget():
     """60 runs of 14 minutes are the 14 CPU-hours: with 54 finished a tenth seed of six fits
     exactly, with 55 it does not; before any run finishes, a seed is priced at 14 minutes a run."""
