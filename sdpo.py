@@ -84,14 +84,15 @@ class Args(TrainArgs):
         found = []
         if self.dynamic_sampling:
             found.append("--dynamic_sampling: sdpo.py re-prompts from the step's own groups")
-        for name in ("reprompt_template", "solution_template", "feedback_template"):
+        fields = {"reprompt_template": ("prompt", "solution", "feedback"),
+                  "solution_template": ("successful_previous_attempt",),
+                  "feedback_template": ("feedback_raw",)}
+        for name, names in fields.items():
             try:
-                getattr(self, name).format(prompt="", solution="", feedback="",
-                                           successful_previous_attempt="", feedback_raw="")
+                getattr(self, name).format(**dict.fromkeys(names, ""))
             except (KeyError, IndexError, ValueError) as e:
-                found.append(f"--{name}: {type(e).__name__} {e} (its fields: {{prompt}}, "
-                             f"{{solution}}, {{feedback}}, {{successful_previous_attempt}}, "
-                             "{feedback_raw})")
+                its = ", ".join(f"{{{field}}}" for field in names)
+                found.append(f"--{name}: {type(e).__name__} {e} (its fields: {its})")
         if columns is not None and self.feedback_column and self.feedback_column not in columns:
             found.append(f"--feedback_column {self.feedback_column!r}: the data has no such column "
                          f"(its columns: {', '.join(columns)}); name the right one, or none")

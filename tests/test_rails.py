@@ -263,7 +263,9 @@ TRAIN_CASES = [
     ("sdpo", ["--reprompt_template", "{question}{solution}"], "--reprompt_template: KeyError 'question' (its fields: "
                                                               "{prompt}, {solution}, {feedback}"),
     ("sdpo", ["--solution_template", "{"], "--solution_template: ValueError"),
-    ("sdpo", ["--feedback_template", "{hint}"], "--feedback_template: KeyError 'hint'"),
+    ("sdpo", ["--feedback_template", "{hint}"], "--feedback_template: KeyError 'hint' (its fields: {feedback_raw})"),
+    ("sdpo", ["--solution_template", "{prompt}: {successful_previous_attempt}"],
+     "--solution_template: KeyError 'prompt' (its fields: {successful_previous_attempt})"),
     ("sdpo", ["--feedback_column", "hint"], "--feedback_column 'hint': the data has no such column"),
 ]
 if not vllm_available():
