@@ -25,7 +25,6 @@ Run:
     accelerate launch sdpo.py --model Qwen/Qwen3-4B --dataset gsm8k
 """
 
-import copy  # SDPO:
 import os
 import time
 from dataclasses import dataclass, replace  # SDPO:
@@ -36,6 +35,8 @@ import torch
 
 from common.args import TrainArgs, arg
 from common.logprobs import completion_logprobs, logprob_metrics
+from common.models.copies import frozen_copy, move_toward  # SDPO: the teacher's weights
+from common.models.placement import sharded_parameters  # SDPO:
 from common.offpolicy import importance_weights
 from common.run import end_step, finish, launch, progress_bar, setup
 from common.sampling import (
@@ -227,11 +228,13 @@ def teacher_contexts(run, step: int, batch, metrics: dict):
                    mask=batch.mask * reprompted[:, None])  # (B, T)  mask'
 
 
-def self_teacher(teacher, context, rows, args: Args, metrics: dict):
+def self_teacher(teacher, context, rows, run, metrics: dict):
     """(b, T) the self-teacher's log-probs of the sampled tokens of `rows` on their re-prompted
     context, at the policy's temperature and top-p, without gradient: a forward per micro-batch.
-    A micro-batch without a re-prompted row (mask' 0: no distillation term) needs no forward."""
-    if not context.mask[rows].any():
+    A micro-batch without a re-prompted row (mask' 0: no distillation term) needs none, unless the
+    weights are sharded: every forward is then a collective that every process must join."""
+    args = run.args
+    if not context.mask[rows].any() and not sharded_parameters(run.accelerator):
         return torch.zeros_like(context.sampler_logp[rows])  # (b, T) masked out in compute_loss
     start = time.time()
     with torch.no_grad():
@@ -243,13 +246,12 @@ def self_teacher(teacher, context, rows, args: Args, metrics: dict):
     return teacher_logp
 
 
-@torch.no_grad()
-def ema_update(teacher, policy, args: Args) -> None:
+def ema_update(teacher, policy, run) -> None:
     """--teacher ema: teacher += rate (policy - teacher) after each optimizer step, as TRL's
-    SyncTeacherModelCallback does; base and live: nothing."""
-    if args.teacher == "ema":
-        for t, p in zip(teacher.parameters(), policy.parameters(), strict=True):
-            t.lerp_(p, args.teacher_update_rate)
+    SyncTeacherModelCallback does (sharded weights too: common/models/copies.py); base and live:
+    nothing."""
+    if run.args.teacher == "ema":
+        move_toward(run.accelerator, teacher, policy, run.args.teacher_update_rate)
 
 
 def main(args: Args):
@@ -262,7 +264,7 @@ def main(args: Args):
     accelerator = run.accelerator
     total = partial(accelerator.reduce, reduction="sum")  # a tensor's sum over the processes
     policy = accelerator.unwrap_model(model)  # SDPO: the self-teacher: the policy itself (live)
-    teacher = policy if args.teacher == "live" else copy.deepcopy(policy)  # SDPO: or a copy
+    teacher = policy if args.teacher == "live" else frozen_copy(run, policy)  # SDPO: or a copy
     # compute_loss returns a micro-batch's share of the whole batch's loss (its denominators are the
     # batch's). accelerate divides each loss by the accumulation steps and DDP averages gradients
     # over the processes, so each share is scaled back by both: the gradients then add up to the
@@ -314,7 +316,7 @@ def main(args: Args):
                             batch.old_logp[rows] = logp.detach()
                         old_logp = batch.old_logp[rows]  # (b, T)
                         ref_logp = rows_of(batch.ref_logp, rows)  # (b, T), or None: no KL term
-                        teacher_logp = self_teacher(teacher, context, rows, args, metrics)  # SDPO:
+                        teacher_logp = self_teacher(teacher, context, rows, run, metrics)  # SDPO:
                         loss, loss_metrics = compute_loss(
                             logp, old_logp, ref_logp, advantages[rows], mask[rows], args,
                             stats=stats.for_rows(rows - mini.start),
@@ -330,7 +332,7 @@ def main(args: Args):
                             grad_norms.append(grad_norm)
                             optimizer.step()
                             optimizer.zero_grad()
-                            ema_update(teacher, policy, args)  # SDPO: --teacher ema
+                            ema_update(teacher, policy, run)  # SDPO: --teacher ema
                     loss_metrics.update(logprob_metrics(entropy, logp, old_logp, mask[rows]))
                     update_metrics.append(loss_metrics)
                 scheduler.step()

@@ -2,12 +2,14 @@
 re-prompting of each row from its group (sdpo.demonstrations, sdpo.teacher_contexts), then end-to-end runs."""
 
 import dataclasses
+import os
 from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import learning_bar, read_metrics, run_script
+from accelerate.utils import DistributedType
+from conftest import REPO, learning_bar, read_metrics, run_script
 from peers import trl_sdpo_loss, trl_sdpo_reprompts
 from test_snib import STALE, assert_stale_updates_agree
 
@@ -217,6 +219,11 @@ def toy_batch(tokenizer, G=2):
     return batch, rows
 
 
+def on_one_process(args, kind=DistributedType.NO):
+    """A stand-in run of `args` on one process (`kind`: what accelerate says it is)."""
+    return SimpleNamespace(args=args, accelerator=SimpleNamespace(distributed_type=kind, is_fsdp2=False))
+
+
 def contexts(monkeypatch, tokenizer, rows, batch, **flags):
     """sdpo.teacher_contexts on a stand-in run whose step's prompts are `rows`."""
     monkeypatch.setattr(sdpo, "round_prompts", lambda run, step, r: (rows, None, None))
@@ -269,10 +276,14 @@ def test_a_micro_batch_without_a_reprompted_row_takes_no_teacher_forward(monkeyp
 
     monkeypatch.setattr(sdpo, "completion_logprobs", teacher_forward)
     args, metrics = replace(ARGS, distillation_weight=0.5), {}
-    skipped = sdpo.self_teacher(None, context, torch.tensor([2, 3]), args, metrics)
+    skipped = sdpo.self_teacher(None, context, torch.tensor([2, 3]), on_one_process(args), metrics)
     assert calls == [] and "time/teacher" not in metrics
-    assert sdpo.self_teacher(None, context, torch.tensor([0, 1]), args, metrics).shape == (2, batch.mask.shape[1])
+    run = on_one_process(args)
+    assert sdpo.self_teacher(None, context, torch.tensor([0, 1]), run, metrics).shape == (2, batch.mask.shape[1])
     assert calls == [2]
+    # sharded weights: every forward is a collective, so every micro-batch takes one
+    sdpo.self_teacher(None, context, torch.tensor([2, 3]), on_one_process(args, DistributedType.FSDP), metrics)
+    assert calls == [2, 2]
     teacher_logp = torch.full_like(skipped, -1.5)  # what the forward would have given
     T = batch.mask.shape[1]
     mask = batch.mask[2:].float()
@@ -383,11 +394,22 @@ def test_the_ema_teacher_moves_a_rate_of_the_way_and_the_others_stay():
     policy, teacher = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
     torch.nn.init.constant_(policy.weight, 1.0)
     torch.nn.init.constant_(teacher.weight, 0.0)
-    sdpo.ema_update(teacher, policy, replace(ARGS, teacher_update_rate=0.05))
+    sdpo.ema_update(teacher, policy, on_one_process(replace(ARGS, teacher_update_rate=0.05)))
     torch.testing.assert_close(teacher.weight, torch.full((1, 2), 0.05))
     for kind in ("base", "live"):
-        sdpo.ema_update(teacher, policy, replace(ARGS, teacher=kind))
+        sdpo.ema_update(teacher, policy, on_one_process(replace(ARGS, teacher=kind)))
         torch.testing.assert_close(teacher.weight, torch.full((1, 2), 0.05))
+
+
+def test_a_frozen_copy_has_the_policys_weights_and_does_not_share_them():
+    from common.models.copies import frozen_copy
+
+    policy = torch.nn.Linear(2, 1)
+    teacher = frozen_copy(on_one_process(ARGS), policy)
+    assert torch.equal(teacher.weight, policy.weight) and not teacher.weight.requires_grad
+    with torch.no_grad():
+        policy.weight.add_(1.0)
+    assert not torch.equal(teacher.weight, policy.weight)
 
 
 # End to end
@@ -427,3 +449,24 @@ def test_toy_learns(in_toy_workdir):
     evals = [m["eval/accuracy"] for m in read_metrics(run) if "eval/accuracy" in m]
     assert len(evals) == 3
     assert evals[-1] >= evals[0] + learning_bar("sdpo"), evals
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage, teacher", [("fsdp2", "ema"), ("zero3", "ema"), ("fsdp2", "live")])
+def test_a_sharded_policy_takes_the_ddp_update_with_its_teacher_copy(in_toy_workdir, stage, teacher):
+    """The teacher under FSDP2 and DeepSpeed ZeRO-3 (2 CPU processes, tests/test_sharded.py's way): the stale step of
+    the test above equals the single process's. ema: a sharded copy of the weights (a deepcopy is refused under FSDP2
+    and copies empty partitions under ZeRO-3), moved between optimizer steps (its whole weights after a forward
+    resharded first under FSDP2, gathered under ZeRO-3); base is the same copy, not moved; live: the sharded policy.
+    The teacher runs on every micro-batch, as every process must."""
+    from test_sharded import FSDP2
+    from test_snib import assert_same_update, stale_update
+    from test_train import sgd_gradient
+
+    flags = STALE + TOY + ["--distillation_weight", "0.5", "--distillation_is_clip", "1.001", "--teacher", teacher]
+    whole, lr, _ = stale_update(in_toy_workdir, "sdpo.py", f"sdpo_{teacher}_p1", flags + ["--micro_batch_size", "8"],
+                                lambda m: m["policy/ratio_mean"] != 1.0 and m["sdpo/reprompted_frac"] > 0)
+    config = FSDP2 if stage == "fsdp2" else os.path.join(REPO, "configs", "accelerate", "zero3.yaml")
+    sharded = sgd_gradient(in_toy_workdir, f"sdpo_{teacher}_{stage}", flags + ["--micro_batch_size", "2"], 2,
+                           "sdpo.py", lr, config=config)
+    assert_same_update(sharded, whole, f"sdpo.py --teacher {teacher} under {stage} (lr {lr})")
