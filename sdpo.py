@@ -20,8 +20,7 @@ them); compute_advantages; the mini- and micro-batches (common/sampling.py again
 (common/logprobs.py), batch_stats and compute_loss; the backward and the optimizer step, here.
 
 Run:
-    python sdpo.py --preset toy --reprompt_template {prompt}{solution}={prompt} \\
-        --solution_template {successful_previous_attempt}               # CPU, minutes
+    python sdpo.py --preset toy                        # CPU, minutes (the toy's own templates)
     accelerate launch sdpo.py --model Qwen/Qwen3-4B --dataset gsm8k
 """
 

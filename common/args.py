@@ -266,7 +266,10 @@ def parse_args(args_cls, argv: list[str] | None = None):
             f"error: unknown --preset {preset!r}; choose one of {sorted(PRESET_NAMES)}")
     # the command line wins over --config, which wins over the resumed run's settings, which win
     # over --preset
-    defaults = {**preset_defaults(preset), **resumed, **recipe}
+    # (a preset's values of flags this script lacks, such as the toy's sdpo.py templates, stay out)
+    own = {f.name for f in dataclasses.fields(args_cls)}
+    values = {k: v for k, v in preset_defaults(preset).items() if k in own}
+    defaults = {**values, **resumed, **recipe}
     script = sys.modules.get(args_cls.__module__)
     parser = ArgParser(args_cls,
                        description=((script.__doc__ or "").strip().splitlines() or [None])[0],

@@ -36,6 +36,17 @@ def test_defaults_and_the_flags_are_sdpos_own():
         "solution_template", "feedback_column", "feedback_template", "environment_feedback_only_without_solution"}
 
 
+def test_the_toy_preset_re_prompts_in_the_toys_vocabulary():
+    """--preset toy gives sdpo.py templates of digits, + and = (TRL's English would be unknown tokens); a script
+    without these flags takes the preset's other values and none of these."""
+    from common.args import parse_args
+
+    args = parse_args(sdpo.Args, ["--preset", "toy"])
+    assert (args.reprompt_template, args.solution_template) == ("{prompt}{solution}{feedback}={prompt}",
+                                                                "{successful_previous_attempt}")
+    assert parse_args(grpo.Args, ["--preset", "toy"]).reward_funcs == "toy_addition"
+
+
 @pytest.mark.peer
 def test_the_defaults_are_trls():
     """TRL 1.16's SDPOConfig defaults, field by field (its names on the right)."""

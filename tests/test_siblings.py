@@ -162,7 +162,8 @@ GPU_STAND_IN = ["grpo.py", "--model", "runs/toy/model", "--dataset", "runs/toy/t
 # them to 24,769 and 31,576 (docs/layout.md has today's figures). 27,000 became 27,100 (2026-12-06) when setup()
 # gave a script's problems() the training data's columns once they load, before the weights (sdpo.py refuses a
 # --feedback_column the data lacks): 38 tokens past 26,963 on the quick start's path. The other places were a refusal
-# after the weights load, which the rails forbid, or a check of local files only.
+# after the weights load, which the rails forbid, or a check of local files only. The toy's preset then took sdpo.py's
+# templates in its vocabulary (a preset's values of flags a script lacks left out): 27,050.
 COPY_COST = {"toy": 27_100, "gpu": 35_000}
 
 

@@ -62,6 +62,11 @@ TOY_PRESET = dict(
     # a checkpoint every 100 steps (under a minute): a stopped quick start can --resume_from it
     save_steps=100,
     report_to="none",
+    # sdpo.py's re-prompt in the toy's vocabulary (digits, + and =), where TRL's English would be
+    # unknown tokens: "12+34=" with the success "46" reads "12+34=46=12+34="
+    reprompt_template="{prompt}{solution}{feedback}={prompt}",
+    solution_template="{successful_previous_attempt}",
+    feedback_template="{feedback_raw}",
 )
 
 
