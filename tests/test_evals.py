@@ -805,6 +805,46 @@ def test_sdpos_comparison_by_hand(tmp_path):
                          "the rule so far (no verdict before all seeds): cannot tell.")
 
 
+STUB_PLAN = """
+import sys, time
+args = sys.argv[1:]
+if args == ["--seeds"]:
+    print(3)
+elif args[0] == "--budget":
+    sys.exit(0 if int(args[-1]) <= 2 else 1)  # the budget lets two seeds in
+elif args[0] == "--commands":
+    s = args[1]
+    print(f"echo off {s} --jobs 1 >> calls.log")
+    print(f"sleep 0.5; echo snib {s} >> calls.log")
+    print(f"echo on {s} >> calls.log")
+"""
+
+
+@pytest.mark.parametrize("cores", ["1", "2"])
+def test_the_study_runner_keeps_the_seeds_in_order(tmp_path, cores):
+    """scripts/study67.sh on stand-ins of evals.plan and the model's builder: each seed's three commands before the
+    next seed, until the budget stops it. CORES=2: the off-policy study with --jobs 2, then SNIB's and GRPO
+    on-policy's side by side (the on-policy one, not held up by SNIB's half second, logs first)."""
+    import shutil
+    import subprocess
+
+    for package in ("evals", "common", "common/tasks", "scripts"):
+        (tmp_path / package).mkdir(parents=True, exist_ok=True)
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / "evals" / "plan.py").write_text(STUB_PLAN)
+    (tmp_path / "common" / "tasks" / "smollm2.py").write_text("")
+    shutil.copy(os.path.join(REPO, "scripts", "study67.sh"), tmp_path / "scripts")
+    out = subprocess.run(["bash", "scripts/study67.sh"], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "CORES": cores, "PYTHONPATH": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    if cores == "1":
+        assert calls == ["off 1 --jobs 1", "snib 1", "on 1", "off 2 --jobs 1", "snib 2", "on 2"]
+    else:
+        assert calls == ["off 1 --jobs 2", "on 1", "snib 1", "off 2 --jobs 2", "on 2", "snib 2"]
+    assert out.stdout.rstrip().endswith("done")
+
+
 def test_the_study_stops_at_its_budget():
     """60 runs of 14 minutes are the 14 CPU-hours: with 54 finished a tenth seed of six fits
     exactly, with 55 it does not; before any run finishes, a seed is priced at 14 minutes a run."""
