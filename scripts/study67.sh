@@ -15,6 +15,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cores=${CORES:-1}
+if ! [[ $cores =~ ^[0-9]+$ ]]; then
+    echo "error: CORES=$cores: give the number of free cores (1 or 2)" >&2
+    exit 2
+fi
 python -m common.tasks.smollm2 smollm2  # the model and both held-out sets, once
 for seed in $(seq 1 "$(python -m evals.plan --seeds)"); do
     if ! python -m evals.plan --budget runs --next "$seed"; then
@@ -41,8 +45,12 @@ for seed in $(seq 1 "$(python -m evals.plan --seeds)"); do
         eval "$command" < /dev/null &
         pids+=("$!")
     done
+    failed=0  # wait for both, so that no run goes on after the script ends (a rerun would resume it twice)
     for pid in "${pids[@]}"; do
-        wait "$pid"
+        wait "$pid" || failed=$?
     done
+    if [ "$failed" -ne 0 ]; then
+        exit "$failed"
+    fi
 done
 echo "$(date -u +%FT%TZ) done"

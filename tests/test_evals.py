@@ -820,22 +820,27 @@ elif args[0] == "--commands":
 """
 
 
+def run_study_runner(folder, plan: str, cores: str):
+    """scripts/study67.sh in `folder` on a stand-in evals.plan (`plan`, its source) and model builder."""
+    import shutil
+    import subprocess
+
+    for package in ("evals", "common", "common/tasks", "scripts"):
+        (folder / package).mkdir(parents=True, exist_ok=True)
+        (folder / package / "__init__.py").write_text("")
+    (folder / "evals" / "plan.py").write_text(plan)
+    (folder / "common" / "tasks" / "smollm2.py").write_text("")
+    shutil.copy(os.path.join(REPO, "scripts", "study67.sh"), folder / "scripts")
+    return subprocess.run(["bash", "scripts/study67.sh"], cwd=folder, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "CORES": cores, "PYTHONPATH": str(folder)})
+
+
 @pytest.mark.parametrize("cores", ["1", "2"])
 def test_the_study_runner_keeps_the_seeds_in_order(tmp_path, cores):
     """scripts/study67.sh on stand-ins of evals.plan and the model's builder: each seed's three commands before the
     next seed, until the budget stops it. CORES=2: the off-policy study with --jobs 2, then SNIB's and GRPO
     on-policy's side by side (the on-policy one, not held up by SNIB's half second, logs first)."""
-    import shutil
-    import subprocess
-
-    for package in ("evals", "common", "common/tasks", "scripts"):
-        (tmp_path / package).mkdir(parents=True, exist_ok=True)
-        (tmp_path / package / "__init__.py").write_text("")
-    (tmp_path / "evals" / "plan.py").write_text(STUB_PLAN)
-    (tmp_path / "common" / "tasks" / "smollm2.py").write_text("")
-    shutil.copy(os.path.join(REPO, "scripts", "study67.sh"), tmp_path / "scripts")
-    out = subprocess.run(["bash", "scripts/study67.sh"], cwd=tmp_path, capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "CORES": cores, "PYTHONPATH": str(tmp_path)})
+    out = run_study_runner(tmp_path, STUB_PLAN, cores)
     assert out.returncode == 0, out.stderr
     calls = (tmp_path / "calls.log").read_text().splitlines()
     if cores == "1":
@@ -843,6 +848,18 @@ def test_the_study_runner_keeps_the_seeds_in_order(tmp_path, cores):
     else:
         assert calls == ["off 1 --jobs 2", "on 1", "snib 1", "off 2 --jobs 2", "on 2", "snib 2"]
     assert out.stdout.rstrip().endswith("done")
+
+
+def test_the_study_runner_waits_for_both_runs_before_it_stops(tmp_path):
+    """CORES=2: when SNIB's command fails at once, the runner still waits for GRPO on-policy's (here half a second)
+    before it exits with the failure, so no run goes on behind it; CORES=two is refused."""
+    failing = STUB_PLAN.replace('print(f"sleep 0.5; echo snib {s} >> calls.log")', 'print("exit 3")')
+    failing = failing.replace('print(f"echo on {s} >> calls.log")', 'print(f"sleep 0.5; echo on {s} >> calls.log")')
+    out = run_study_runner(tmp_path, failing, "2")
+    assert out.returncode == 3
+    assert (tmp_path / "calls.log").read_text().splitlines() == ["off 1 --jobs 2", "on 1"]
+    out = run_study_runner(tmp_path, failing, "two")
+    assert out.returncode == 2 and "CORES=two" in out.stderr
 
 
 def test_the_study_stops_at_its_budget():

@@ -463,18 +463,22 @@ def test_toy_learns(in_toy_workdir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage, teacher", [("fsdp2", "ema"), ("zero3", "ema"), ("fsdp2", "live")])
-def test_a_sharded_policy_takes_the_ddp_update_with_its_teacher_copy(in_toy_workdir, stage, teacher):
+@pytest.mark.parametrize("stage, teacher, lora", [("fsdp2", "ema", False), ("zero3", "ema", False),
+                                                 ("fsdp2", "live", False), ("zero3", "ema", True)])
+def test_a_sharded_policy_takes_the_ddp_update_with_its_teacher_copy(in_toy_workdir, stage, teacher, lora):
     """The teacher under FSDP2 and DeepSpeed ZeRO-3 (2 CPU processes, tests/test_sharded.py's way): the stale step of
     the test above equals the single process's. ema: a sharded copy of the weights (a deepcopy is refused under FSDP2
     and copies empty partitions under ZeRO-3), moved between optimizer steps (its whole weights after a forward
     resharded first under FSDP2, gathered under ZeRO-3); base is the same copy, not moved; live: the sharded policy.
-    The teacher runs on every micro-batch, as every process must."""
+    The teacher runs on every micro-batch, as every process must. With LoRA (ZeRO-3 only: FSDP cannot wrap a peft
+    model) the copy takes the same adapter."""
     from test_sharded import FSDP2
     from test_snib import assert_same_update, stale_update
     from test_train import sgd_gradient
 
     flags = STALE + TOY + ["--distillation_weight", "0.5", "--distillation_is_clip", "1.001", "--teacher", teacher]
+    flags += ["--lora_r", "4", "--lora_alpha", "8"] if lora else []
+    teacher += "_lora" if lora else ""
     whole, lr, _ = stale_update(in_toy_workdir, "sdpo.py", f"sdpo_{teacher}_p1", flags + ["--micro_batch_size", "8"],
                                 lambda m: m["policy/ratio_mean"] != 1.0 and m["sdpo/reprompted_frac"] > 0)
     config = FSDP2 if stage == "fsdp2" else os.path.join(REPO, "configs", "accelerate", "zero3.yaml")

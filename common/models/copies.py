@@ -14,12 +14,20 @@ def frozen_copy(run, policy):
     is. Whole weights: a deepcopy. Sharded: a second model loaded from the policy's files
     (--model) and sharded like it (common/models/sharding.py), then given the policy's weights;
     TRL builds its teacher from the files too."""
-    if not sharded_parameters(run.accelerator):
+    accelerator = run.accelerator
+    if not sharded_parameters(accelerator):
         return copy.deepcopy(policy).eval().requires_grad_(False)
+    if not (getattr(accelerator, "is_fsdp2", False) or accelerator.distributed_type == "DEEPSPEED"):
+        raise SystemExit("error: a copy of FSDP1's flat parameters is not supported: launch with "
+                         "configs/accelerate/fsdp2.yaml (FSDP2) or zero3.yaml")
     from transformers import AutoModelForCausalLM
 
     second = AutoModelForCausalLM.from_pretrained(run.args.model, dtype=policy.dtype)
-    second = prepare_reference(run.accelerator, second.eval().requires_grad_(False))
+    if run.args.lora_r > 0:  # the policy is a peft model: the copy takes the same adapter
+        from common.models.lora import add_lora
+
+        second = add_lora(second, run.args)
+    second = prepare_reference(accelerator, second.eval().requires_grad_(False))
     move_toward(run.accelerator, second, policy, 1.0)
     return second
 
