@@ -803,6 +803,12 @@ def test_sdpos_comparison_by_hand(tmp_path):
     assert table[0].endswith("in each of them: no.") and table[5] == "| 2 | 39.0% | 45.0% | -6.0 | - |"
     assert table[-1] == ("SDPO - GRPO: -8.0 points, 95% interval [-33.4, +17.4] over 2 seeds; claimed: > 0; p 0.156; "
                          "the rule so far (no verdict before all seeds): cannot tell.")
+    for seed in range(3, plan.SEEDS + 1):  # all seeds: SDPO 10 points under GRPO each, but seed 2's 6
+        carry("study67_on", "grpo", seed, 0.40, 0.50)
+        carry("sdpo_smollm2", "sdpo", seed, 0.30, 0.40)
+    last = plan.sdpo_table(str(tmp_path))[-1]
+    assert last.startswith("SDPO - GRPO: -9.6 points") and f"over {plan.SEEDS} seeds" in last
+    assert last.endswith("; verdict: disagree.")
 
 
 STUB_PLAN = """
