@@ -28,7 +28,7 @@ def frozen_copy(run, policy):
 
         second = add_lora(second, run.args)
     second = prepare_reference(accelerator, second.eval().requires_grad_(False))
-    move_toward(run.accelerator, second, policy, 1.0)
+    move_toward(accelerator, second, policy, 1.0)
     return second
 
 
