@@ -421,6 +421,8 @@ def test_a_frozen_copy_has_the_policys_weights_and_does_not_share_them():
     with torch.no_grad():
         policy.weight.add_(1.0)
     assert not torch.equal(teacher.weight, policy.weight)
+    with pytest.raises(SystemExit, match="FSDP1's flat parameters is not supported: launch with configs/accel"):
+        frozen_copy(on_one_process(ARGS, DistributedType.FSDP), policy)  # FSDP, not FSDP2: refused by name
 
 
 # End to end
