@@ -229,23 +229,25 @@ def read_runs(folder: str, arms: dict = ARMS) -> dict[str, dict[int, dict]]:
 SDPO_ARMS = {"sdpo": ("sdpo_smollm2", "sdpo"), "grpo_on": ARMS["grpo_on"]}
 
 
-def first_value(folder: str, tag: str, run: str, key: str) -> float | None:
-    """A carried run's first logged value of `key` (its metrics.jsonl), or None where it has none."""
+def first_teacher_gap(folder: str, tag: str, run: str) -> float | None:
+    """A carried SDPO run's sdpo/teacher_gap at its first step with a re-prompted row (a step
+    without one logs 0 for want of tokens), or None where it has none."""
     path = os.path.join(folder, tag, run, "metrics.jsonl")
     if not os.path.exists(path):
         return None
     with open(path) as f:
         for line in f:
             row = json.loads(line)
-            if key in row:
-                return row[key]
+            if row.get("sdpo/reprompted_frac", 0) > 0 and "sdpo/teacher_gap" in row:
+                return row["sdpo/teacher_gap"]
     return None
 
 
 def sdpo_table(folder: str) -> list[str]:
     """The lines of docs/estimators/sdpo.md's real-model result (docs/make_diffs.py writes them):
     per seed SDPO's and GRPO on-policy's accuracy, SDPO's minus GRPO's, and SDPO's teacher gap at
-    its first step; the mean difference, its 95% interval, p against "above 0" and the verdict."""
+    its first step with a re-prompted row; the mean difference, its 95% interval, p against
+    "above 0" and the verdict."""
     runs = read_runs(folder, SDPO_ARMS)
     seeds = sorted(set(runs["sdpo"]) & set(runs["grpo_on"]))
     same = [
@@ -257,14 +259,14 @@ def sdpo_table(folder: str) -> list[str]:
         f"planned; SDPO runs finished: {len(runs['sdpo'])}. Both trained on the same first rollouts "
         "in each of them: " + ("yes." if all(same) else "no."),
         "",
-        "| seed | SDPO | GRPO on-policy | SDPO - GRPO | teacher gap at step 1 (nats/token) |",
+        "| seed | SDPO | GRPO on-policy | SDPO - GRPO | teacher gap, first re-prompted step (nats/token) |",
         "| --- | --- | --- | --- | --- |",
     ]
     values = []
     for seed in seeds:
         ours, theirs = accuracy(runs["sdpo"][seed]), accuracy(runs["grpo_on"][seed])
         values.append(ours - theirs)
-        gap = first_value(folder, SDPO_ARMS["sdpo"][0], f"sdpo__s{seed}", "sdpo/teacher_gap")
+        gap = first_teacher_gap(folder, SDPO_ARMS["sdpo"][0], f"sdpo__s{seed}")
         gap_text = "-" if gap is None else f"{gap:+.3f}"
         lines.append(f"| {seed} | {ours:.1f}% | {theirs:.1f}% | {ours - theirs:+.1f} | {gap_text} |")
     if len(seeds) < 2:

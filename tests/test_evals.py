@@ -773,7 +773,8 @@ def test_the_study_reads_carried_runs_as_it_reads_its_study_files(tmp_path):
 
 def test_sdpos_comparison_by_hand(tmp_path):
     """evals.plan.sdpo_table on carried runs made by hand: SDPO 10 and 6 points under GRPO on-policy's same seed (the
-    mean of steps 8 and 10), the teacher gap of each SDPO run's first logged step, the mean -8.0 with its paired t
+    mean of steps 8 and 10), the teacher gap of each SDPO run's first step with a re-prompted row (not step 1's 0),
+    the mean -8.0 with its paired t
     interval (sd 2 sqrt 2, t 12.706 on one degree of freedom: +-25.4), the p of t = 4 against 0 (evals/stats.py: 1 -
     2 atan(4) / pi = 0.156 on one degree of freedom), and no verdict before ten seeds."""
     import json
@@ -786,7 +787,8 @@ def test_sdpos_comparison_by_hand(tmp_path):
         result = {"algo": script, "seed": seed, "evals": [[8, at_8], [10, at_10]],
                   "series": {"reward/mean": [[1, reward], [2, 0.5]]}}
         (folder / f"{script}__s{seed}.result.json").write_text(json.dumps(result))
-        rows = [{"step": 1, "reward/mean": reward}] + ([{"step": 1, "sdpo/teacher_gap": gap}] if gap else [])
+        rows = [{"step": 1, "reward/mean": reward, "sdpo/reprompted_frac": 0.0, "sdpo/teacher_gap": 0.0}]
+        rows += [{"step": 2, "sdpo/reprompted_frac": 0.5, "sdpo/teacher_gap": gap}] if gap else []
         (folder / f"{script}__s{seed}" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     carry("study67_on", "grpo", 1, 0.50, 0.60)
