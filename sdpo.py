@@ -20,7 +20,7 @@ them); compute_advantages; the mini- and micro-batches (common/sampling.py again
 (common/logprobs.py), batch_stats and compute_loss; the backward and the optimizer step, here.
 
 Run:
-    python sdpo.py --preset toy                        # CPU, minutes (the toy's own templates)
+    python sdpo.py --preset toy --distillation_weight 0.1   # CPU, minutes (the defaults: no gain)
     accelerate launch sdpo.py --model Qwen/Qwen3-4B --dataset gsm8k
 """
 

@@ -44,7 +44,8 @@ def move_toward(accelerator, target, source, rate: float) -> None:
             if isinstance(module, FSDPModule):
                 module.reshard()  # the root module keeps its whole weights after a forward
     pairs = list(zip(target.parameters(), source.parameters(), strict=True))
-    if not sharded_parameters(accelerator) or getattr(accelerator, "is_fsdp2", False):
+    zero3 = accelerator.distributed_type == "DEEPSPEED" and sharded_parameters(accelerator)
+    if not zero3:
         for t, s in pairs:
             t.lerp_(s, rate)
         return
