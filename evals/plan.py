@@ -54,6 +54,7 @@ SEEDS = 10  # from the pilot (main below); seeds 1..SEEDS, never 100 and above
 MARGIN = 5.0  # points: parity and "matches" are within this; a clip share's drift too
 EFFECT = 10.0  # points: the difference of accuracy the study is sized to find
 BUDGET_HOURS = 14.0
+HALF_WIDTH = 6.0  # points: the widest 95% interval, each side, the study aims for (its plan)
 
 
 def accuracy(run: dict) -> float:
@@ -251,8 +252,7 @@ def sdpo_table(folder: str) -> list[str]:
     runs = read_runs(folder, SDPO_ARMS)
     seeds = sorted(set(runs["sdpo"]) & set(runs["grpo_on"]))
     same = [
-        runs["sdpo"][s]["series"]["reward/mean"][:1] == runs["grpo_on"][s]["series"]["reward/mean"][:1]
-        for s in seeds
+        runs["sdpo"][s]["series"]["reward/mean"][:1] == runs["grpo_on"][s]["series"]["reward/mean"][:1] for s in seeds
     ]
     lines = [
         f"Seeds finished by both: {len(seeds)} ({', '.join(map(str, seeds)) or 'none'}) of {SEEDS} "
@@ -332,20 +332,28 @@ def verdict_table(folder: str) -> list[str]:
 
     lines += [
         "",
-        "| paper | effect (points) | seed by seed | mean | 95% interval | claimed | p | Holm p | "
+        "| paper | effect (points) | seed by seed | mean | 95% interval | half-width | claimed | p | Holm p | "
         + ("verdict |" if len(seeds) >= SEEDS else "the rule so far (no verdict before all seeds) |"),
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     short = {SNIB: "SNIB", CTPO: "CTPO", P3O: "P3O", LANDSCAPE: "landscape"}
-    for row in verdicts(runs):
+    narrow = []  # the claims whose interval reaches the goal: at most 6 points each side
+    rows = verdicts(runs)
+    for row in rows:
         claim, summary = row["claim"], row["summary"]
         by_seed = ", ".join(f"{v:+.1f}" for v in row["values"])
+        half = (summary.high - summary.low) / 2
+        if half <= HALF_WIDTH:
+            narrow.append(short[claim.paper])
         lines.append(
             f"| {short[claim.paper]} | {claim.effect} | {by_seed} | {summary.mean:+.1f} | "
-            f"[{summary.low:+.1f}, {summary.high:+.1f}] | {region(claim)} | {row['p']:.3g} | "
-            f"{row['holm_p']:.3g} | {row['verdict']} |"
+            f"[{summary.low:+.1f}, {summary.high:+.1f}] | {half:.1f} | {region(claim)} | "
+            f"{row['p']:.3g} | {row['holm_p']:.3g} | {row['verdict']} |"
         )
-    return lines
+    return lines + [
+        "",
+        f"Intervals at most {HALF_WIDTH:g} points wide on each side: {len(narrow)} of {len(rows)} claims.",
+    ]
 
 
 def pilot_sd(folder: str = "docs/studies", steps=(10,)) -> tuple[float, int]:

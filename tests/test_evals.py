@@ -766,6 +766,11 @@ def test_the_study_reads_carried_runs_as_it_reads_its_study_files(tmp_path):
     table = plan.verdict_table(str(carried))
     assert table[0].startswith("Seeds finished by every arm: 2 (1, 2) of ")
     assert len([line for line in table if line.startswith("| ")]) == 2 + len(plan.CLAIMS)
+    # every arm's accuracy and clip share the same: 0 each seed (half-width 0), but SNIB's clip share, 10 and 20
+    # points (half-width 12.706 x 5 = 63.5)
+    assert table[-1] == f"Intervals at most 6 points wide on each side: 8 of {len(plan.CLAIMS)} claims."
+    snib_clip = "| SNIB | snib clip share | +10.0, +20.0 | +15.0 | [-48.5, +78.5] | 63.5 |"
+    assert any(line.startswith(snib_clip) for line in table)
     for path in (carried / "study67").glob("*__s2.result.json"):
         path.unlink()
     assert plan.verdict_table(str(carried))[-1] == "No interval yet: fewer than two seeds finished by every arm."
