@@ -307,8 +307,8 @@ def verdicts(runs: dict[str, dict[int, dict]]) -> list[dict]:
 
 def verdict_table(folder: str) -> list[str]:
     """The results' lines of docs/study-plan.md (docs/make_diffs.py writes them): the seeds every
-    arm finished, and per claim its effect, 95% interval, the region it claims, raw and Holm p, and
-    the verdict."""
+    arm finished, each arm's accuracy over them, and per claim its effect, 95% interval and its
+    half-width, the region it claims, raw and Holm p, and the verdict."""
     runs = read_runs(folder)
     shared = first_rollouts_shared(runs)
     seeds = sorted(shared)
@@ -322,6 +322,18 @@ def verdict_table(folder: str) -> list[str]:
     ]
     if len(seeds) < 2:
         return lines + ["", "No interval yet: fewer than two seeds finished by every arm."]
+
+    lines += [
+        "",
+        "| arm | accuracy by seed (%) | mean | sd | least | most |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for arm, by_seed in runs.items():  # descriptive: each arm's own accuracy over the same seeds
+        values = [accuracy(by_seed[seed]) for seed in seeds]
+        lines.append(
+            f"| {arm} | {', '.join(f'{v:.1f}' for v in values)} | {statistics.mean(values):.1f} | "
+            f"{statistics.stdev(values):.1f} | {min(values):.1f} | {max(values):.1f} |"
+        )
 
     def region(claim: Claim) -> str:
         if math.isinf(claim.high):

@@ -765,7 +765,9 @@ def test_the_study_reads_carried_runs_as_it_reads_its_study_files(tmp_path):
     assert all(set(by_seed) == {1, 2} for by_seed in plan.read_runs(str(carried)).values())
     table = plan.verdict_table(str(carried))
     assert table[0].startswith("Seeds finished by every arm: 2 (1, 2) of ")
-    assert len([line for line in table if line.startswith("| ")]) == 2 + len(plan.CLAIMS)
+    assert len([line for line in table if line.startswith("| ")]) == 2 + len(plan.ARMS) + 2 + len(plan.CLAIMS)
+    # each arm's accuracy, the mean of steps 8 and 10: seed 1 (50 + 50) / 2, seed 2 (50 + 60) / 2
+    assert "| grpo_on | 50.0, 55.0 | 52.5 | 3.5 | 50.0 | 55.0 |" in table
     # every arm's accuracy and clip share the same: 0 each seed (half-width 0), but SNIB's clip share, 10 and 20
     # points (half-width 12.706 x 5 = 63.5)
     assert table[-1] == f"Intervals at most 6 points wide on each side: 8 of {len(plan.CLAIMS)} claims."
