@@ -23,6 +23,8 @@ A page holds a generated block between two HTML comments (invisible on GitHub an
                                                   Holm's p and verdict, from the runs in that folder
     <!-- begin: sdpo-verdict folder -->           sdpo.py against GRPO on-policy on the real model, seed by seed,
     <!-- end -->                                  from the runs in that folder (evals/plan.py sdpo_table)
+    <!-- begin: snib-runs folder -->              the real-model study's SNIB runs, seed by seed: accuracy, reward,
+    <!-- end -->                                  the extremes of group ESS, log-weight spread and KL (snib_table)
     <!-- begin: study-vs tag grpo -->             each estimator of the study against grpo: the difference of final
                                                   accuracy, its exact permutation p over seeds (evals/stats.py), and
                                                   the runs' mean ESS, log-ratio std, clip fraction, entropy, KL and
@@ -49,7 +51,8 @@ BLOCK = re.compile(r"(?P<begin><!-- begin: (?P<what>diff -u grpo\.py (?P<diff>\w
                    r"|layout common|imports common"
                    r"|study (?P<study>[a-z0-9_.-]+)(?: (?P<only>[a-z0-9_,]+))?"
                    r"|study-vs (?P<vs_study>[a-z0-9_.-]+) (?P<base>[a-z0-9_]+)"
-                   r"|verdicts (?P<verdicts>[a-z0-9_/.-]+)|sdpo-verdict (?P<sdpo>[a-z0-9_/.-]+)) -->\n)"
+                   r"|verdicts (?P<verdicts>[a-z0-9_/.-]+)|sdpo-verdict (?P<sdpo>[a-z0-9_/.-]+)"
+                   r"|snib-runs (?P<snib>[a-z0-9_/.-]+)) -->\n)"
                    r"(?P<body>.*?)(?P<end><!-- end -->)", re.S)
 # The layout block's folders, in order: the step's own parts first, then the machinery by role.
 FOLDER_ORDER = ["common", "common/engines", "common/tasks", "common/models", "common/run_folder", "common/rails"]
@@ -328,6 +331,11 @@ def rendered(match: re.Match) -> str:
         from evals.plan import sdpo_table
 
         body = sdpo_table(os.path.join(ROOT, match.group("sdpo")))
+        return match.group("begin") + "\n".join(body) + "\n" + match.group("end")
+    if match.group("snib"):  # the study's SNIB runs, seed by seed (evals/plan.py snib_table)
+        from evals.plan import snib_table
+
+        body = snib_table(os.path.join(ROOT, match.group("snib")))
         return match.group("begin") + "\n".join(body) + "\n" + match.group("end")
     if match.group("vs_study"):
         body = study_against(match.group("vs_study"), match.group("base"))

@@ -282,6 +282,45 @@ def sdpo_table(folder: str) -> list[str]:
     ]
 
 
+# The untrained model's accuracy on the study's 300 held-out sums, greedy, step 0 (measured once:
+# `python grpo.py --preset smollm2 --temperature 0.7 --total_steps 1 --eval_steps 1 --eval_from 0
+# --eval_dataset runs/smollm2/test_large.jsonl --eval_num_prompts 300`, at 04e7ddc).
+UNTRAINED = 19.3
+
+
+def snib_table(folder: str) -> list[str]:
+    """The lines of docs/estimators/snib.md's study runs (docs/make_diffs.py writes them): per SNIB
+    seed its accuracy, its training reward at the first and the last step, and the extremes over
+    its steps of the diagnostics of a collapse: the mean group ESS (least), the raw log-weights'
+    standard deviation and the KL to the reference (most); then how many seeds ended under the
+    untrained model."""
+    runs = read_runs(folder, {"snib": ARMS["snib"]})["snib"]
+    lines = [
+        "| seed | accuracy | training reward, step 1 -> 10 | least group ESS (step) | "
+        "most log-weight std | most KL to the reference (step) |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    below = []
+    for seed in sorted(runs):
+        series = runs[seed]["series"]
+        reward = dict(series["reward/mean"])
+        ess_step, ess = min(series["snib/ess"], key=lambda point: point[1])
+        kl_step, kl = max(series["policy/kl"], key=lambda point: point[1])
+        spread = max(value for _, value in series["snib/raw_logweight_std"])
+        value = accuracy(runs[seed])
+        if value < UNTRAINED:
+            below.append(seed)
+        lines.append(
+            f"| {seed} | {value:.1f}% | {reward[min(reward)]:.3f} -> {reward[max(reward)]:.3f} | "
+            f"{ess:.2f} ({ess_step}) | {spread:.2f} | {kl:.3g} ({kl_step}) |"
+        )
+    return lines + [
+        "",
+        f"Seeds ending under the untrained model's {UNTRAINED}%: {len(below)} of {len(runs)}"
+        + (f" ({', '.join(map(str, below))})." if below else "."),
+    ]
+
+
 def verdicts(runs: dict[str, dict[int, dict]]) -> list[dict]:
     """Each claim's effect over the seeds every arm finished: its paired t summary, raw and
     Holm-adjusted p (over all the claims) and verdict."""

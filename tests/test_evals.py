@@ -778,6 +778,31 @@ def test_the_study_reads_carried_runs_as_it_reads_its_study_files(tmp_path):
     assert plan.verdict_table(str(carried))[-1] == "No interval yet: fewer than two seeds finished by every arm."
 
 
+def test_snibs_study_runs_by_hand(tmp_path):
+    """evals.plan.snib_table on two carried SNIB runs made by hand: each seed's accuracy (the mean of steps 8 and 10),
+    its training reward at its first and last step, the least group ESS and the largest KL with their steps, the
+    largest log-weight spread, and the seeds under the untrained model's accuracy."""
+    import json
+
+    from evals import plan
+
+    folder = tmp_path / "study67_snib"
+    folder.mkdir()
+    for seed, (at_8, at_10), kl in ((1, (0.30, 0.40), [0.1, 0.5, 0.2]), (2, (0.10, 0.00), [0.2, 3.0, 40.0])):
+        series = {"reward/mean": [[1, 0.25], [2, 0.125], [3, 0.0625 * seed]],
+                  "snib/ess": [[1, 0.8], [2, 0.3 / seed], [3, 0.5]],
+                  "snib/raw_logweight_std": [[1, 0.5], [2, 1.0 * seed], [3, 0.7]],
+                  "policy/kl": [[step, value] for step, value in zip((1, 2, 3), kl)]}
+        result = {"algo": "snib", "seed": seed, "evals": [[8, at_8], [10, at_10]], "series": series}
+        (folder / f"snib__s{seed}.result.json").write_text(json.dumps(result))
+    assert plan.snib_table(str(tmp_path))[2:] == [
+        "| 1 | 35.0% | 0.250 -> 0.062 | 0.30 (2) | 1.00 | 0.5 (2) |",
+        "| 2 | 5.0% | 0.250 -> 0.125 | 0.15 (2) | 2.00 | 40 (3) |",
+        "",
+        f"Seeds ending under the untrained model's {plan.UNTRAINED}%: 1 of 2 (2).",
+    ]
+
+
 def test_sdpos_comparison_by_hand(tmp_path):
     """evals.plan.sdpo_table on carried runs made by hand: SDPO 10 and 6 points under GRPO on-policy's same seed (the
     mean of steps 8 and 10), the teacher gap of each SDPO run's first step with a re-prompted row (not step 1's 0),
