@@ -54,6 +54,10 @@ SEEDS = 10  # from the pilot (main below); seeds 1..SEEDS, never 100 and above
 MARGIN = 5.0  # points: parity and "matches" are within this; a clip share's drift too
 EFFECT = 10.0  # points: the difference of accuracy the study is sized to find
 BUDGET_HOURS = 14.0
+# The untrained model's accuracy on the study's 300 held-out sums, greedy, step 0 (measured once:
+# `python grpo.py --preset smollm2 --temperature 0.7 --total_steps 1 --eval_steps 1 --eval_from 0
+# --eval_dataset runs/smollm2/test_large.jsonl --eval_num_prompts 300`, at 04e7ddc).
+UNTRAINED = 19.3
 HALF_WIDTH = 6.0  # points: the widest 95% interval, each side, the study aims for (its plan)
 
 
@@ -269,6 +273,12 @@ def sdpo_table(folder: str) -> list[str]:
         gap = first_teacher_gap(folder, SDPO_ARMS["sdpo"][0], f"sdpo__s{seed}")
         gap_text = "-" if gap is None else f"{gap:+.3f}"
         lines.append(f"| {seed} | {ours:.1f}% | {theirs:.1f}% | {ours - theirs:+.1f} | {gap_text} |")
+    below = sorted(seed for seed, run in runs["sdpo"].items() if accuracy(run) < UNTRAINED)
+    lines += [
+        "",
+        f"SDPO runs ending under the untrained model's {UNTRAINED}%: {len(below)} of "
+        f"{len(runs['sdpo'])}" + (f" ({', '.join(map(str, below))})." if below else "."),
+    ]
     if len(seeds) < 2:
         return lines + ["", "No interval yet: fewer than two seeds finished by both."]
     summary = paired_t(values)
@@ -280,12 +290,6 @@ def sdpo_table(folder: str) -> list[str]:
         f"SDPO - GRPO: {summary.mean:+.1f} points, 95% interval [{summary.low:+.1f}, "
         f"{summary.high:+.1f}] over {len(seeds)} seeds; claimed: > 0; p {p:.3g}; {name}: {rule}.",
     ]
-
-
-# The untrained model's accuracy on the study's 300 held-out sums, greedy, step 0 (measured once:
-# `python grpo.py --preset smollm2 --temperature 0.7 --total_steps 1 --eval_steps 1 --eval_from 0
-# --eval_dataset runs/smollm2/test_large.jsonl --eval_num_prompts 300`, at 04e7ddc).
-UNTRAINED = 19.3
 
 
 def seeds_for_half_width(sd: float, half_width: float) -> int:

@@ -846,6 +846,10 @@ def test_sdpos_comparison_by_hand(tmp_path):
     last = plan.sdpo_table(str(tmp_path))[-1]
     assert last.startswith("SDPO - GRPO: -9.6 points") and f"over {plan.SEEDS} seeds" in last
     assert last.endswith("; verdict: disagree.")
+    under = f"SDPO runs ending under the untrained model's {plan.UNTRAINED}%: "
+    assert under + f"0 of {plan.SEEDS}." in plan.sdpo_table(str(tmp_path))
+    carry("sdpo_smollm2", "sdpo", 3, 0.10, 0.20)  # 15%
+    assert under + f"1 of {plan.SEEDS} (3)." in plan.sdpo_table(str(tmp_path))
 
 
 STUB_PLAN = """
