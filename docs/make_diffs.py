@@ -54,6 +54,8 @@ BLOCK = re.compile(r"(?P<begin><!-- begin: (?P<what>diff -u grpo\.py (?P<diff>\w
                    r"|verdicts (?P<verdicts>[a-z0-9_/.-]+)|sdpo-verdict (?P<sdpo>[a-z0-9_/.-]+)"
                    r"|snib-runs (?P<snib>[a-z0-9_/.-]+)) -->\n)"
                    r"(?P<body>.*?)(?P<end><!-- end -->)", re.S)
+# A block's group -> the function of evals/plan.py that writes its lines from a folder of runs.
+PLAN_TABLES = {"verdicts": "verdict_table", "sdpo": "sdpo_table", "snib": "snib_table"}
 # The layout block's folders, in order: the step's own parts first, then the machinery by role.
 FOLDER_ORDER = ["common", "common/engines", "common/tasks", "common/models", "common/run_folder", "common/rails"]
 # common/'s floors, bottom first: a module imports only modules of its own floor or of one below
@@ -322,21 +324,12 @@ def study_against(tag: str, base: str) -> list[str]:
 
 def rendered(match: re.Match) -> str:
     diff_of, algo_of, study = match.group("diff"), match.group("algo"), match.group("study")
-    if match.group("verdicts"):  # the study's claims, from the runs in that folder (evals/plan.py)
-        from evals.plan import verdict_table
+    for group, table in PLAN_TABLES.items():  # evals/plan.py's tables, from the runs in the named folder
+        if match.group(group):
+            from evals import plan
 
-        body = verdict_table(os.path.join(ROOT, match.group("verdicts")))
-        return match.group("begin") + "\n".join(body) + "\n" + match.group("end")
-    if match.group("sdpo"):  # sdpo.py against GRPO on-policy on the real model (evals/plan.py)
-        from evals.plan import sdpo_table
-
-        body = sdpo_table(os.path.join(ROOT, match.group("sdpo")))
-        return match.group("begin") + "\n".join(body) + "\n" + match.group("end")
-    if match.group("snib"):  # the study's SNIB runs, seed by seed (evals/plan.py snib_table)
-        from evals.plan import snib_table
-
-        body = snib_table(os.path.join(ROOT, match.group("snib")))
-        return match.group("begin") + "\n".join(body) + "\n" + match.group("end")
+            body = getattr(plan, table)(os.path.join(ROOT, match.group(group)))
+            return match.group("begin") + "\n".join(body) + "\n" + match.group("end")
     if match.group("vs_study"):
         body = study_against(match.group("vs_study"), match.group("base"))
         return match.group("begin") + "\n".join(body) + "\n" + match.group("end")

@@ -273,12 +273,7 @@ def sdpo_table(folder: str) -> list[str]:
         gap = first_teacher_gap(folder, SDPO_ARMS["sdpo"][0], f"sdpo__s{seed}")
         gap_text = "-" if gap is None else f"{gap:+.3f}"
         lines.append(f"| {seed} | {ours:.1f}% | {theirs:.1f}% | {ours - theirs:+.1f} | {gap_text} |")
-    below = sorted(seed for seed, run in runs["sdpo"].items() if accuracy(run) < UNTRAINED)
-    lines += [
-        "",
-        f"SDPO runs ending under the untrained model's {UNTRAINED}%: {len(below)} of "
-        f"{len(runs['sdpo'])}" + (f" ({', '.join(map(str, below))})." if below else "."),
-    ]
+    lines += ["", under_untrained("SDPO runs", runs["sdpo"])]
     if len(seeds) < 2:
         return lines + ["", "No interval yet: fewer than two seeds finished by both."]
     summary = paired_t(values)
@@ -292,13 +287,12 @@ def sdpo_table(folder: str) -> list[str]:
     ]
 
 
-def seeds_for_half_width(sd: float, half_width: float) -> int:
-    """The fewest seeds whose paired t interval, 95%, is at most `half_width` on each side where the
-    differences' standard deviation is `sd`: t(0.975, n - 1) sd / sqrt(n) <= half_width."""
-    n = 2
-    while t_quantile(0.975, n - 1) * sd / math.sqrt(n) > half_width:
-        n += 1
-    return n
+def under_untrained(what: str, runs: dict[int, dict]) -> str:
+    """The line that counts the runs (seed -> result) whose accuracy ends under the untrained
+    model's, and names their seeds."""
+    below = sorted(seed for seed, run in runs.items() if accuracy(run) < UNTRAINED)
+    listed = f" ({', '.join(map(str, below))})" if below else ""
+    return f"{what} ending under the untrained model's {UNTRAINED}%: {len(below)} of {len(runs)}{listed}."
 
 
 def snib_table(folder: str) -> list[str]:
@@ -313,25 +307,17 @@ def snib_table(folder: str) -> list[str]:
         "most log-weight std | most KL to the reference (step) |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
-    below = []
     for seed in sorted(runs):
         series = runs[seed]["series"]
         reward = dict(series["reward/mean"])
         ess_step, ess = min(series["snib/ess"], key=lambda point: point[1])
         kl_step, kl = max(series["policy/kl"], key=lambda point: point[1])
         spread = max(value for _, value in series["snib/raw_logweight_std"])
-        value = accuracy(runs[seed])
-        if value < UNTRAINED:
-            below.append(seed)
         lines.append(
-            f"| {seed} | {value:.1f}% | {reward[min(reward)]:.3f} -> {reward[max(reward)]:.3f} | "
+            f"| {seed} | {accuracy(runs[seed]):.1f}% | {reward[min(reward)]:.3f} -> {reward[max(reward)]:.3f} | "
             f"{ess:.2f} ({ess_step}) | {spread:.2f} | {kl:.3g} ({kl_step}) |"
         )
-    return lines + [
-        "",
-        f"Seeds ending under the untrained model's {UNTRAINED}%: {len(below)} of {len(runs)}"
-        + (f" ({', '.join(map(str, below))})." if below else "."),
-    ]
+    return lines + ["", under_untrained("Seeds", runs)]
 
 
 def verdicts(runs: dict[str, dict[int, dict]]) -> list[dict]:
@@ -408,7 +394,8 @@ def verdict_table(folder: str) -> list[str]:
         by_seed = ", ".join(f"{v:+.1f}" for v in row["values"])
         half = (summary.high - summary.low) / 2
         if half > HALF_WIDTH:
-            wide.append((claim, seeds_for_half_width(summary.sd, HALF_WIDTH)))
+            # the interval's width alone: seeds_needed's power condition off
+            wide.append((claim, seeds_needed(0.0, summary.sd, power=0.0, half_width=HALF_WIDTH)))
         lines.append(
             f"| {short[claim.paper]} | {claim.effect} | {by_seed} | {summary.mean:+.1f} | "
             f"[{summary.low:+.1f}, {summary.high:+.1f}] | {half:.1f} | {region(claim)} | "
