@@ -203,13 +203,15 @@ def launch(cwd, script: str, argv: list[str], num_processes: int = 1, config: st
     on the command line: --num_processes, --mixed_precision no (exact comparisons in fp32), a free port.
     `sgd`: plain SGD instead of AdamW (tests/sgd_runner.py)."""
     env = {**subprocess_env(), **(env or {})}
+    if config and "deepspeed_config" in open(config).read():
+        env["TORCH_EXTENSIONS_DIR"] = deepspeed_cpu_op_built()
     how = ["--config_file", config] if config else ["--cpu"] if num_processes == 1 else ["--multi_gpu"]
     runners = ([os.path.join(REPO, "tests", "dist_runner.py")] if num_processes > 1 else []) + (
         [os.path.join(REPO, "tests", "sgd_runner.py")] if sgd else [])
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *how, "--num_processes", str(num_processes),
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
            str(free_port()), *runners, os.path.join(REPO, script), *argv]
-    proc = subprocess.run(cmd, env=env, cwd=cwd, timeout=timeout, capture_output=True, text=True)
+    proc = run_bounded(cmd, timeout, env=env, cwd=cwd)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     if sgd:  # every process reports its rank: the processes formed one group of num_processes
         # searched, not matched per line: two processes share the pipe, and a line may follow another's partial one
@@ -217,3 +219,69 @@ def launch(cwd, script: str, argv: list[str], num_processes: int = 1, config: st
         expected = [f"sgd_runner: process {i} of {num_processes}" for i in range(num_processes)]
         assert ranks == expected, proc.stdout[-3000:]
     return proc
+
+
+def run_bounded(cmd: list[str], timeout: float, **popen_kwargs) -> subprocess.CompletedProcess:
+    """`subprocess.run(cmd, capture_output=True, text=True)` for a command that starts processes of its own (torchrun's
+    workers, a vLLM server): past `timeout` seconds the command and every process under it are killed and the test
+    fails with their output so far. subprocess.run's own timeout kills the command alone; torchrun's workers, in
+    sessions of their own, would go on (a worker waiting in a collective for gloo's 30 minutes), holding a core or a
+    port while the next tests run."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen_kwargs) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc.pid)
+            out, err = proc.communicate()
+            pytest.fail(f"timed out after {timeout} s, killed with the processes it started: {' '.join(cmd)}\n"
+                        f"{out[-3000:]}\n{err[-6000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL to a process and to every process under it (psutil: accelerate's own dependency)."""
+    import psutil
+
+    try:
+        parent = psutil.Process(pid)
+        tree = [parent, *parent.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for process in tree:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+DEEPSPEED_OP_BUILT = []  # this session's folder of DeepSpeed's CPU op, once built
+
+
+def deepspeed_cpu_op_built() -> str:
+    """The folder (for TORCH_EXTENSIONS_DIR) where DeepSpeed's shared-memory CPU op is built, once per session, for
+    this Python environment: ZeRO on a CPU builds it in every process that starts (torch.utils.cpp_extension, 30-90 s
+    of compiling where it is not yet built), under a lock file that a process killed while building leaves behind,
+    and every later ZeRO process then waits for that file to go, for ever (a run killed by a test's timeout did it).
+    Built here first, the launched processes find it up to date and hold the lock a moment only. One folder per
+    environment: two environments' builds differ (their include paths), and sharing one folder rebuilt it at each
+    switch (CI runs two side by side). A lock file found here, under this session's own lock (fcntl's, released
+    with its process), is such a leftover and is removed first."""
+    if DEEPSPEED_OP_BUILT:
+        return DEEPSPEED_OP_BUILT[0]
+    import fcntl
+    import hashlib
+
+    base = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions")
+    folder = os.path.join(base, "tests-" + hashlib.sha256(sys.prefix.encode()).hexdigest()[:12])
+    os.makedirs(folder, exist_ok=True)
+    with open(folder + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        leftover = os.path.join(folder, "deepspeed_shm_comm", "lock")
+        if os.path.exists(leftover):
+            os.remove(leftover)
+        build = ("from deepspeed.accelerator import get_accelerator\n"
+                 "get_accelerator().create_op_builder('ShareMemCommBuilder').load()\n")
+        done = run_bounded([sys.executable, "-c", build], 600, env={**subprocess_env(), "TORCH_EXTENSIONS_DIR": folder})
+        assert done.returncode == 0, f"DeepSpeed's CPU op did not build:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    DEEPSPEED_OP_BUILT.append(folder)
+    return folder

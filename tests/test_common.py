@@ -2,11 +2,15 @@
 
 import json
 import os
+import sys
+import time
 
 import datasets
+import psutil
 import pytest
 import torch
 from accelerate import Accelerator
+from conftest import run_bounded
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.args import parse_args
@@ -364,3 +368,22 @@ def test_the_toy_is_built_once_by_one_builder_that_says_so(tmp_path, monkeypatch
     assert torch.get_num_threads() == threads  # put back after the build
     out = capsys.readouterr().out
     assert out.count("toy: building ") == 1 and "once (a 300k-parameter Qwen3" in out, out
+
+
+def test_a_bounded_run_kills_what_its_command_started(tmp_path):
+    """tests/conftest.py run_bounded, which launches the tests' distributed runs: past its timeout the command and a
+    process it started in a session of its own (as torchrun starts its workers) are both killed, and the test fails
+    at once, with the output so far."""
+    pid_file = tmp_path / "pid"
+    code = ("import subprocess, sys, time\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True)\n"
+            f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+            "print('started', flush=True)\n"
+            "time.sleep(600)\n")
+    start = time.monotonic()
+    with pytest.raises(pytest.fail.Exception, match=r"(?s)timed out after 5 s.*started"):
+        run_bounded([sys.executable, "-c", code], 5)
+    assert time.monotonic() - start < 60
+    child = psutil.Process(int(pid_file.read_text()))  # reparented, so not ours to wait for: polled
+    gone, alive = psutil.wait_procs([child], timeout=10)
+    assert not alive or child.status() == psutil.STATUS_ZOMBIE

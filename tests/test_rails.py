@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 import transformers
-from conftest import free_port, read_metrics, run_script, subprocess_env
+from conftest import free_port, read_metrics, run_bounded, run_script, subprocess_env
 from safetensors.torch import load_file
 
 from common.args import parse_args, parse_flags
@@ -785,7 +785,7 @@ def test_two_processes_stop_together_on_bad_input(workdir):
               os.path.join(REPO, "grpo.py"), *SMALL]
     for flags, message in [(["--dataset", "bad/ints.jsonl"], "prompts must be text"),
                            (["--run_name", "toy"], "runs/toy is in use")]:
-        done = subprocess.run(launch + flags, cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
+        done = run_bounded(launch + flags, 300, cwd=workdir, env=env)
         assert done.returncode != 0 and message in done.stderr, done.stderr[-3000:]
 
 

@@ -14,10 +14,11 @@ import shutil
 import subprocess
 import sys
 
+import conftest
 import pytest
 import torch
 import yaml
-from conftest import REPO, launch, read_metrics, subprocess_env
+from conftest import REPO, deepspeed_cpu_op_built, launch, read_metrics, subprocess_env
 from safetensors.torch import load_file
 from test_snib import STALE, assert_same_update, stale_update
 from test_train import SMALL, assert_same_gradient, assert_same_weights, final_weights, sgd_gradient
@@ -75,6 +76,19 @@ def test_fsdp2_shards_the_policy_and_takes_the_ddp_step(in_toy_workdir):
     assert m_ddp["reward/mean"] == m_fsdp["reward/mean"]  # the same completions
     assert m_ddp["optim/grad_norm"] == pytest.approx(m_fsdp["optim/grad_norm"], rel=1e-5)
     assert m_ddp["policy/kl"] == pytest.approx(m_fsdp["policy/kl"], rel=1e-5)
+
+
+def test_a_build_lock_left_by_a_killed_process_is_removed_before_zero_runs(monkeypatch):
+    """DeepSpeed's CPU op is built where every ZeRO process finds it (conftest.deepspeed_cpu_op_built); the lock file
+    of a build killed half-way, which would keep every later ZeRO process waiting for ever, is gone before the next
+    session's first ZeRO run, and the op is there."""
+    folder = deepspeed_cpu_op_built()
+    leftover = os.path.join(folder, "deepspeed_shm_comm", "lock")
+    open(leftover, "w").close()
+    monkeypatch.setattr(conftest, "DEEPSPEED_OP_BUILT", [])  # as a new session finds it
+    assert deepspeed_cpu_op_built() == folder
+    assert not os.path.exists(leftover)
+    assert glob.glob(os.path.join(folder, "deepspeed_shm_comm", "*.so"))
 
 
 @pytest.mark.parametrize("stage", ["zero2", "zero3"])
