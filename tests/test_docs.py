@@ -137,6 +137,19 @@ def test_readme_keeps_the_lines_ci_runs():
         assert first in code_lines, f"README.md's first line matching {pattern} is not in a code block: {first}"
 
 
+def test_ci_stops_each_stream_inside_its_90_minutes():
+    """.ci/run bounds every stage (`in_venv NAME LIMIT ...`) so that a stage that hangs fails CI with a log, not past
+    CI's 5,400 s without one: the limits of each stream (stream_a, stream_b) add up to under 5,400 s, with room for
+    the environments' installs (their pip lines are inside the stages) and the SIGKILL grace (60 s a stage)."""
+    ci = read(os.path.join(REPO, ".ci", "run"))
+    for stream in ("stream_a", "stream_b"):
+        body = re.search(rf"^{stream}\(\) {{\n(.*?)^}}", ci, re.M | re.S).group(1)
+        stages = re.findall(r"in_venv \S+ (\d+) ", body)
+        calls = re.findall(r"in_venv ", body)
+        assert stages and len(stages) == len(calls), f"{stream}: a stage without its limit in .ci/run"
+        assert sum(int(s) for s in stages) + 60 * len(stages) <= 5400 - 600, (stream, stages)
+
+
 def test_every_page_is_in_the_nav_and_every_nav_entry_exists():
     config = yaml.safe_load(read(os.path.join(REPO, "mkdocs.yml")))
     assert config["docs_dir"] == "docs"
