@@ -25,6 +25,8 @@ A page holds a generated block between two HTML comments (invisible on GitHub an
     <!-- end -->                                  from the runs in that folder (evals/plan.py sdpo_table)
     <!-- begin: snib-runs folder -->              the real-model study's SNIB runs, seed by seed: accuracy, reward,
     <!-- end -->                                  the extremes of group ESS, log-weight spread and KL (snib_table)
+    <!-- begin: snib-sg-pilot folder -->          the pilot of SNIB's stop-gradient KL term against the study's SNIB
+    <!-- end -->                                  runs, seed by seed, with its interval (snib_sg_table)
     <!-- begin: study-vs tag grpo -->             each estimator of the study against grpo: the difference of final
                                                   accuracy, its exact permutation p over seeds (evals/stats.py), and
                                                   the runs' mean ESS, log-ratio std, clip fraction, entropy, KL and
@@ -52,10 +54,11 @@ BLOCK = re.compile(r"(?P<begin><!-- begin: (?P<what>diff -u grpo\.py (?P<diff>\w
                    r"|study (?P<study>[a-z0-9_.-]+)(?: (?P<only>[a-z0-9_,]+))?"
                    r"|study-vs (?P<vs_study>[a-z0-9_.-]+) (?P<base>[a-z0-9_]+)"
                    r"|verdicts (?P<verdicts>[a-z0-9_/.-]+)|sdpo-verdict (?P<sdpo>[a-z0-9_/.-]+)"
-                   r"|snib-runs (?P<snib>[a-z0-9_/.-]+)) -->\n)"
+                   r"|snib-runs (?P<snib>[a-z0-9_/.-]+)|snib-sg-pilot (?P<snib_sg>[a-z0-9_/.-]+)) -->\n)"
                    r"(?P<body>.*?)(?P<end><!-- end -->)", re.S)
 # A block's group -> the function of evals/plan.py that writes its lines from a folder of runs.
-PLAN_TABLES = {"verdicts": "verdict_table", "sdpo": "sdpo_table", "snib": "snib_table"}
+PLAN_TABLES = {"verdicts": "verdict_table", "sdpo": "sdpo_table", "snib": "snib_table",
+               "snib_sg": "snib_sg_table"}
 # The layout block's folders, in order: the step's own parts first, then the machinery by role.
 FOLDER_ORDER = ["common", "common/engines", "common/tasks", "common/models", "common/run_folder", "common/rails"]
 # common/'s floors, bottom first: a module imports only modules of its own floor or of one below

@@ -320,6 +320,51 @@ def snib_table(folder: str) -> list[str]:
     return lines + ["", under_untrained("Seeds", runs)]
 
 
+# The pilot of SNIB's stop-gradient KL term (docs/estimators/snib.md), planned before its runs: the
+# study's SNIB command with --kl_weight_grad false, seeds 1-4, each against the study's SNIB run of
+# its seed. A pilot: its interval is reported, no verdict.
+SNIB_SG_ARMS = {"sg": ("study67_snib_sg", "snib"), "snib": ARMS["snib"]}
+
+
+def snib_sg_table(folder: str) -> list[str]:
+    """The lines of docs/estimators/snib.md's pilot (docs/make_diffs.py writes them): per seed the
+    stop-gradient run's accuracy, its training reward at the first and the last step and its
+    largest KL to the reference, the study's SNIB run's accuracy and the difference; the runs under
+    the untrained model; the mean difference with its 95% t interval."""
+    runs = read_runs(folder, SNIB_SG_ARMS)
+    seeds = sorted(set(runs["sg"]) & set(runs["snib"]))
+    same = [runs["sg"][s]["series"]["reward/mean"][:1] == runs["snib"][s]["series"]["reward/mean"][:1] for s in seeds]
+    lines = [
+        f"Seeds finished: {len(seeds)} ({', '.join(map(str, seeds)) or 'none'}). Each trained on the same "
+        "first rollouts as the study's SNIB run of its seed: " + ("yes." if all(same) else "no."),
+        "",
+        "| seed | `--kl_weight_grad false` | training reward, step 1 -> 10 | most KL to the reference (step) | "
+        "the study's SNIB | difference |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    values = []
+    for seed in seeds:
+        series = runs["sg"][seed]["series"]
+        reward = dict(series["reward/mean"])
+        kl_step, kl = max(series["policy/kl"], key=lambda point: point[1])
+        ours, theirs = accuracy(runs["sg"][seed]), accuracy(runs["snib"][seed])
+        values.append(ours - theirs)
+        lines.append(
+            f"| {seed} | {ours:.1f}% | {reward[min(reward)]:.3f} -> {reward[max(reward)]:.3f} | "
+            f"{kl:.3g} ({kl_step}) | {theirs:.1f}% | {ours - theirs:+.1f} |"
+        )
+    finished = {seed: runs["sg"][seed] for seed in seeds}
+    lines += ["", under_untrained("Runs with `--kl_weight_grad false`", finished)]
+    if len(seeds) < 2:
+        return lines + ["", "No interval yet: fewer than two seeds finished."]
+    summary = paired_t(values)
+    return lines + [
+        "",
+        f"`--kl_weight_grad false` - the study's SNIB: {summary.mean:+.1f} points, 95% interval "
+        f"[{summary.low:+.1f}, {summary.high:+.1f}] over {len(seeds)} seeds (a pilot: no verdict).",
+    ]
+
+
 def verdicts(runs: dict[str, dict[int, dict]]) -> list[dict]:
     """Each claim's effect over the seeds every arm finished: its paired t summary, raw and
     Holm-adjusted p (over all the claims) and verdict."""

@@ -805,6 +805,39 @@ def test_snibs_study_runs_by_hand(tmp_path):
     ]
 
 
+def test_snibs_stop_gradient_pilot_by_hand(tmp_path):
+    """evals.plan.snib_sg_table on carried runs made by hand: the stop-gradient runs 25 and 15 points above the study's
+    SNIB run of their seed (the mean of steps 8 and 10), their reward at the first and last step and largest KL, none
+    under the untrained model, and the mean +20.0 with its paired t interval (sd 5 sqrt 2, t 12.706 on one degree of
+    freedom: +-63.5)."""
+    import json
+
+    from evals import plan
+
+    def carry(tag, seed, at_8, at_10, kl=(0.1, 0.2)):
+        folder = tmp_path / tag
+        folder.mkdir(exist_ok=True)
+        series = {"reward/mean": [[1, 0.25], [10, 0.5]], "policy/kl": [[1, kl[0]], [10, kl[1]]]}
+        result = {"algo": "snib", "seed": seed, "evals": [[8, at_8], [10, at_10]], "series": series}
+        (folder / f"snib__s{seed}.result.json").write_text(json.dumps(result))
+
+    carry("study67_snib", 1, 0.10, 0.10)
+    carry("study67_snib", 2, 0.05, 0.15)
+    carry("study67_snib_sg", 1, 0.30, 0.40, kl=(0.5, 0.2))
+    table = plan.snib_sg_table(str(tmp_path))
+    assert table[0] == ("Seeds finished: 1 (1). Each trained on the same first rollouts as the study's SNIB run of "
+                        "its seed: yes.")
+    assert table[4] == "| 1 | 35.0% | 0.250 -> 0.500 | 0.5 (1) | 10.0% | +25.0 |"
+    assert table[-1] == "No interval yet: fewer than two seeds finished."
+    carry("study67_snib_sg", 2, 0.20, 0.30)
+    table = plan.snib_sg_table(str(tmp_path))
+    assert table[5] == "| 2 | 25.0% | 0.250 -> 0.500 | 0.2 (10) | 10.0% | +15.0 |"
+    assert table[7] == (f"Runs with `--kl_weight_grad false` ending under the untrained model's {plan.UNTRAINED}%: "
+                        "0 of 2.")
+    assert table[-1] == ("`--kl_weight_grad false` - the study's SNIB: +20.0 points, 95% interval [-43.5, +83.5] "
+                         "over 2 seeds (a pilot: no verdict).")
+
+
 def test_sdpos_comparison_by_hand(tmp_path):
     """evals.plan.sdpo_table on carried runs made by hand: SDPO 10 and 6 points under GRPO on-policy's same seed (the
     mean of steps 8 and 10), the teacher gap of each SDPO run's first step with a re-prompted row (not step 1's 0),
