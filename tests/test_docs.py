@@ -1203,8 +1203,8 @@ def test_the_studys_verdicts_are_quoted_as_its_files_give_them():
     quoted["estimators/snib.md"] = ["Every seed ended higher with the stop-gradient form", "three of the four still "
                                     "ended under the untrained model", "(seeds 3 and 4) the KL to the reference still "
                                     "ran past 4 nats"]
-    quoted["estimators/choosing.md"].append("every seed ended above the paper's form of the same seed, yet three of four "
-                                            "still ended under the untrained model")
+    quoted["estimators/choosing.md"].append("every seed ended above the paper's form of the same seed, yet three of "
+                                            "four still ended under the untrained model")
     for page, phrases in quoted.items():
         flat = " ".join(read(os.path.join(DOCS, page)).split())
         for phrase in phrases:
