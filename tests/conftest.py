@@ -203,7 +203,7 @@ def launch(cwd, script: str, argv: list[str], num_processes: int = 1, config: st
     on the command line: --num_processes, --mixed_precision no (exact comparisons in fp32), a free port.
     `sgd`: plain SGD instead of AdamW (tests/sgd_runner.py)."""
     env = {**subprocess_env(), **(env or {})}
-    if config and "deepspeed_config" in open(config).read():
+    if config and uses_deepspeed(config):
         env["TORCH_EXTENSIONS_DIR"] = deepspeed_cpu_op_built()
     how = ["--config_file", config] if config else ["--cpu"] if num_processes == 1 else ["--multi_gpu"]
     runners = ([os.path.join(REPO, "tests", "dist_runner.py")] if num_processes > 1 else []) + (
@@ -257,11 +257,17 @@ def kill_tree(pid: int) -> None:
 DEEPSPEED_OP_BUILT = []  # this session's folder of DeepSpeed's CPU op, once built
 
 
+def uses_deepspeed(config: str) -> bool:
+    """An accelerate config file that launches DeepSpeed (configs/accelerate/zero2.yaml, zero3.yaml)."""
+    with open(config) as f:
+        return "deepspeed_config" in f.read()
+
+
 def deepspeed_cpu_op_built() -> str:
     """The folder (for TORCH_EXTENSIONS_DIR) where DeepSpeed's shared-memory CPU op is built, once per session, for
     this Python environment: ZeRO on a CPU builds it in every process that starts (torch.utils.cpp_extension, 30-90 s
     of compiling where it is not yet built), under a lock file that a process killed while building leaves behind,
-    and every later ZeRO process then waits for that file to go, for ever (a run killed by a test's timeout did it).
+    and every later ZeRO process then waits for that file to go, for ever (a killed CI run left one here).
     Built here first, the launched processes find it up to date and hold the lock a moment only. One folder per
     environment: two environments' builds differ (their include paths), and sharing one folder rebuilt it at each
     switch (CI runs two side by side). A lock file found here, under this session's own lock (fcntl's, released
